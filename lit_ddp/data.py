@@ -1,0 +1,78 @@
+"""Fixed random batches, one shard per rank: the notes' ``x = torch.randn(32, 1024)``, made deterministic.
+
+    python -m lit_ddp.fit --devices 2 --data.batch_size 32 --data.seed 0
+
+From one ``seed`` the data module draws a *global* batch of ``batch_size * world_size`` rows; rank ``r``
+trains on rows ``[r * batch_size, (r + 1) * batch_size)``, the same rows every step. So DDP on N ranks with
+batch B sees exactly the data of one process with batch N * B, which is what makes the gradient sync
+checkable: both must train identically.
+"""
+
+from collections.abc import Iterator
+
+import torch
+from jsonargparse.typing import NonNegativeInt, PositiveInt
+from lightning.pytorch import LightningDataModule
+from torch import Tensor
+
+
+def global_batch(dim: int, rows: int, seed: int) -> tuple[Tensor, Tensor]:
+    """The whole global batch ``(x, y)``, each ``rows x dim``, drawn on the CPU from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, dim, generator=gen)
+    y = torch.randn(rows, dim, generator=gen)
+    return x, y
+
+
+def shard(dim: int, batch_size: int, seed: int, rank: int, world_size: int) -> tuple[Tensor, Tensor]:
+    """Rank ``rank``'s rows of the global batch."""
+    x, y = global_batch(dim, batch_size * world_size, seed)
+    rows = slice(rank * batch_size, (rank + 1) * batch_size)
+    return x[rows].clone(), y[rows].clone()
+
+
+class RepeatBatch:
+    """An endless iterable of one batch: the loop's ``max_steps`` ends training.
+
+    A plain iterable rather than a ``DataLoader``: there is nothing to load, and it keeps Lightning from
+    adding a ``DistributedSampler`` (which forces ``shuffle=True``) on top of our own sharding.
+    """
+
+    def __init__(self, batch: tuple[Tensor, Tensor]) -> None:
+        self.batch = batch
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        while True:
+            yield self.batch
+
+
+class FixedBatchDataModule(LightningDataModule):
+    """The same random batch every step, a different shard on every rank.
+
+    Args:
+        dim: Feature width of inputs and targets; ``fit`` links it to ``--model.dim``.
+        batch_size: Rows per rank per step (the notes: 32).
+        seed: Seed of the global batch. The model's initial weights come from ``seed_everything``.
+    """
+
+    def __init__(self, dim: PositiveInt = 1024, batch_size: PositiveInt = 32, seed: NonNegativeInt = 0) -> None:
+        super().__init__()
+        if dim < 1 or batch_size < 1 or seed < 0:
+            raise ValueError(
+                f"`FixedBatchDataModule(dim={dim!r}, batch_size={batch_size!r}, seed={seed!r})`:"
+                " dim and batch_size must be >= 1, seed >= 0"
+            )
+        self.save_hyperparameters()
+        self.batch: tuple[Tensor, Tensor] | None = None
+
+    def setup(self, stage: str) -> None:
+        trainer = self.trainer
+        x, y = shard(self.hparams.dim, self.hparams.batch_size, self.hparams.seed, trainer.global_rank,
+                     trainer.world_size)
+        # One host-to-device copy for the whole run; Lightning's per-step transfer is then a no-op.
+        device = trainer.strategy.root_device
+        self.batch = (x.to(device), y.to(device))
+
+    def train_dataloader(self) -> RepeatBatch:
+        assert self.batch is not None, "setup() was not called"
+        return RepeatBatch(self.batch)

@@ -67,8 +67,9 @@ class FixedBatchDataModule(LightningDataModule):
 
     def setup(self, stage: str) -> None:
         trainer = self.trainer
-        x, y = shard(self.hparams.dim, self.hparams.batch_size, self.hparams.seed, trainer.global_rank,
-                     trainer.world_size)
+        x, y = shard(
+            self.hparams.dim, self.hparams.batch_size, self.hparams.seed, trainer.global_rank, trainer.world_size
+        )
         # One host-to-device copy for the whole run; Lightning's per-step transfer is then a no-op.
         device = trainer.strategy.root_device
         self.batch = (x.to(device), y.to(device))

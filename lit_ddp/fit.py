@@ -7,15 +7,19 @@
 ``--devices N`` is a shorthand for ``--trainer.devices N``. Every ``--trainer.*``, ``--model.*`` and
 ``--data.*`` option of LightningCLI works; ``--model.dim`` also sets ``--data.dim``. Under the ``ddp``
 launcher Lightning runs this same command again for ranks 1..N-1, so everything here runs on every rank.
+Bad input is reported as one line with exit code 2 before any rank is started.
 """
 
 import logging
+import os
 import sys
 import time
 import warnings
-from typing import Optional
+from typing import Any, Optional
 
-from jsonargparse import ArgumentParser
+import torch
+from jsonargparse import ArgumentError
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -31,12 +35,19 @@ TRAINER_DEFAULTS = {
     "accelerator": "auto",
     "devices": "auto",
     "max_steps": 5,
-    "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs", "name": "mini_train"}},
+    "logger": {
+        "class_path": "lightning.pytorch.loggers.CSVLogger",
+        "init_args": {"save_dir": "runs", "name": "mini_train"},
+    },
     "enable_checkpointing": False,
     "enable_progress_bar": False,
     "enable_model_summary": False,
     "log_every_n_steps": 1,
 }
+
+
+class UsageError(Exception):
+    """Bad command line or config: reported as one line with exit code 2, before any rank is started."""
 
 
 class LitDDPCLI(LightningCLI):
@@ -46,38 +57,53 @@ class LitDDPCLI(LightningCLI):
         parser.add_lightning_class_args(LossMonitor, "loss_monitor")
         parser.link_arguments("model.dim", "data.dim")
 
+    def before_instantiate_classes(self) -> None:
+        _check_devices(self.config.trainer.accelerator, self.config.trainer.devices)
+
+
+def _check_devices(accelerator: Any, devices: Any) -> None:
+    """Name the option in the errors that Lightning reports without it."""
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--trainer.accelerator {accelerator}: no CUDA GPU is visible on this machine")
+    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    if isinstance(devices, str) and devices.lstrip("-").isdigit():
+        devices = int(devices)
+    if isinstance(devices, int) and (devices == 0 or devices < -1 or (devices == -1 and not on_gpu)):
+        allowed = "a positive number of processes" + (", -1 (all GPUs)" if on_gpu else "") + " or 'auto'"
+        raise UsageError(f"--trainer.devices must be {allowed}, got {devices}")
+    if isinstance(devices, str) and devices != "auto" and not all(p.strip().isdigit() for p in devices.split(",")):
+        raise UsageError(f"--trainer.devices must be a number, a list of GPU indices or 'auto', got {devices!r}")
+
 
 def _expand_shorthands(args: list[str]) -> list[str]:
     """``--devices N`` / ``--devices=N`` -> ``--trainer.devices N``."""
-    out = []
-    for arg in args:
-        if arg == "--devices" or arg.startswith("--devices="):
-            arg = arg.replace("--devices", "--trainer.devices", 1)
-        out.append(arg)
-    return out
+    return [
+        arg.replace("--devices", "--trainer.devices", 1) if arg == "--devices" or arg.startswith("--devices=") else arg
+        for arg in args
+    ]
 
 
 def _quiet_lightning() -> None:
     """Keep the notes' output readable: Lightning's banners and the warnings that are noise for this tool."""
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_utilities"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    # One fixed batch is the point of the experiment: no workers, no sampler, no epochs to speak of.
     for pattern in (
+        # One fixed batch is the point of the experiment: no workers, no sampler, no epochs to speak of.
         ".*does not have many workers.*",
         ".*Total length of .* across ranks is zero.*",
-        ".*`IterableDataset` has `__len__` defined.*",
         ".*GPU available but not used.*",
         ".*Checkpoint directory .* exists and is not empty.*",
         ".*The number of training batches .* is smaller than the logging interval.*",
         # `cli_main` always passes the (expanded) argv as `args`.
         ".*LightningCLI's args parameter is intended to run from within Python.*",
         # Lightning 2.6 against torch >= 2.10's pytree API; nothing a user can act on.
-        ".*isinstance\\(treespec, LeafSpec\\)` is deprecated.*",
+        r".*isinstance\(treespec, LeafSpec\)` is deprecated.*",
     ):
         warnings.filterwarnings("ignore", message=pattern)
 
 
 def _setup_console() -> None:
+    """The tool's own lines (``lit_ddp.*`` loggers) go to stdout, bare, as the notes print them."""
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
     pkg = logging.getLogger("lit_ddp")
@@ -86,21 +112,41 @@ def _setup_console() -> None:
     pkg.propagate = False
 
 
+def build_cli(args: list[str]) -> LitDDPCLI:
+    """Parses and validates ``args`` and instantiates model, data and Trainer; launches nothing.
+
+    Raises:
+        UsageError: For anything wrong with the command line or the config files.
+    """
+    try:
+        return LitDDPCLI(
+            LinearRegression,
+            FixedBatchDataModule,
+            args=_expand_shorthands(args),
+            run=False,
+            trainer_defaults=TRAINER_DEFAULTS,
+            seed_everything_default=0,
+            save_config_kwargs={"overwrite": True},
+            # The model owns its optimizer (configure_optimizers): no --optimizer to override it behind its back.
+            auto_configure_optimizers=False,
+            parser_kwargs={"exit_on_error": False},
+        )
+    except UsageError:
+        raise
+    except (ArgumentError, MisconfigurationException, ValueError, TypeError) as err:
+        # The parser validated types and ranges; what is left comes from the classes' own checks and from
+        # Trainer's accelerator/devices/strategy resolution: the user's input, not our bug.
+        if os.environ.get("LIT_DDP_DEBUG"):
+            raise
+        raise UsageError(" ".join(line.strip() for line in str(err).splitlines() if line.strip())) from err
+
+
 def cli_main(args: Optional[list[str]] = None) -> LitDDPCLI:
     """Parses ``args`` (``sys.argv[1:]`` when ``None``), builds the Trainer and runs ``fit``."""
     start = time.perf_counter()
     _quiet_lightning()
     _setup_console()
-    args = _expand_shorthands(sys.argv[1:] if args is None else list(args))
-    cli = LitDDPCLI(
-        LinearRegression,
-        FixedBatchDataModule,
-        args=args,
-        run=False,
-        trainer_defaults=TRAINER_DEFAULTS,
-        seed_everything_default=0,
-        save_config_kwargs={"overwrite": True},
-    )
+    cli = build_cli(sys.argv[1:] if args is None else list(args))
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     log_dir = cli.trainer.log_dir  # a broadcast: every rank must ask
     _print_closing_line(cli.trainer, time.perf_counter() - start, log_dir)
@@ -111,14 +157,19 @@ def cli_main(args: Optional[list[str]] = None) -> LitDDPCLI:
 def _print_closing_line(trainer: Trainer, wall_s: float, log_dir: Optional[str]) -> None:
     strategy = trainer.strategy
     backend = getattr(strategy, "process_group_backend", None) or "none"
+    ranks = f"{trainer.world_size} rank" + ("s" if trainer.world_size != 1 else "")
     log.info(
-        f"Done: {trainer.global_step} steps on {trainer.world_size} rank{"s" if trainer.world_size != 1 else ""}, backend {backend}, "
-        f"device {strategy.root_device.type}, wall {wall_s:.1f} s, logs in {log_dir}"
+        f"Done: {trainer.global_step} steps on {ranks}, backend {backend}, device {strategy.root_device.type}, "
+        f"wall {wall_s:.1f} s, logs in {log_dir}"
     )
 
 
 def main() -> None:
-    cli_main()
+    try:
+        cli_main()
+    except UsageError as err:
+        print(f"lit-ddp-fit: error: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

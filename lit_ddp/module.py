@@ -60,6 +60,4 @@ class LinearRegression(LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = self.hparams
-        return torch.optim.Adam(
-            self.parameters(), lr=hp.lr, betas=tuple(hp.betas), foreach=hp.foreach, fused=hp.fused
-        )
+        return torch.optim.Adam(self.parameters(), lr=hp.lr, betas=tuple(hp.betas), foreach=hp.foreach, fused=hp.fused)

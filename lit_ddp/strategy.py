@@ -8,10 +8,13 @@ options; this subclass names them, so they show in ``--help`` and YAML and are c
 
 import os
 from datetime import timedelta
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
-from jsonargparse.typing import PositiveFloat, PositiveInt
+from jsonargparse.typing import PositiveFloat
+from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
 
 
 class LitDDPStrategy(DDPStrategy):
@@ -29,6 +32,10 @@ class LitDDPStrategy(DDPStrategy):
         start_method: ``popen`` runs the script again for each rank (Lightning's ``ddp``); ``spawn``
             and ``fork`` start ranks with multiprocessing (``ddp_spawn``, ``ddp_fork``).
         process_group_backend: ``nccl`` or ``gloo``; ``None`` picks nccl on CUDA and gloo elsewhere.
+        ddp_comm_hook: A DDP communication hook, e.g.
+            ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook``; registered on
+            CPU/gloo too. ``...debugging_hooks.noop_hook`` removes the gradient all-reduce (fault injection).
+        ddp_comm_wrapper: Wraps ``ddp_comm_hook`` (or DDP's all-reduce), e.g. ``...default_hooks.fp16_compress_wrapper``.
     """
 
     def __init__(
@@ -40,6 +47,8 @@ class LitDDPStrategy(DDPStrategy):
         find_unused_parameters: bool = False,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: Optional[Literal["nccl", "gloo"]] = None,
+        ddp_comm_hook: Optional[Callable] = None,
+        ddp_comm_wrapper: Optional[Callable] = None,
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"`LitDDPStrategy(timeout_s={timeout_s!r})` must be > 0")
@@ -56,10 +65,30 @@ class LitDDPStrategy(DDPStrategy):
             timeout=timedelta(seconds=timeout_s),
             start_method=start_method,
             process_group_backend=process_group_backend,
+            ddp_comm_hook=ddp_comm_hook,
+            ddp_comm_wrapper=ddp_comm_wrapper,
             **ddp_kwargs,
         )
         # NCCL errors and timeouts abort the communicator and raise, instead of leaving ranks stuck.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+
+    def wrap_comm_hook(self, wrap: Callable[[Callable], Callable]) -> None:
+        """Replaces the comm hook to be registered by ``wrap(hook)``; call before ``setup`` (e.g. in a callback's
+        ``setup``). ``hook`` is the configured hook with its wrapper applied, or DDP's plain all-reduce."""
+        hook = self._ddp_comm_hook or allreduce_hook
+        if self._ddp_comm_wrapper is not None:
+            hook = self._ddp_comm_wrapper(hook)
+        self._ddp_comm_hook, self._ddp_comm_wrapper = wrap(hook), None
+
+    def _register_ddp_hooks(self) -> None:
+        # Lightning registers comm hooks on CUDA only (a torch 1.8 limit, see DDPStrategy._register_ddp_hooks);
+        # gloo runs them today, and the sync-check fault tests and CommMonitor need them on CPU. Lightning also
+        # drops a wrapper given without a hook; here it wraps DDP's plain all-reduce.
+        assert isinstance(self.model, DistributedDataParallel)
+        hook = self._ddp_comm_hook
+        if hook is None and self._ddp_comm_wrapper is not None:
+            hook = allreduce_hook
+        _register_ddp_comm_hook(self.model, self._ddp_comm_state, hook, self._ddp_comm_wrapper)
 
     @property
     def ddp_kwargs(self) -> dict:

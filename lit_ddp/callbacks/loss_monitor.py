@@ -65,7 +65,7 @@ class LossMonitor(Callback):
         local = torch.stack([loss for _, loss in self._pending])
         self._pending = []
         global_mean = trainer.strategy.reduce(local.clone(), reduce_op="mean").tolist()
-        for step, value in zip(steps, global_mean):
+        for step, value in zip(steps, global_mean, strict=True):
             if not math.isfinite(value):
                 # Every rank holds the same reduced value, so every rank takes this branch together.
                 ranks = _nonfinite_ranks(trainer, local[steps.index(step)])

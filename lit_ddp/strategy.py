@@ -7,8 +7,9 @@ options; this subclass names them, so they show in ``--help`` and YAML and are c
 """
 
 import os
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable, Literal, Optional
+from typing import Literal, Optional
 
 from jsonargparse.typing import PositiveFloat
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
@@ -35,7 +36,8 @@ class LitDDPStrategy(DDPStrategy):
         ddp_comm_hook: A DDP communication hook, e.g.
             ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook``; registered on
             CPU/gloo too. ``...debugging_hooks.noop_hook`` removes the gradient all-reduce (fault injection).
-        ddp_comm_wrapper: Wraps ``ddp_comm_hook`` (or DDP's all-reduce), e.g. ``...default_hooks.fp16_compress_wrapper``.
+        ddp_comm_wrapper: Wraps ``ddp_comm_hook`` (or the plain all-reduce), e.g.
+            ``...default_hooks.fp16_compress_wrapper``.
     """
 
     def __init__(

@@ -24,7 +24,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lit_ddp.callbacks import LossMonitor
+from lit_ddp.callbacks import LossMonitor, NonFiniteLossError, SyncError
 from lit_ddp.data import FixedBatchDataModule
 from lit_ddp.module import LinearRegression
 
@@ -56,6 +56,9 @@ class LitDDPCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(LossMonitor, "loss_monitor")
         parser.link_arguments("model.dim", "data.dim")
+        # A parsed default (unlike `trainer_defaults`, which always appends): a config's `trainer.callbacks`
+        # replaces it, `--trainer.callbacks+=X` adds to it, `--trainer.callbacks=[]` turns it off.
+        parser.set_defaults({"trainer.callbacks": [{"class_path": "lit_ddp.callbacks.SyncCheck"}]})
 
     def before_instantiate_classes(self) -> None:
         _check_devices(self.config.trainer.accelerator, self.config.trainer.devices)
@@ -96,7 +99,8 @@ def _quiet_lightning() -> None:
         ".*The number of training batches .* is smaller than the logging interval.*",
         # `cli_main` always passes the (expanded) argv as `args`.
         ".*LightningCLI's args parameter is intended to run from within Python.*",
-        # Lightning 2.6 against torch >= 2.10's pytree API; nothing a user can act on.
+        # Lightning 2.6 against newer torch's pytree and collectives APIs; nothing a user can act on.
+        ".*torch.distributed.nn.functional.all_gather is deprecated.*",
         r".*isinstance\(treespec, LeafSpec\)` is deprecated.*",
     ):
         warnings.filterwarnings("ignore", message=pattern)
@@ -170,6 +174,11 @@ def main() -> None:
     except UsageError as err:
         print(f"lit-ddp-fit: error: {err}", file=sys.stderr)
         sys.exit(2)
+    except (SyncError, NonFiniteLossError) as err:
+        # Raised on every rank at the same step; one report is enough.
+        if rank_zero_only.rank == 0:
+            print(f"lit-ddp-fit: {type(err).__name__}: {err}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Callbacks that make DDP visible: loss printing, phase timing, communication accounting, sync checks."""
 
 from lit_ddp.callbacks.loss_monitor import LossMonitor, NonFiniteLossError
+from lit_ddp.callbacks.sync_check import SyncCheck, SyncError
 
-__all__ = ["LossMonitor", "NonFiniteLossError"]
+__all__ = ["LossMonitor", "NonFiniteLossError", "SyncCheck", "SyncError"]

@@ -1,0 +1,100 @@
+"""SyncCheck on real 2-process runs, with faults injected through DDP comm hooks."""
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from lit_ddp import FixedBatchDataModule, LinearRegression
+from lit_ddp.callbacks import SyncCheck
+from lit_ddp.callbacks.sync_check import fingerprints
+from tests.helpers import ROOT, run_module
+
+
+def perturb_rank1_hook(state, bucket):
+    """All-reduces, then nudges rank 1's averaged gradient: the all-reduce 'happened' but ranks disagree."""
+
+    def nudge(fut):
+        grad = fut.value()[0]
+        if dist.get_rank() == 1:
+            grad.add_(1e-3)
+        return grad
+
+    return allreduce_hook(state, bucket).then(nudge)
+
+
+def test_fingerprints_see_a_single_bit():
+    t = torch.randn(1000)
+    flipped = t.clone()
+    flipped.view(torch.int32)[123] ^= 1  # the lowest mantissa bit of one element
+    assert torch.equal(fingerprints([t]), fingerprints([t.clone()]))
+    assert not torch.equal(fingerprints([t]), fingerprints([flipped]))
+    assert not torch.equal(fingerprints([torch.zeros(3)]), fingerprints([-torch.zeros(3)]))
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="every_n_steps=0"):
+        SyncCheck(every_n_steps=0)
+    with pytest.raises(ValueError, match="mode='loud'"):
+        SyncCheck(mode="loud")
+
+
+def fit(make_trainer, sync_check, **strategy_kwargs) -> bool:
+    """Trains 3 steps on 2 ranks; True when rank 0's weights (which ddp_spawn brings back) have moved."""
+    model = LinearRegression(dim=32, num_layers=2)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = make_trainer(max_steps=3, callbacks=[sync_check], **strategy_kwargs)
+    trainer.fit(model, FixedBatchDataModule(dim=32, batch_size=4))
+    return all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(
+    "strategy_kwargs",
+    [{}, {"static_graph": True}, {"gradient_as_bucket_view": True}, {"bucket_cap_mb": 0.001}],
+    ids=["default", "static_graph", "gradient_as_bucket_view", "small_buckets"],
+)
+def test_healthy_ddp_passes(make_trainer, strategy_kwargs):
+    assert fit(make_trainer, SyncCheck(check_grads=True), **strategy_kwargs)
+
+
+def test_skipped_all_reduce_is_caught(make_trainer):
+    with pytest.raises(Exception, match=r"SyncError: weights out of sync across 2 ranks after step 0: net\.\d\.\w+ "
+                                        r"differs on rank\(s\) \[1\] from rank 0"):  # fmt: skip
+        fit(make_trainer, SyncCheck(), ddp_comm_hook=noop_hook)
+
+
+def test_skipped_all_reduce_is_caught_in_the_gradients(make_trainer):
+    with pytest.raises(Exception, match=r"SyncError: gradients out of sync across 2 ranks at step 0"):
+        fit(make_trainer, SyncCheck(check_grads=True), ddp_comm_hook=noop_hook)
+
+
+def test_one_perturbed_rank_is_named(make_trainer):
+    with pytest.raises(Exception, match=r"gradients out of sync .* differs on rank\(s\) \[1\] .*max \|diff\| = 0\.001"):
+        fit(make_trainer, SyncCheck(check_grads=True), ddp_comm_hook=perturb_rank1_hook)
+
+
+def test_warn_mode_goes_on(make_trainer):
+    assert fit(make_trainer, SyncCheck(mode="warn"), ddp_comm_hook=noop_hook)
+
+
+def test_cli_run_without_all_reduce_fails_fast_with_sync_error(tmp_path):
+    hook = "torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks.noop_hook"
+    result = run_module("lit_ddp.fit", "--devices", "2", "--trainer.strategy.ddp_comm_hook", hook,
+                        cwd=tmp_path, timeout=60)  # fmt: skip
+    assert result.returncode == 1
+    assert re.search(r"^lit-ddp-fit: SyncError: weights out of sync across 2 ranks after step 0: net\.0\.weight "
+                     r"differs on rank\(s\) \[1\]", result.stderr, re.M), result.stderr[-2000:]  # fmt: skip
+    assert "Step 1," not in result.stdout
+
+
+def test_cli_run_ends_with_the_verdict(tmp_path):
+    result = run_module("lit_ddp.fit", "--config", str(ROOT / "configs" / "mini_train.yaml"), "--devices", "2",
+                        cwd=tmp_path, timeout=90)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert lines[-2] == "weights in sync across 2 ranks after step 4: max |diff| = 0 (1,049,600 parameters)"
+    assert lines[0].split()[:3] == ["rank", "local", "node"]  # the device map, printed once
+    assert sum(line.startswith("rank ") for line in lines) == 1

@@ -7,10 +7,10 @@ wrapping" pitfall), the device map is printed with its pitfalls, and all ranks s
 (DDP's initial broadcast). After every ``every_n_steps``-th step and the last: all ranks hold bitwise-equal
 parameters. Optionally, after backward: bitwise-equal gradients (the all-reduce happened).
 
-A check costs one small all-gather: two 64-bit fingerprints per parameter (a float64 sum and the sum of the
-raw bits as integers, which changes with any single-bit difference). Only on a mismatch are the offending
-tensors gathered, for the report. Every rank takes the same decision from the same gathered data, so every
-rank raises the same ``SyncError`` and none is left waiting in a collective.
+A check costs one pass over the parameters and one small all-gather: two fingerprints per parameter (the
+wrapping integer sum of its raw bits, which any single-bit difference changes, and its float sum). Only on
+a mismatch are the offending tensors gathered, for the report. Every rank takes the same decision from the
+same gathered data, so every rank raises the same ``SyncError`` and none is left waiting in a collective.
 """
 
 import logging
@@ -36,12 +36,15 @@ class SyncError(RuntimeError):
 
 
 def fingerprints(tensors: list[Tensor]) -> Tensor:
-    """``[len(tensors), 2]`` int64: each tensor's float64 sum (bit-cast) and the sum of its raw bits."""
+    """``[len(tensors), 2]`` int64: the sum of each tensor's raw bits as integers (wrapping, so exact and
+    independent of reduction order; any single-bit difference changes it) and its plain float sum."""
     rows = []
     for t in tensors:
-        t = t.detach()
-        bits = t.reshape(-1).contiguous().view(torch.int32 if t.element_size() == 4 else torch.int16)
-        rows.append(torch.stack([t.sum(dtype=torch.float64).view(torch.int64), bits.sum(dtype=torch.int64)]))
+        flat = t.detach().reshape(-1)
+        bits = flat.view(torch.int16 if flat.element_size() == 2 else torch.int32)
+        bit_sum = bits.sum(dtype=torch.int32).to(torch.int64)
+        value_sum = flat.sum().to(torch.float64).view(torch.int64)
+        rows.append(torch.stack([bit_sum, value_sum]))
     return torch.stack(rows)
 
 

@@ -1,0 +1,186 @@
+"""Timing JSON -> the summary tables and a picture.
+
+    python -m lit_ddp.report runs/mini_train_profile/version_0
+
+Reads ``phases.json`` (PhaseTimer) and ``comm.json`` (CommMonitor) from a run directory, prints the same
+tables the callbacks print at the end of training, and writes ``phases.png``: stacked forward / backward /
+update / other bars per step (rank 0) and per rank (steady-state medians), with the communication time
+marked. The picture needs matplotlib (``pip install 'lit_ddp[plot]'``).
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+PHASES = ("forward", "backward", "update", "other", "step")
+
+
+def _steady(steps: list) -> list:
+    """Step 0 is warm-up (allocator, kernel selection, DDP's first-iteration bookkeeping)."""
+    return steps[1:] if len(steps) > 1 else steps
+
+
+def _ms(value: float) -> str:
+    return f"{value:.2f} ms" if value < 1000 else f"{value / 1000:.2f} s"
+
+
+def _table(header: tuple, rows: list[tuple]) -> str:
+    cells = [tuple(str(c) for c in row) for row in [header, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+             for row in cells]  # fmt: skip
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def format_step(step: int, ms: list[float]) -> str:
+    """The notes' per-step format (``mini_train_profile.py``)."""
+    f, b, u = ms[0], ms[1], ms[2]
+    return f"Step {step}\n forward : {f:.2f} ms\n backward: {b:.2f} ms\n update  : {u:.2f} ms"
+
+
+def phase_table(data: dict[str, Any]) -> str:
+    """Per phase: warm-up (step 0, rank 0), median/min/max over steady steps of all ranks, the slowest rank."""
+    ms = data["ms"]  # [rank][step][phase]
+    rows = []
+    for p, phase in enumerate(PHASES):
+        warmup = ms[0][0][p]
+        pooled = [step[p] for rank in ms for step in _steady(rank)]
+        per_rank = [statistics.median(step[p] for step in _steady(rank)) for rank in ms]
+        slowest = max(range(len(per_rank)), key=per_rank.__getitem__)
+        rows.append((phase, _ms(warmup), _ms(statistics.median(pooled)), _ms(min(pooled)), _ms(max(pooled)),
+                     f"rank {slowest}: {_ms(per_rank[slowest])}"))  # fmt: skip
+    n_steady = len(_steady(ms[0]))
+    title = (f"Phase times ({data['clock']}), {len(ms)} rank(s), step 0 = warm-up, "
+             f"then {n_steady} steady step(s):")  # fmt: skip
+    header = ("phase", "step 0", "median", "min", "max", "slowest rank (median)")
+    text = title + "\n" + _table(header, rows)
+    roofline = data.get("roofline")
+    if roofline:
+        text += "\n" + roofline_table(data)
+    return text
+
+
+def roofline_table(data: dict[str, Any]) -> str:
+    """Achieved FLOP/s of forward and backward, achieved bytes/s of the update, and fractions of peak."""
+    r, ms = data["roofline"], data["ms"]
+    med = {p: statistics.median(step[i] for step in _steady(ms[0])) for i, p in enumerate(PHASES)}
+    rows = []
+    for phase, work, unit, peak in (
+        ("forward", r["forward_flop"], "GFLOP/s", r.get("peak_tflops")),
+        ("backward", r["backward_flop"], "GFLOP/s", r.get("peak_tflops")),
+        ("update", r["update_bytes"], "GB/s", r.get("peak_gbps")),
+    ):
+        rate = work / (med[phase] / 1e3) / 1e9 if med[phase] > 0 else float("nan")
+        peak_rate = peak * 1e3 if (peak and unit == "GFLOP/s") else peak
+        frac = f"{rate / peak_rate:.1%}" if peak_rate else "-"
+        amount = f"{work / 1e9:.3f} GFLOP" if unit == "GFLOP/s" else f"{work / 1e6:.1f} MB"
+        rows.append((phase, amount, _ms(med[phase]), f"{rate:,.1f} {unit}", frac))
+    return "Roofline (rank 0, steady median):\n" + _table(("phase", "work", "time", "achieved", "of peak"), rows)
+
+
+def comm_table(data: dict[str, Any]) -> str:
+    """Per bucket: bytes, all-reduce time, algbw and busbw (nccl-tests definitions); per step: totals.
+
+    Buckets are those of the final layout (DDP rebuilds its buckets after the first step), timed over the
+    steady steps that used it.
+    """
+    n = data["world_size"]
+    ring = 2 * (n - 1) / n
+    layout = data["bucket_bytes"]
+    same_layout = [i for i, sizes in enumerate(data["bucket_bytes_per_step"]) if sizes == layout]
+    steady = _steady(same_layout) if same_layout[0] == 0 else same_layout
+    rows = []
+    for b, nbytes in enumerate(layout):
+        t = statistics.median(data["ms"][0][i][b] for i in steady)
+        algbw = nbytes / (t / 1e3) / 1e9 if t > 0 else float("nan")
+        rows.append((b, f"{nbytes:,}", _ms(t), f"{algbw:.2f} GB/s", f"{algbw * ring:.2f} GB/s"))
+    total = sum(layout)
+    exposed = statistics.median(_steady(data["exposed_ms"][0]))
+    busy = statistics.median(_steady(data["busy_ms"][0]))
+    first = data["bucket_bytes_per_step"][0]
+    rebuilt = f" (step 0 ran on DDP's initial {len(first)} bucket(s))" if first != layout else ""
+    compression = data.get("compression") or "none"
+    return (
+        f"Gradient all-reduce per step ({n} ranks, compression {compression}, rank 0, steady median):\n"
+        + _table(("bucket", "bytes", "time", "algbw", "busbw"), rows)
+        + f"\n{len(layout)} bucket(s){rebuilt}, {total:,} bytes reduced per step "
+        f"({data['param_bytes']:,} bytes of gradients); each rank sends 2(n-1)/n x S = {ring * total:,.0f} bytes "
+        f"in a ring all-reduce.\ncommunication {_ms(busy)} per step, of which {_ms(exposed)} exposed "
+        f"(not hidden under backward compute)"
+    )
+
+
+def plot(phases: dict[str, Any], comm: dict[str, Any] | None, out: Path) -> Path:
+    """Stacked phase bars per step (rank 0) and per rank (steady medians), communication marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ms = phases["ms"]
+    colors = {"forward": "#4C72B0", "backward": "#DD8452", "update": "#55A868", "other": "#BBBBBB"}
+    fig, (ax_step, ax_rank) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 1]})
+    steps = phases["steps"]
+    per_rank = [[statistics.median(s[i] for s in _steady(rank)) for i in range(len(PHASES))] for rank in ms]
+    for ax, series, xs in ((ax_step, ms[0], steps), (ax_rank, per_rank, list(range(len(ms))))):
+        bottom = [0.0] * len(series)
+        for i, phase in enumerate(PHASES[:4]):
+            heights = [max(row[i], 0.0) for row in series]
+            ax.bar(xs, heights, bottom=bottom, color=colors[phase], label=phase)
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+        ax.set_ylabel("ms")
+    if comm is not None:
+        busy, exposed = comm["busy_ms"][0], comm["exposed_ms"][0]
+        ax_step.plot(steps, busy, "k_", markersize=14, markeredgewidth=2, label="all-reduce (busy)")
+        ax_step.plot(steps, exposed, "r_", markersize=14, markeredgewidth=2, label="all-reduce (exposed)")
+        comm_per_rank = [statistics.median(_steady(r)) for r in comm["busy_ms"]]
+        ax_rank.plot(range(len(comm_per_rank)), comm_per_rank, "k_", markersize=14, markeredgewidth=2)
+    ax_step.set_title(f"per step, rank 0 ({phases['clock']})")
+    ax_step.set_xlabel("step")
+    ax_rank.set_title("per rank, steady median")
+    ax_rank.set_xlabel("rank")
+    ax_rank.set_xticks(range(len(ms)))
+    ax_step.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def load(run_dir: Path) -> tuple[dict | None, dict | None]:
+    def read(name: str) -> dict | None:
+        path = run_dir / name
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    return read("phases.json"), read("comm.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lit_ddp.report", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path, help="a run's log directory (it holds phases.json / comm.json)")
+    parser.add_argument("--no-plot", action="store_true", help="tables only")
+    args = parser.parse_args(argv)
+    if not args.run_dir.is_dir():
+        parser.error(f"{args.run_dir} is not a directory")
+    phases, comm = load(args.run_dir)
+    if phases is None and comm is None:
+        parser.error(f"{args.run_dir} holds neither phases.json nor comm.json: was PhaseTimer or CommMonitor on?")
+    if phases is not None:
+        print(phase_table(phases))
+    if comm is not None:
+        print(comm_table(comm))
+    if phases is not None and not args.no_plot:
+        try:
+            out = plot(phases, comm, args.run_dir / "phases.png")
+        except ImportError:
+            print("no picture: matplotlib is missing (pip install 'lit_ddp[plot]')", file=sys.stderr)
+            return 1
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""PhaseTimer with a patched clock (every boundary), then on a real 2-process run."""
+
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lit_ddp import LinearRegression, report
+from lit_ddp.callbacks import PhaseTimer
+from lit_ddp.callbacks.phase_timer import adam_bytes, linear_flops
+
+
+class FakeTrainer(SimpleNamespace):
+    """Just what PhaseTimer touches: a CPU strategy whose all_gather is the world-size-1 identity."""
+
+    def __init__(self, model, log_dir):
+        strategy = SimpleNamespace(root_device=torch.device("cpu"), all_gather=lambda t: t.unsqueeze(0))
+        super().__init__(strategy=strategy, is_global_zero=True, logger=None, global_step=0, world_size=1,
+                         log_dir=str(log_dir), callbacks=[],
+                         optimizers=[torch.optim.Adam(model.parameters())])  # fmt: skip
+
+
+def drive_one_step(timer, trainer, model, clock):
+    """The hooks in Lightning's order, with the clock set before each; returns the boundary times."""
+    batch = (torch.zeros(4, 8), torch.zeros(4, 8))
+    opt = trainer.optimizers[0]
+    t0 = clock.now
+    clock.now = t0 + 0.000
+    timer.on_train_batch_start(trainer, model, batch, 0)
+    clock.now = t0 + 0.010  # forward: 10 ms
+    timer.on_before_zero_grad(trainer, model, opt)
+    clock.now = t0 + 0.011  # zero_grad: 1 ms -> other
+    timer.on_before_backward(trainer, model, torch.tensor(1.0))
+    clock.now = t0 + 0.031  # backward: 20 ms
+    timer.on_after_backward(trainer, model)
+    clock.now = t0 + 0.033  # 2 ms between -> other
+    timer.on_before_optimizer_step(trainer, model, opt)
+    clock.now = t0 + 0.038  # update: 5 ms
+    timer._on_optimizer_step_end(opt, (), {})
+    trainer.global_step += 1
+    clock.now = t0 + 0.040  # 2 ms to the batch end -> other
+    timer.on_train_batch_end(trainer, model, {"loss": torch.tensor(1.0)}, batch, 0)
+    clock.now = t0 + 0.100  # between steps: not counted
+
+
+def test_every_boundary_with_a_patched_clock(monkeypatch, tmp_path, caplog):
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr("lit_ddp.callbacks.clock.perf_counter", lambda: clock.now)
+    model = LinearRegression(dim=8)
+    trainer = FakeTrainer(model, tmp_path)
+    timer = PhaseTimer(print_steps=1)
+    timer.on_train_start(trainer, model)
+    with caplog.at_level("INFO", logger="lit_ddp"):
+        for _ in range(3):
+            drive_one_step(timer, trainer, model, clock)
+        timer.on_train_end(trainer, model)
+    data = json.loads((tmp_path / "phases.json").read_text())
+    assert data["steps"] == [0, 1, 2]
+    for forward, backward, update, other, step in data["ms"][0]:
+        assert (forward, backward, update) == pytest.approx((10.0, 20.0, 5.0), abs=1e-6)
+        assert other == pytest.approx(5.0, abs=1e-6)  # zero_grad 1 + gap 2 + batch end 2
+        assert step == pytest.approx(40.0, abs=1e-6)
+    assert "Step 0\n forward : 10.00 ms\n backward: 20.00 ms\n update  : 5.00 ms" in caplog.text
+    assert "Step 1\n" not in caplog.text  # print_steps=1
+    assert "Phase times (perf_counter), 1 rank(s)" in caplog.text
+
+
+def test_update_ends_at_batch_end_without_the_post_hook(monkeypatch, tmp_path):
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr("lit_ddp.callbacks.clock.perf_counter", lambda: clock.now)
+    model = LinearRegression(dim=8)
+    trainer = FakeTrainer(model, tmp_path)
+    timer = PhaseTimer()
+    timer.on_train_start(trainer, model)
+    timer._hook_handle.remove()  # as if the optimizer had no post-hook support
+    timer._on_optimizer_step_end = lambda *a: None
+    drive_one_step(timer, trainer, model, clock)
+    forward, backward, update, other, step = timer._ms[0]
+    assert update == pytest.approx(7.0)  # update_start -> batch end
+    assert forward + backward + update + other == pytest.approx(step)
+
+
+def test_roofline_counts():
+    model = LinearRegression(dim=16, num_layers=3)
+    forward, backward = linear_flops(model, rows=4)
+    assert forward == 3 * 2 * 4 * 16 * 16
+    assert backward == 3 * 2 * 4 * 16 * 16 + 2 * 2 * 4 * 16 * 16  # dW everywhere, dX but for the first layer
+    assert adam_bytes(model) == 7 * 4 * 3 * (16 * 16 + 16)
+
+
+def test_roofline_fraction_of_peak():
+    data = {"ms": [[[0, 0, 0, 0, 0], [2.0, 4.0, 1.0, 0.0, 7.0]]],
+            "roofline": {"forward_flop": 2e9, "backward_flop": 2e9, "update_bytes": 1e9,
+                         "peak_tflops": 2.0, "peak_gbps": 2000.0}}  # fmt: skip
+    table = report.roofline_table(data)
+    assert re.search(r"^forward .* 1,000.0 GFLOP/s\s+50.0%$", table, re.M), table  # 2 GFLOP in 2 ms, of 2 TFLOP/s
+    assert re.search(r"^backward .* 500.0 GFLOP/s\s+25.0%$", table, re.M), table
+    assert re.search(r"^update .* 1,000.0 GB/s\s+50.0%$", table, re.M), table  # 1 GB in 1 ms, of 2000 GB/s
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="print_steps=-1"):
+        PhaseTimer(print_steps=-1)
+    with pytest.raises(ValueError, match="peak_tflops=0"):
+        PhaseTimer(peak_tflops=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_events_time_the_device_not_the_host(tmp_path):
+    """A matmul queued between two marks: CUDA events see its device time, without a synchronize in between."""
+    from lit_ddp.callbacks.clock import CudaClock
+
+    clock = CudaClock()
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    start = clock.mark()
+    for _ in range(10):
+        a = a @ a / 4096
+    end = clock.mark()
+    clock.wait(end)
+    assert clock.ready(end)
+    assert clock.elapsed_ms(start, end) > 0.1

@@ -22,6 +22,7 @@ from jsonargparse import ArgumentError
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lit_ddp.callbacks import LossMonitor, NonFiniteLossError, SyncError
@@ -174,6 +175,11 @@ def main() -> None:
     except UsageError as err:
         print(f"lit-ddp-fit: error: {err}", file=sys.stderr)
         sys.exit(2)
+    except SIGTERMException:
+        # Lightning's SIGTERMException subclasses SystemExit with no code, i.e. exit 0: a preempted job
+        # would look like a finished one. 128 + SIGTERM is what a shell reports for a terminated process.
+        print("lit-ddp-fit: stopped by SIGTERM", file=sys.stderr)
+        sys.exit(143)
     except (SyncError, NonFiniteLossError) as err:
         # Raised on every rank at the same step; one report is enough.
         if rank_zero_only.rank == 0:

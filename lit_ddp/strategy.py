@@ -6,7 +6,10 @@
 options; this subclass names them, so they show in ``--help`` and YAML and are checked on parse.
 """
 
+import ctypes
 import os
+import signal
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Literal, Optional
@@ -14,6 +17,7 @@ from typing import Literal, Optional
 from jsonargparse.typing import PositiveFloat
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
@@ -74,6 +78,29 @@ class LitDDPStrategy(DDPStrategy):
         # NCCL errors and timeouts abort the communicator and raise, instead of leaving ranks stuck.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
 
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if isinstance(self._launcher, _SubprocessScriptLauncher) and not (
+            self.cluster_environment.creates_processes_externally
+        ):
+            # Tells the ranks this process is about to start who their launcher is (see setup_environment).
+            os.environ[_LAUNCHER_PID] = str(os.getpid())
+
+    def setup_environment(self) -> None:
+        launcher_pid = os.environ.get(_LAUNCHER_PID)
+        if launcher_pid is not None and int(launcher_pid) != os.getpid():
+            # Lightning's child observer runs in rank 0 and watches the children only: if rank 0 dies, the
+            # ranks it started would wait in a collective until the timeout, or hang on forever.
+            _die_with_parent(int(launcher_pid))
+        super().setup_environment()
+
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        # Lightning kills the ranks it started only on KeyboardInterrupt: a rank 0 that fails otherwise would
+        # leave a hung rank behind as an orphan.
+        if isinstance(self._launcher, _SubprocessScriptLauncher):
+            self._launcher.kill(signal.SIGKILL)
+
     def wrap_comm_hook(self, wrap: Callable[[Callable], Callable]) -> None:
         """Replaces the comm hook to be registered by ``wrap(hook)``; call before ``setup`` (e.g. in a callback's
         ``setup``). ``hook`` is the configured hook with its wrapper applied, or DDP's plain all-reduce."""
@@ -96,3 +123,16 @@ class LitDDPStrategy(DDPStrategy):
     def ddp_kwargs(self) -> dict:
         """The keyword arguments this strategy passes to ``DistributedDataParallel``."""
         return dict(self._ddp_kwargs)
+
+
+_LAUNCHER_PID = "LIT_DDP_LAUNCHER_PID"
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """The kernel SIGKILLs this process when its parent exits (Linux ``PR_SET_PDEATHSIG``)."""
+    if sys.platform != "linux":
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before the call above
+        os._exit(1)

@@ -1,0 +1,46 @@
+"""Test-only callbacks that break one rank, for the fault tests. Importable by the ranks that
+``python -m lit_ddp.fit`` starts (the tests put the repo root on PYTHONPATH)."""
+
+import os
+import time
+
+import torch
+from lightning.pytorch import Callback
+
+
+class FailOnRank(Callback):
+    """At ``step`` on ``rank``: ``raise`` an exception, ``exit`` hard (os._exit), or ``hang`` forever.
+
+    Args:
+        rank: The global rank that fails.
+        step: The step (global_step) at which it fails.
+        how: ``raise``, ``exit`` or ``hang``.
+    """
+
+    def __init__(self, rank: int = 1, step: int = 2, how: str = "raise") -> None:
+        self.rank, self.step, self.how = rank, step, how
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank != self.rank or trainer.global_step != self.step:
+            return
+        if self.how == "raise":
+            raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
+        if self.how == "exit":
+            os._exit(3)
+        while True:  # hang outside any collective: the other ranks wait for this one
+            time.sleep(1)
+
+
+class NaNOnRank(Callback):
+    """Makes ``rank``'s input NaN from ``step`` on, so its loss is NaN there."""
+
+    def __init__(self, rank: int = 1, step: int = 2) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            batch[0].fill_(float("nan"))
+
+
+def nan_everywhere(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(tensor, float("nan"))

@@ -49,10 +49,12 @@ class LossMonitor(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
     ) -> None:
+        if not self.every_n_steps and not self.check_finite:
+            return
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         step = trainer.global_step - 1  # the optimizer step has already advanced global_step
         self._pending.append((step, loss.detach().float().clone()))
-        if self.check_finite or _is_last_step(trainer) or len(self._pending) >= max(self.every_n_steps, 1):
+        if self.check_finite or _is_last_step(trainer) or len(self._pending) >= self.every_n_steps:
             self._flush(trainer)
 
     @override

@@ -44,6 +44,8 @@ TRAINER_DEFAULTS = {
     "enable_progress_bar": False,
     "enable_model_summary": False,
     "log_every_n_steps": 1,
+    # Where config.yaml goes when there is no logger (`--trainer.logger false`): not the working directory.
+    "default_root_dir": "runs",
 }
 
 

@@ -115,14 +115,14 @@ def comm_table(data: dict[str, Any]) -> str:
 
 def plot(phases: dict[str, Any], comm: dict[str, Any] | None, out: Path) -> Path:
     """Stacked phase bars per step (rank 0) and per rank (steady medians), communication marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # The Figure API, not pyplot: no backend switch and no global state, so this also works inside a notebook
+    # without breaking its inline plots.
+    from matplotlib.figure import Figure
 
     ms = phases["ms"]
     colors = {"forward": "#4C72B0", "backward": "#DD8452", "update": "#55A868", "other": "#BBBBBB"}
-    fig, (ax_step, ax_rank) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 1]})
+    fig = Figure(figsize=(12, 4.5))
+    ax_step, ax_rank = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 1]})
     steps = phases["steps"]
     per_rank = [[statistics.median(s[i] for s in _steady(rank)) for i in range(len(PHASES))] for rank in ms]
     for ax, series, xs in ((ax_step, ms[0], steps), (ax_rank, per_rank, list(range(len(ms))))):
@@ -146,7 +146,6 @@ def plot(phases: dict[str, Any], comm: dict[str, Any] | None, out: Path) -> Path
     ax_step.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
-    plt.close(fig)
     return out
 
 

@@ -104,6 +104,7 @@ def test_comm_monitor_needs_our_strategy():
         CommMonitor().setup(trainer, LinearRegression(dim=4), "fit")
 
 
+@pytest.mark.slow
 def test_profile_config_prints_the_notes_format_and_tables(tmp_path):
     result = run_module("lit_ddp.fit", "--config", str(ROOT / "configs" / "mini_train_profile.yaml"),
                         "--devices", "2", "--trainer.max_steps", "3", cwd=tmp_path, timeout=120)  # fmt: skip

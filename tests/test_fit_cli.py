@@ -22,7 +22,11 @@ def test_default_run_prints_five_decreasing_steps_once(tmp_path):
     losses = step_losses(first.stdout)
     assert [int(i) for i, _ in STEP_LINE.findall(first.stdout)] == [0, 1, 2, 3, 4]
     assert all(a > b for a, b in zip(losses, losses[1:], strict=False)), losses
-    assert re.search(r"^Done: 5 steps on 2 ranks, backend gloo, device cpu, wall [0-9.]+ s", first.stdout, re.M)
+    lines = first.stdout.splitlines()
+    assert lines[0].split()[:3] == ["rank", "local", "node"]  # the device map, printed once
+    assert sum(line.startswith("rank ") for line in lines) == 1
+    assert lines[-2] == "weights in sync across 2 ranks after step 4: max |diff| = 0 (1,049,600 parameters)"
+    assert re.match(r"Done: 5 steps on 2 ranks, backend gloo, device cpu, wall [0-9.]+ s", lines[-1])
     assert "Traceback" not in first.stderr
     # The same command again: a new run directory, not a clash with the first run's config.yaml.
     second = run_module("lit_ddp.fit", "--devices", "2", cwd=tmp_path)
@@ -33,6 +37,7 @@ def test_default_run_prints_five_decreasing_steps_once(tmp_path):
     assert (tmp_path / "runs" / "mini_train" / "version_1" / "config.yaml").is_file()
 
 
+@pytest.mark.slow
 def test_four_cpu_processes_print_the_steps_once(tmp_path):
     result = run_module("lit_ddp.fit", "--devices", "4", "--model.dim", "256", cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -8,9 +8,11 @@ How time is measured, the same way on both sides: every rank records the wall cl
 last step; a step's time is the difference of consecutive marks, so it includes everything that happens
 per step (forward, backward, all-reduce, update, loss printing, callbacks). The first ``--warmup`` steps
 are dropped; the figure for a run is the median over steps and ranks, and the table shows the median over
-``--repeats`` runs. Time to first step is from just before the command is started to the first step mark
-of rank 0 (interpreter start, imports, launching the ranks and the rendezvous included). Peak memory is the
-largest max RSS of the ranks. The reference runs under torchrun, the port as ``python -m lit_ddp.fit``.
+``--repeats`` runs, which are interleaved (one run of every variant per round) so that slow drifts of a
+shared machine hit all variants alike. Time to first step is from just before the command is started to
+the first step mark of rank 0 (interpreter start, imports, launching the ranks and the rendezvous
+included). Peak memory is the largest max RSS of the ranks. The reference runs under torchrun, the port as
+``python -m lit_ddp.fit``.
 """
 
 import argparse
@@ -47,16 +49,23 @@ def steady_ms(starts: list[list[float]], warmup: int) -> float:
     )
 
 
-def measure(cmd_for, repeats: int, warmup: int) -> dict:
-    runs = []
+def measure_interleaved(cmds: dict, repeats: int, warmup: int) -> dict[str, dict]:
+    """Runs every command once per round, ``repeats`` rounds, so slow drifts of the machine hit all alike."""
+    runs: dict[str, list] = {name: [] for name in cmds}
     for _ in range(repeats):
-        with tempfile.TemporaryDirectory() as tmp:
-            runs.append(run(cmd_for(Path(tmp)), Path(tmp)))
-    return {
-        "step_ms": statistics.median(steady_ms(r["starts"], warmup) for r in runs),
-        "first_s": statistics.median(r["first"] for r in runs),
-        "rss_mb": max(r["rss"] for r in runs),
-    }
+        for name, cmd_for in cmds.items():
+            with tempfile.TemporaryDirectory() as tmp:
+                runs[name].append(run(cmd_for(Path(tmp)), Path(tmp)))
+    out = {}
+    for name, rs in runs.items():
+        per_run = [steady_ms(r["starts"], warmup) for r in rs]
+        out[name] = {
+            "step_ms": statistics.median(per_run),
+            "spread": (min(per_run), max(per_run)),
+            "first_s": statistics.median(r["first"] for r in rs),
+            "rss_mb": max(r["rss"] for r in rs),
+        }
+    return out
 
 
 def reference_cmd(nproc: int, dim: int, steps: int, fused: bool = False):
@@ -90,7 +99,7 @@ def main() -> None:
     parser.add_argument("--dims", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-callbacks", action="store_true", help="only the port vs reference table")
     args = parser.parse_args()
     if args.steps <= args.warmup + 1:
@@ -99,48 +108,47 @@ def main() -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
     print(f"{n} processes on {device}, torch {torch.__version__}; {s} steps, first {w} dropped, median of {r} runs")
 
+    header = ("run", "step ms (median)", "run medians min-max", "x reference", "first step s", "peak RSS MB")
     rows = []
     for dim in args.dims:
-        ref = measure(reference_cmd(n, dim, s), r, w)
-        variants = [("port, default config", port_cmd(n, dim, s)),
-                    ("port, configs/fast.yaml", port_cmd(n, dim, s, "--config", str(ROOT / "configs/fast.yaml"),
-                                                         "--model.dim", str(dim)))]  # fmt: skip
-        rows.append((f"reference (torchrun), dim {dim}", f"{ref['step_ms']:.1f}", "1.00",
-                     f"{ref['first_s']:.1f}", f"{ref['rss_mb']:.0f}"))  # fmt: skip
-        for name, cmd in variants:
-            m = measure(cmd, r, w)
-            rows.append((f"{name}, dim {dim}", f"{m['step_ms']:.1f}", f"{m['step_ms'] / ref['step_ms']:.2f}",
-                         f"{m['first_s']:.1f}", f"{m['rss_mb']:.0f}"))  # fmt: skip
-        print(table(("run", "step ms", "x reference", "first step s", "peak RSS MB"), rows[-3:]), flush=True)
+        fast = ("--config", str(ROOT / "configs/fast.yaml"), "--model.dim", str(dim))
+        results = measure_interleaved({"reference (torchrun)": reference_cmd(n, dim, s),
+                                       "port, default config": port_cmd(n, dim, s),
+                                       "port, configs/fast.yaml": port_cmd(n, dim, s, *fast)}, r, w)  # fmt: skip
+        ref = results["reference (torchrun)"]["step_ms"]
+        for name, m in results.items():
+            lo, hi = m["spread"]
+            rows.append((f"{name}, dim {dim}", f"{m['step_ms']:.1f}", f"{lo:.1f}-{hi:.1f}",
+                         f"{m['step_ms'] / ref:.2f}", f"{m['first_s']:.1f}", f"{m['rss_mb']:.0f}"))  # fmt: skip
+        print(table(header, rows[-3:]), flush=True)
 
     print()
-    print(table(("run", "step ms", "x reference", "first step s", "peak RSS MB"), rows))
+    print(table(header, rows))
     if args.skip_callbacks:
         return
 
     dim = max(args.dims)
-    base_args = ("--loss_monitor.every_n_steps", "0", "--loss_monitor.check_finite", "false")
+    quiet = ("--trainer.callbacks=[]", "--loss_monitor.every_n_steps", "0", "--loss_monitor.check_finite", "false")
+    timer = ("--trainer.callbacks+=lit_ddp.callbacks.PhaseTimer", "--trainer.callbacks.print_steps=0")
+    comm = ("--trainer.callbacks+=lit_ddp.callbacks.CommMonitor",)
     callbacks = {
-        "no callbacks": [],
-        "PhaseTimer": ["--trainer.callbacks+=lit_ddp.callbacks.PhaseTimer", "--trainer.callbacks.print_steps=0"],
-        "CommMonitor": ["--trainer.callbacks+=lit_ddp.callbacks.CommMonitor"],
-        "PhaseTimer + CommMonitor": [
-            "--trainer.callbacks+=lit_ddp.callbacks.PhaseTimer",
-            "--trainer.callbacks.print_steps=0",
-            "--trainer.callbacks+=lit_ddp.callbacks.CommMonitor",
-        ],  # fmt: skip
-        "SyncCheck every step": ["--trainer.callbacks+=lit_ddp.callbacks.SyncCheck"],
-        "LossMonitor every step": ["--loss_monitor.every_n_steps", "1", "--loss_monitor.check_finite", "true"],
+        "no callbacks": (),
+        "PhaseTimer": timer,
+        "CommMonitor": comm,
+        "PhaseTimer + CommMonitor": (*timer, *comm),
+        "SyncCheck every step": ("--trainer.callbacks+=lit_ddp.callbacks.SyncCheck",),
+        "LossMonitor every step": ("--loss_monitor.every_n_steps", "1", "--loss_monitor.check_finite", "true"),
     }
-    cost_rows, base = [], None
-    for name, extra in callbacks.items():
-        cmd = port_cmd(n, dim, s, "--trainer.callbacks=[]", *base_args, *extra)
-        m = measure(cmd, r, w)
-        base = base or m["step_ms"]
-        cost_rows.append((name, f"{m['step_ms']:.1f}", f"{m['step_ms'] - base:+.1f}",
-                          f"{(m['step_ms'] - base) / base:+.1%}"))  # fmt: skip
-    print(f"\nCallback cost, dim {dim}, port with everything else off:")
-    print(table(("callbacks on", "step ms", "delta ms", "delta"), cost_rows))
+    results = measure_interleaved({name: port_cmd(n, dim, s, *quiet, *extra) for name, extra in callbacks.items()},
+                                  r, w)  # fmt: skip
+    base = results["no callbacks"]["step_ms"]
+    cost_rows = []
+    for name, m in results.items():
+        lo, hi = m["spread"]
+        delta = m["step_ms"] - base
+        cost_rows.append((name, f"{m['step_ms']:.1f}", f"{lo:.1f}-{hi:.1f}", f"{delta:+.1f}", f"{delta / base:+.1%}"))
+    print(f"\nCallback cost, dim {dim} (the profile config's model), port with everything else off:")
+    print(table(("callbacks on", "step ms (median)", "run medians min-max", "delta ms", "delta"), cost_rows))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
     python -m lit_ddp.fit --config configs/mini_train.yaml --trainer.max_steps 20
     python -m lit_ddp.fit --print_config
 
-``--devices N`` is a shorthand for ``--trainer.devices N``. Every ``--trainer.*``, ``--model.*`` and
+``--devices N`` is a shorthand for ``--trainer.devices N``. Config files are applied first, so options on
+the command line win over them wherever they are written. Every ``--trainer.*``, ``--model.*`` and
 ``--data.*`` option of LightningCLI works; ``--model.dim`` also sets ``--data.dim``. Under the ``ddp``
 launcher Lightning runs this same command again for ranks 1..N-1, so everything here runs on every rank.
 Bad input is reported as one line with exit code 2 before any rank is started.
@@ -15,12 +16,15 @@ import os
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from jsonargparse import ArgumentError
+from jsonargparse.typing import NonNegativeInt
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -58,6 +62,19 @@ class LitDDPCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(LossMonitor, "loss_monitor")
+        parser.add_argument(
+            "--checkpoint_every_n_steps",
+            type=NonNegativeInt,
+            default=0,
+            help="Write <run>/checkpoints/last.ckpt every N steps (0: no checkpoints). <run> is the logger's "
+            "save_dir/name (runs/mini_train by default), the same for every version of the run.",
+        )
+        parser.add_argument(
+            "--ckpt_path",
+            type=Optional[str],
+            default=None,
+            help="Resume from this checkpoint, or from the run's last.ckpt with 'last'.",
+        )
         parser.link_arguments("model.dim", "data.dim")
         # A parsed default (unlike `trainer_defaults`, which always appends): a config's `trainer.callbacks`
         # replaces it, `--trainer.callbacks+=X` adds to it, `--trainer.callbacks=[]` turns it off.
@@ -65,6 +82,67 @@ class LitDDPCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         _check_devices(self.config.trainer.accelerator, self.config.trainer.devices)
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        trainer_config = self._get(self.config_init, "trainer", default={})
+        self.checkpoint_dir = _run_root(trainer_config) / "checkpoints"
+        every = self.config.checkpoint_every_n_steps
+        if every:
+            last_only = ModelCheckpoint(
+                dirpath=self.checkpoint_dir, save_last=True, save_top_k=0, every_n_train_steps=every
+            )
+            kwargs["callbacks"] = [*(trainer_config.get("callbacks") or []), last_only]
+            kwargs["enable_checkpointing"] = True
+        return super().instantiate_trainer(**kwargs)
+
+    def checkpoint_to_resume(self) -> Optional[Path]:
+        """The checkpoint ``--ckpt_path`` names, checked before any rank starts.
+
+        Raises:
+            UsageError: Nothing to resume from, an unreadable checkpoint, or one whose hyperparameters
+                disagree with the command line.
+        """
+        ckpt = self.config.ckpt_path
+        if not ckpt:
+            return None
+        path = self.checkpoint_dir / "last.ckpt" if ckpt == "last" else Path(ckpt)
+        if not path.is_file():
+            hint = " (write one with --checkpoint_every_n_steps N)" if ckpt == "last" else ""
+            raise UsageError(f"--ckpt_path {ckpt}: no checkpoint at {path}: nothing to resume{hint}")
+        if path.stat().st_size == 0:
+            raise UsageError(f"--ckpt_path: {path} is empty")
+        try:
+            # weights_only: a checkpoint is data; a pickle that would run code is refused, not run.
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # torch raises many types for truncated, corrupt or foreign files
+            reason = " ".join(str(err).split())[:200] or type(err).__name__
+            raise UsageError(f"--ckpt_path: {path} is not a readable checkpoint: {reason}") from err
+        if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+            raise UsageError(f"--ckpt_path: {path} is not a Lightning checkpoint (no state_dict)")
+        # The model is built from the command line; a checkpoint trained otherwise would silently win for
+        # the weights and lose for the hyperparameters (Lightning #20801). Refuse the mix instead.
+        saved = {**checkpoint.get("hyper_parameters", {}), **checkpoint.get("datamodule_hyper_parameters", {})}
+        now = {**self.model.hparams, **self.datamodule.hparams}
+        conflicts = [
+            f"{k}={saved[k]!r} in the checkpoint but {now[k]!r} here"
+            for k in sorted(saved.keys() & now.keys())
+            if _normalise(saved[k]) != _normalise(now[k])
+        ]
+        if conflicts:
+            raise UsageError(f"--ckpt_path {path}: " + "; ".join(conflicts))
+        return path
+
+
+def _run_root(trainer_config: dict) -> Path:
+    """The run's directory, shared by all its versions: the logger's save_dir/name, or default_root_dir."""
+    logger = trainer_config.get("logger")
+    if getattr(logger, "root_dir", None):
+        return Path(logger.root_dir)
+    return Path(trainer_config.get("default_root_dir") or ".")
+
+
+def _normalise(value: Any) -> Any:
+    return list(value) if isinstance(value, (tuple, list)) else value
 
 
 def _check_devices(accelerator: Any, devices: Any) -> None:
@@ -82,11 +160,27 @@ def _check_devices(accelerator: Any, devices: Any) -> None:
 
 
 def _expand_shorthands(args: list[str]) -> list[str]:
-    """``--devices N`` / ``--devices=N`` -> ``--trainer.devices N``."""
-    return [
-        arg.replace("--devices", "--trainer.devices", 1) if arg == "--devices" or arg.startswith("--devices=") else arg
-        for arg in args
-    ]
+    """``--devices N`` -> ``--trainer.devices N``, and every ``--config`` first.
+
+    jsonargparse applies arguments in order, so ``--devices 2 --config X.yaml`` would let the file's
+    ``devices`` silently win. Moving the config files (in their own order) ahead of everything else makes
+    explicit options beat config files wherever they are written.
+    """
+    configs, rest, i = [], [], 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--config" and i + 1 < len(args):
+            configs += args[i : i + 2]
+            i += 2
+            continue
+        if arg.startswith("--config="):
+            configs.append(arg)
+        elif arg == "--devices" or arg.startswith("--devices="):
+            rest.append(arg.replace("--devices", "--trainer.devices", 1))
+        else:
+            rest.append(arg)
+        i += 1
+    return configs + rest
 
 
 def _quiet_lightning() -> None:
@@ -154,7 +248,8 @@ def cli_main(args: Optional[list[str]] = None) -> LitDDPCLI:
     _quiet_lightning()
     _setup_console()
     cli = build_cli(sys.argv[1:] if args is None else list(args))
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    ckpt_path = cli.checkpoint_to_resume()
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path, weights_only=True)
     log_dir = cli.trainer.log_dir  # a broadcast: every rank must ask
     _print_closing_line(cli.trainer, time.perf_counter() - start, log_dir)
     return cli

@@ -9,12 +9,16 @@ options; this subclass names them, so they show in ``--help`` and YAML and are c
 import ctypes
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Literal, Optional
 
+import torch
 from jsonargparse.typing import PositiveFloat
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -73,6 +77,7 @@ class LitDDPStrategy(DDPStrategy):
             process_group_backend=process_group_backend,
             ddp_comm_hook=ddp_comm_hook,
             ddp_comm_wrapper=ddp_comm_wrapper,
+            checkpoint_io=AtomicCheckpointIO(),
             **ddp_kwargs,
         )
         # NCCL errors and timeouts abort the communicator and raise, instead of leaving ranks stuck.
@@ -93,6 +98,24 @@ class LitDDPStrategy(DDPStrategy):
             # ranks it started would wait in a collective until the timeout, or hang on forever.
             _die_with_parent(int(launcher_pid))
         super().setup_environment()
+
+    def setup_distributed(self) -> None:
+        env = self.cluster_environment
+        if (
+            not torch.distributed.is_initialized()
+            and self.num_nodes == 1
+            and type(env) is LightningEnvironment
+            and env.main_address in ("127.0.0.1", "localhost")
+        ):
+            # Through env://, the rank-0 TCPStore listens on every interface (*:MASTER_PORT), and torch's
+            # SECURITY.md warns that its distributed features accept connections from anywhere. A one-machine run
+            # needs loopback only: build the store from a socket bound to 127.0.0.1 and init the process group
+            # here; Lightning's _init_dist_connection then sees it initialized and skips its own.
+            self.set_world_ranks()
+            _init_loopback_process_group(
+                self._get_process_group_backend(), env.global_rank(), env.world_size(), env.main_port, self._timeout
+            )
+        super().setup_distributed()
 
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
@@ -128,6 +151,20 @@ class LitDDPStrategy(DDPStrategy):
 _LAUNCHER_PID = "LIT_DDP_LAUNCHER_PID"
 
 
+def _init_loopback_process_group(backend: str, rank: int, world_size: int, port: int, timeout: timedelta) -> None:
+    listen_fd = None
+    if rank == 0:
+        server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+        listen_fd = server.detach()  # the store owns the descriptor from here on
+    store = torch.distributed.TCPStore(
+        "127.0.0.1", port, world_size, is_master=rank == 0, timeout=timeout, master_listen_fd=listen_fd
+    )
+    torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
 def _die_with_parent(parent_pid: int) -> None:
     """The kernel SIGKILLs this process when its parent exits (Linux ``PR_SET_PDEATHSIG``)."""
     if sys.platform != "linux":
@@ -136,3 +173,28 @@ def _die_with_parent(parent_pid: int) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before the call above
         os._exit(1)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Writes a checkpoint to a temporary file in the target's own directory, fsyncs it, then renames it over
+    the target: a process killed mid-save leaves the previous ``last.ckpt`` whole.
+
+    Lightning's ``_atomic_save`` uses an fsspec transaction, which for local files stages the data in
+    ``$TMPDIR`` and *moves* it at commit: across filesystems that is a copy into the target, not atomic.
+    """
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"`AtomicCheckpointIO` takes no storage_options, got {storage_options!r}")
+        target = os.fspath(path)
+        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+        tmp = f"{target}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)

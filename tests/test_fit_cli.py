@@ -74,6 +74,15 @@ def test_model_dim_sets_the_data_dim_and_options_reach_the_objects():
     }
 
 
+def test_explicit_options_win_over_config_files_wherever_written(tmp_path):
+    config = str(ROOT / "configs" / "cpu_small.yaml")  # devices: 2, dim: 256
+    for args in (["--devices", "1", "--config", config], ["--config", config, "--devices", "1"]):
+        cli = build_cli([*args, "--model.dim", "32"])
+        assert cli.trainer.num_devices == 1 and cli.model.hparams.dim == 32, args
+    two_files = build_cli(["--config", config, "--config", str(ROOT / "configs" / "mini_train.yaml")])
+    assert two_files.model.hparams.dim == 1024  # files keep their order: the later one wins
+
+
 def test_print_config_round_trips(tmp_path):
     result = run_module("lit_ddp.fit", "--devices", "2", "--model.dim", "64", "--print_config", cwd=tmp_path)
     assert result.returncode == 0, result.stderr

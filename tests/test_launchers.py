@@ -1,0 +1,112 @@
+"""Beyond Lightning's own launcher: Slurm's variables, torchrun, two "nodes" on one machine."""
+
+import re
+
+import pytest
+from lightning.fabric.plugins.environments import SLURMEnvironment
+
+from lit_ddp.device_map import problems, this_rank
+from lit_ddp.fit import build_cli
+from tests.helpers import run_module
+
+SLURM_RANK_3_OF_4 = {
+    "SLURM_JOB_ID": "1234",
+    "SLURM_JOB_NAME": "lit_ddp",
+    "SLURM_NTASKS": "4",
+    "SLURM_NTASKS_PER_NODE": "2",
+    "SLURM_PROCID": "3",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURM_NODELIST": "node[01-02]",
+}
+
+
+def test_simulated_slurm_rank_gets_its_rank_and_device(monkeypatch):
+    for name, value in SLURM_RANK_3_OF_4.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    cli = build_cli(["--devices", "2", "--trainer.num_nodes", "2", "--trainer.accelerator", "cpu"])
+    trainer = cli.trainer
+    assert isinstance(trainer.strategy.cluster_environment, SLURMEnvironment)
+    assert (trainer.global_rank, trainer.local_rank, trainer.node_rank, trainer.world_size) == (3, 1, 1, 4)
+    assert trainer.strategy.cluster_environment.main_address == "node01"
+    row = this_rank(trainer.global_rank, trainer.local_rank, trainer.node_rank, trainer.strategy.root_device)
+    assert row["slurm_localid"] == "1" and problems([row]) == []
+
+
+STEP = re.compile(r"^Step \d+, Loss [0-9.]+$", re.M)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_torchrun_prints_the_steps_once(tmp_path):
+    result = run_module("torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "lit_ddp.fit",
+                        "--devices", "2", "--model.dim", "64", cwd=tmp_path, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert len(STEP.findall(result.stdout)) == 5
+    assert "on 2 ranks" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_two_nodes_on_one_machine(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    def node(rank: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(rank),
+             "--master_addr", "127.0.0.1", "--master_port", "29561", "--nproc_per_node", "1",
+             "-m", "lit_ddp.fit", "--devices", "1", "--trainer.num_nodes", "2", "--model.dim", "64"],
+            cwd=tmp_path / f"node{rank}", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+
+    for rank in (0, 1):
+        (tmp_path / f"node{rank}").mkdir()
+    nodes = [node(0), node(1)]
+    outs = [n.communicate(timeout=120) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], [o[1][-1500:] for o in outs]
+    assert len(STEP.findall(outs[0][0])) == 5 and "on 2 ranks" in outs[0][0]
+    assert not STEP.findall(outs[1][0])  # printed once, by global rank 0
+
+
+def listening_addresses(pids: list[int]) -> list[str]:
+    """Local addresses ("hex_ip:hex_port") of the TCP sockets these processes listen on."""
+    import os
+
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    found.append(fields[1])
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_single_node_run_listens_on_loopback_only(tmp_path):
+    from tests.test_faults import start_long_run
+
+    proc, rank1 = start_long_run(tmp_path)
+    try:
+        addresses = listening_addresses([proc.pid, rank1])
+    finally:
+        proc.kill()
+        proc.wait()
+    assert addresses, "found no listening socket at all: the check would be vacuous"
+    loopback = ("0100007F:", "00000000000000000000000001000000:")  # 127.0.0.1, ::1
+    assert all(a.startswith(loopback) for a in addresses), addresses

@@ -12,7 +12,7 @@ are dropped; the figure for a run is the median over steps and ranks, and the ta
 shared machine hit all variants alike. Time to first step is from just before the command is started to
 the first step mark of rank 0 (interpreter start, imports, launching the ranks and the rendezvous
 included). Peak memory is the largest max RSS of the ranks. The reference runs under torchrun, the port as
-``python -m lit_ddp.fit``.
+``python -m lit_ddp.fit`` (Lightning's launcher) and under torchrun.
 """
 
 import argparse
@@ -77,9 +77,10 @@ def reference_cmd(nproc: int, dim: int, steps: int, fused: bool = False):
     return cmd
 
 
-def port_cmd(nproc: int, dim: int, steps: int, *extra: str):
+def port_cmd(nproc: int, dim: int, steps: int, *extra: str, torchrun: bool = False):
     def cmd(tmp: Path) -> list[str]:
-        return [sys.executable, "-m", "lit_ddp.fit", "--devices", str(nproc), "--model.dim", str(dim),
+        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if torchrun else []
+        return [sys.executable, *launcher, "-m", "lit_ddp.fit", "--devices", str(nproc), "--model.dim", str(dim),
                 "--trainer.max_steps", str(steps), "--trainer.logger.init_args.save_dir", str(tmp / "runs"),
                 *extra, f"--trainer.callbacks+={STEP_CLOCK}", f"--trainer.callbacks.out_dir={tmp}"]  # fmt: skip
 
@@ -114,13 +115,14 @@ def main() -> None:
         fast = ("--config", str(ROOT / "configs/fast.yaml"), "--model.dim", str(dim))
         results = measure_interleaved({"reference (torchrun)": reference_cmd(n, dim, s),
                                        "port, default config": port_cmd(n, dim, s),
+                                       "port, default config, torchrun": port_cmd(n, dim, s, torchrun=True),
                                        "port, configs/fast.yaml": port_cmd(n, dim, s, *fast)}, r, w)  # fmt: skip
         ref = results["reference (torchrun)"]["step_ms"]
         for name, m in results.items():
             lo, hi = m["spread"]
             rows.append((f"{name}, dim {dim}", f"{m['step_ms']:.1f}", f"{lo:.1f}-{hi:.1f}",
                          f"{m['step_ms'] / ref:.2f}", f"{m['first_s']:.1f}", f"{m['rss_mb']:.0f}"))  # fmt: skip
-        print(table(header, rows[-3:]), flush=True)
+        print(table(header, rows[-len(results) :]), flush=True)
 
     print()
     print(table(header, rows))

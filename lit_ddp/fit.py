@@ -73,7 +73,8 @@ class LitDDPCLI(LightningCLI):
             "--ckpt_path",
             type=Optional[str],
             default=None,
-            help="Resume from this checkpoint, or from the run's last.ckpt with 'last'.",
+            help="Resume from this checkpoint; 'last': the run's last.ckpt (an error when there is none); 'auto': "
+            "last.ckpt when torchrun restarted the job (--max-restarts), else start afresh.",
         )
         parser.link_arguments("model.dim", "data.dim")
         # A parsed default (unlike `trainer_defaults`, which always appends): a config's `trainer.callbacks`
@@ -89,7 +90,11 @@ class LitDDPCLI(LightningCLI):
         every = self.config.checkpoint_every_n_steps
         if every:
             last_only = ModelCheckpoint(
-                dirpath=self.checkpoint_dir, save_last=True, save_top_k=0, every_n_train_steps=every
+                dirpath=self.checkpoint_dir,
+                save_last=True,
+                save_top_k=0,
+                every_n_train_steps=every,
+                enable_version_counter=False,  # a re-run overwrites last.ckpt; never last-v1.ckpt
             )
             kwargs["callbacks"] = [*(trainer_config.get("callbacks") or []), last_only]
             kwargs["enable_checkpointing"] = True
@@ -103,6 +108,8 @@ class LitDDPCLI(LightningCLI):
                 disagree with the command line.
         """
         ckpt = self.config.ckpt_path
+        if ckpt == "auto":
+            ckpt = "last" if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 else None
         if not ckpt:
             return None
         path = self.checkpoint_dir / "last.ckpt" if ckpt == "last" else Path(ckpt)

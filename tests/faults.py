@@ -15,13 +15,16 @@ class FailOnRank(Callback):
         rank: The global rank that fails.
         step: The step (global_step) at which it fails.
         how: ``raise``, ``exit`` or ``hang``.
+        first_attempt_only: Fail only before torchrun's first restart.
     """
 
-    def __init__(self, rank: int = 1, step: int = 2, how: str = "raise") -> None:
-        self.rank, self.step, self.how = rank, step, how
+    def __init__(self, rank: int = 1, step: int = 2, how: str = "raise", first_attempt_only: bool = False) -> None:
+        self.rank, self.step, self.how, self.first_attempt_only = rank, step, how, first_attempt_only
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_rank != self.rank or trainer.global_step != self.step:
+            return
+        if self.first_attempt_only and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             return
         if self.how == "raise":
             raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")

@@ -110,3 +110,29 @@ def test_single_node_run_listens_on_loopback_only(tmp_path):
     assert addresses, "found no listening socket at all: the check would be vacuous"
     loopback = ("0100007F:", "00000000000000000000000001000000:")  # 127.0.0.1, ::1
     assert all(a.startswith(loopback) for a in addresses), addresses
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_torchrun_restart_resumes_from_last_checkpoint_and_ends_like_an_undisturbed_run(tmp_path):
+    import torch
+
+    args = ("--devices", "2", "--model.dim", "64", "--trainer.max_steps", "8", "--checkpoint_every_n_steps", "2",
+            "--ckpt_path", "auto")  # fmt: skip
+    # pytorch#135712 / #167288: a restarted gloo job can hang when the workers share the agent's TCP store.
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    torchrun = ("torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts", "1",
+                "-m", "lit_ddp.fit")  # fmt: skip
+    faulty = run_module(*torchrun, *args, "--trainer.logger.init_args.name", "faulty",
+                        "--trainer.callbacks+=tests.faults.FailOnRank", "--trainer.callbacks.step=5",
+                        "--trainer.callbacks.how=exit", "--trainer.callbacks.first_attempt_only=true",
+                        cwd=tmp_path, timeout=200, env=env)  # fmt: skip
+    assert faulty.returncode == 0, faulty.stderr[-3000:]
+    assert "Step 4, Loss" in faulty.stdout and "Step 7, Loss" in faulty.stdout
+    clean = run_module(*torchrun, *args, "--trainer.logger.init_args.name", "clean", cwd=tmp_path, timeout=200, env=env)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    a = torch.load(tmp_path / "runs/faulty/checkpoints/last.ckpt", weights_only=True)
+    b = torch.load(tmp_path / "runs/clean/checkpoints/last.ckpt", weights_only=True)
+    assert a["global_step"] == b["global_step"] == 8
+    for key, value in a["state_dict"].items():
+        assert torch.equal(value, b["state_dict"][key]), key

@@ -43,6 +43,7 @@ def test_ddp_two_ranks_equals_one_process_with_the_global_batch(make_trainer, tm
     assert_same_weights(ddp_weights, one_weights)
 
 
+@pytest.mark.slow
 def test_without_the_gradient_sync_the_invariant_breaks(make_trainer, tmp_path):
     """The parity check above can fail: DDP with a comm hook that skips the all-reduce drifts away."""
     from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook

@@ -30,6 +30,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lit_ddp.callbacks import LossMonitor, NonFiniteLossError, SyncError
+from lit_ddp.callbacks.preemption import PreemptionCheckpoint
 from lit_ddp.data import FixedBatchDataModule
 from lit_ddp.module import LinearRegression
 
@@ -96,7 +97,8 @@ class LitDDPCLI(LightningCLI):
                 every_n_train_steps=every,
                 enable_version_counter=False,  # a re-run overwrites last.ckpt; never last-v1.ckpt
             )
-            kwargs["callbacks"] = [*(trainer_config.get("callbacks") or []), last_only]
+            on_sigterm = PreemptionCheckpoint(str(self.checkpoint_dir / "last.ckpt"))
+            kwargs["callbacks"] = [*(trainer_config.get("callbacks") or []), last_only, on_sigterm]
             kwargs["enable_checkpointing"] = True
         return super().instantiate_trainer(**kwargs)
 
@@ -194,6 +196,8 @@ def _quiet_lightning() -> None:
     """Keep the notes' output readable: Lightning's banners and the warnings that are noise for this tool."""
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_utilities"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # But not the child observer's "Child process with PID ... terminated with code ...": it names the rank.
+    logging.getLogger("lightning.fabric.strategies.launchers.subprocess_script").setLevel(logging.INFO)
     for pattern in (
         # One fixed batch is the point of the experiment: no workers, no sampler, no epochs to speak of.
         ".*does not have many workers.*",
@@ -259,6 +263,12 @@ def cli_main(args: Optional[list[str]] = None) -> LitDDPCLI:
     cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path, weights_only=True)
     log_dir = cli.trainer.log_dir  # a broadcast: every rank must ask
     _print_closing_line(cli.trainer, time.perf_counter() - start, log_dir)
+    if torch.distributed.is_initialized():
+        # Lightning leaves the process group alive, and gloo's threads then die in interpreter teardown
+        # ("terminate called without an active exception", SIGABRT, seen under torchrun). Every rank is past
+        # its last collective: destroy the group while everything is still alive (pytorch#75097: barrier first).
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return cli
 
 

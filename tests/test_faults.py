@@ -118,9 +118,13 @@ def test_nan_on_one_rank_stops_every_rank_at_that_step(make_trainer):
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_sigterm_stops_every_rank_and_exits_143(tmp_path):
-    proc, rank1 = start_long_run(tmp_path)
+def test_sigterm_stops_every_rank_writes_a_checkpoint_and_exits_143(tmp_path):
+    import torch
+
+    proc, rank1 = start_long_run(tmp_path, "--checkpoint_every_n_steps", "1000000")
     proc.send_signal(signal.SIGTERM)
     code = wait_gone(proc, [proc.pid, rank1], timeout=60)
     assert code == 143
     assert "lit-ddp-fit: stopped by SIGTERM" in proc.stdout.read()
+    checkpoint = torch.load(tmp_path / "runs" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] > 0  # written at the SIGTERM, not by the every-million-steps schedule

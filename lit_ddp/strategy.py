@@ -21,6 +21,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -85,7 +86,7 @@ class LitDDPStrategy(DDPStrategy):
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if isinstance(self._launcher, _SubprocessScriptLauncher) and not (
+        if isinstance(self._launcher, (_SubprocessScriptLauncher, _MultiProcessingLauncher)) and not (
             self.cluster_environment.creates_processes_externally
         ):
             # Tells the ranks this process is about to start who their launcher is (see setup_environment).
@@ -94,8 +95,9 @@ class LitDDPStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         launcher_pid = os.environ.get(_LAUNCHER_PID)
         if launcher_pid is not None and int(launcher_pid) != os.getpid():
-            # Lightning's child observer runs in rank 0 and watches the children only: if rank 0 dies, the
-            # ranks it started would wait in a collective until the timeout, or hang on forever.
+            # Lightning's child observer (ddp) runs in rank 0 and watches the children only, and torch's spawn
+            # (ddp_spawn) watches from the parent: if that process dies, the ranks it started would wait in a
+            # collective until the timeout, or train on, or hang on forever.
             _die_with_parent(int(launcher_pid))
         super().setup_environment()
 

@@ -128,3 +128,20 @@ def test_sigterm_stops_every_rank_writes_a_checkpoint_and_exits_143(tmp_path):
     assert "lit-ddp-fit: stopped by SIGTERM" in proc.stdout.read()
     checkpoint = torch.load(tmp_path / "runs" / "checkpoints" / "last.ckpt", weights_only=True)
     assert checkpoint["global_step"] > 0  # written at the SIGTERM, not by the every-million-steps schedule
+
+
+@pytest.mark.parametrize("how", ["raise", "exit", "hang"])
+def test_ddp_spawn_ends_when_one_rank_fails(make_trainer, how):
+    """Under ddp_spawn torch's spawn watches the ranks: a rank that raises or exits ends the job at once; a
+    hung one is ended by the others' collective timing out (timeout_s)."""
+    from tests.faults import FailOnRank
+
+    trainer = make_trainer(max_steps=50, callbacks=[FailOnRank(rank=1, step=2, how=how)], timeout_s=5)
+    start = time.monotonic()
+    with pytest.raises(Exception) as error:
+        trainer.fit(LinearRegression(dim=16), FixedBatchDataModule(dim=16, batch_size=4))
+    assert time.monotonic() - start < 5 + 30
+    if how == "hang":  # the hung rank cannot speak: rank 0 reports the timeout of its collective
+        assert "Timed out" in str(error.value), str(error.value)[-500:]
+    else:
+        assert re.search(r"[Pp]rocess 1 |rank 1", str(error.value)), str(error.value)[:500]

@@ -130,6 +130,7 @@ def test_sigterm_stops_every_rank_writes_a_checkpoint_and_exits_143(tmp_path):
     assert checkpoint["global_step"] > 0  # written at the SIGTERM, not by the every-million-steps schedule
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["raise", "exit", "hang"])
 def test_ddp_spawn_ends_when_one_rank_fails(make_trainer, how):
     """Under ddp_spawn torch's spawn watches the ranks: a rank that raises or exits ends the job at once; a

@@ -94,7 +94,13 @@ class LitDDPStrategy(DDPStrategy):
 
     def setup_environment(self) -> None:
         launcher_pid = os.environ.get(_LAUNCHER_PID)
-        if launcher_pid is not None and int(launcher_pid) != os.getpid():
+        # Only ranks that Lightning itself started (torchrun's and Slurm's have their own environments, and
+        # may have inherited a stale value from a process that once launched ranks).
+        if (
+            launcher_pid is not None
+            and int(launcher_pid) != os.getpid()
+            and type(self.cluster_environment) is LightningEnvironment
+        ):
             # Lightning's child observer (ddp) runs in rank 0 and watches the children only, and torch's spawn
             # (ddp_spawn) watches from the parent: if that process dies, the ranks it started would wait in a
             # collective until the timeout, or train on, or hang on forever.

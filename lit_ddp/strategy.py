@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Literal, Optional
@@ -128,8 +129,12 @@ class LitDDPStrategy(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         # Lightning kills the ranks it started only on KeyboardInterrupt: a rank 0 that fails otherwise would
-        # leave a hung rank behind as an orphan.
+        # leave a hung rank behind as an orphan. Rank 0's own error is often only "connection reset by peer":
+        # say which rank died first.
         if isinstance(self._launcher, _SubprocessScriptLauncher):
+            first_rank = self.node_rank * self.num_processes + 1
+            for rank, code in _exited_children(self._launcher.procs, first_rank):
+                print(f"lit-ddp-fit: rank {rank} exited with code {code}", file=sys.stderr)
             self._launcher.kill(signal.SIGKILL)
 
     def wrap_comm_hook(self, wrap: Callable[[Callable], Callable]) -> None:
@@ -171,6 +176,18 @@ def _init_loopback_process_group(backend: str, rank: int, world_size: int, port:
         "127.0.0.1", port, world_size, is_master=rank == 0, timeout=timeout, master_listen_fd=listen_fd
     )
     torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def _exited_children(procs: list, first_rank: int, wait_s: float = 1.0) -> list[tuple[int, int]]:
+    """(global rank, exit code) of the launched ranks that have exited with an error, waiting up to ``wait_s``
+    for one to show: rank 0's collective usually fails a moment before the dead rank is reaped."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        exited = [(first_rank + i, p.poll()) for i, p in enumerate(procs)]
+        exited = [(rank, code) for rank, code in exited if code not in (None, 0)]
+        if exited or time.monotonic() > deadline:
+            return exited
+        time.sleep(0.05)
 
 
 def _die_with_parent(parent_pid: int) -> None:

@@ -260,6 +260,7 @@ def cli_main(args: Optional[list[str]] = None) -> LitDDPCLI:
     _setup_console()
     cli = build_cli(sys.argv[1:] if args is None else list(args))
     ckpt_path = cli.checkpoint_to_resume()
+    _sigterm_without_collectives(cli.trainer)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path, weights_only=True)
     log_dir = cli.trainer.log_dir  # a broadcast: every rank must ask
     _print_closing_line(cli.trainer, time.perf_counter() - start, log_dir)
@@ -270,6 +271,22 @@ def cli_main(args: Optional[list[str]] = None) -> LitDDPCLI:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return cli
+
+
+def _sigterm_without_collectives(trainer: Trainer) -> None:
+    """Lightning's SIGTERM handler broadcasts from inside the signal handler; when the signal lands while the
+    main thread waits in another collective the two interleave and the ranks hang until the timeout (seen
+    here, 1 SIGTERM in 4). Keep the rest: forward the signal to the launched ranks and set the flag, which
+    the training loop broadcasts from rank 0 at the next step boundary, so every rank stops at the same step.
+    """
+    connector = trainer._signal_connector
+
+    def notify(signum, frame) -> None:
+        if not connector.received_sigterm and trainer.strategy.launcher is not None:
+            trainer.strategy.launcher.kill(signum)
+        connector.received_sigterm = True
+
+    connector._sigterm_notifier_fn = notify
 
 
 @rank_zero_only

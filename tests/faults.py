@@ -4,7 +4,6 @@
 import os
 import time
 
-import torch
 from lightning.pytorch import Callback
 
 
@@ -43,7 +42,3 @@ class NaNOnRank(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
             batch[0].fill_(float("nan"))
-
-
-def nan_everywhere(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.full_like(tensor, float("nan"))

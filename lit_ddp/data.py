@@ -32,17 +32,22 @@ def shard(dim: int, batch_size: int, seed: int, rank: int, world_size: int) -> t
 
 
 class RepeatBatch:
-    """An endless iterable of one batch: the loop's ``max_steps`` ends training.
+    """One batch, ``length`` times: an epoch of the fixed-batch experiment.
 
-    A plain iterable rather than a ``DataLoader``: there is nothing to load, and it keeps Lightning from
-    adding a ``DistributedSampler`` (which forces ``shuffle=True``) on top of our own sharding.
+    A plain sized iterable rather than a ``DataLoader``: there is nothing to load, and it keeps Lightning from
+    adding a ``DistributedSampler`` (which forces ``shuffle=True``) on top of our own sharding. Its length
+    gives epochs a meaning (``max_epochs``, ``val_check_interval``, epoch-based checkpoints).
     """
 
-    def __init__(self, batch: tuple[Tensor, Tensor]) -> None:
+    def __init__(self, batch: tuple[Tensor, Tensor], length: int) -> None:
         self.batch = batch
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
-        while True:
+        for _ in range(self.length):
             yield self.batch
 
 
@@ -53,14 +58,21 @@ class FixedBatchDataModule(LightningDataModule):
         dim: Feature width of inputs and targets; ``fit`` links it to ``--model.dim``.
         batch_size: Rows per rank per step (the notes: 32).
         seed: Seed of the global batch. The model's initial weights come from ``seed_everything``.
+        steps_per_epoch: Steps in one epoch (``--trainer.max_steps`` still ends the notes' run at 5).
     """
 
-    def __init__(self, dim: PositiveInt = 1024, batch_size: PositiveInt = 32, seed: NonNegativeInt = 0) -> None:
+    def __init__(
+        self,
+        dim: PositiveInt = 1024,
+        batch_size: PositiveInt = 32,
+        seed: NonNegativeInt = 0,
+        steps_per_epoch: PositiveInt = 100,
+    ) -> None:
         super().__init__()
-        if dim < 1 or batch_size < 1 or seed < 0:
+        if dim < 1 or batch_size < 1 or seed < 0 or steps_per_epoch < 1:
             raise ValueError(
-                f"`FixedBatchDataModule(dim={dim!r}, batch_size={batch_size!r}, seed={seed!r})`:"
-                " dim and batch_size must be >= 1, seed >= 0"
+                f"`FixedBatchDataModule(dim={dim!r}, batch_size={batch_size!r}, seed={seed!r}, "
+                f"steps_per_epoch={steps_per_epoch!r})`: dim, batch_size and steps_per_epoch must be >= 1, seed >= 0"
             )
         self.save_hyperparameters()
         self.batch: tuple[Tensor, Tensor] | None = None
@@ -76,4 +88,4 @@ class FixedBatchDataModule(LightningDataModule):
 
     def train_dataloader(self) -> RepeatBatch:
         assert self.batch is not None, "setup() was not called"
-        return RepeatBatch(self.batch)
+        return RepeatBatch(self.batch, self.hparams.steps_per_epoch)

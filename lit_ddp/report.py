@@ -23,7 +23,7 @@ def _steady(steps: list) -> list:
     return steps[1:] if len(steps) > 1 else steps
 
 
-def _ms(value: float) -> str:
+def fmt_ms(value: float) -> str:
     return f"{value:.2f} ms" if value < 1000 else f"{value / 1000:.2f} s"
 
 
@@ -35,10 +35,9 @@ def _table(header: tuple, rows: list[tuple]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def format_step(step: int, ms: list[float]) -> str:
-    """The notes' per-step format (``mini_train_profile.py``)."""
-    f, b, u = ms[0], ms[1], ms[2]
-    return f"Step {step}\n forward : {f:.2f} ms\n backward: {b:.2f} ms\n update  : {u:.2f} ms"
+def format_step(step: int, forward: float, backward: float, update: float) -> str:
+    """The notes' per-step format (``mini_train_profile.py``), times in ms."""
+    return f"Step {step}\n forward : {forward:.2f} ms\n backward: {backward:.2f} ms\n update  : {update:.2f} ms"
 
 
 def phase_table(data: dict[str, Any]) -> str:
@@ -50,8 +49,8 @@ def phase_table(data: dict[str, Any]) -> str:
         pooled = [step[p] for rank in ms for step in _steady(rank)]
         per_rank = [statistics.median(step[p] for step in _steady(rank)) for rank in ms]
         slowest = max(range(len(per_rank)), key=per_rank.__getitem__)
-        rows.append((phase, _ms(warmup), _ms(statistics.median(pooled)), _ms(min(pooled)), _ms(max(pooled)),
-                     f"rank {slowest}: {_ms(per_rank[slowest])}"))  # fmt: skip
+        rows.append((phase, fmt_ms(warmup), fmt_ms(statistics.median(pooled)), fmt_ms(min(pooled)), fmt_ms(max(pooled)),
+                     f"rank {slowest}: {fmt_ms(per_rank[slowest])}"))  # fmt: skip
     n_steady = len(_steady(ms[0]))
     title = (f"Phase times ({data['clock']}), {len(ms)} rank(s), step 0 = warm-up, "
              f"then {n_steady} steady step(s):")  # fmt: skip
@@ -77,7 +76,7 @@ def roofline_table(data: dict[str, Any]) -> str:
         peak_rate = peak * 1e3 if (peak and unit == "GFLOP/s") else peak
         frac = f"{rate / peak_rate:.1%}" if peak_rate else "-"
         amount = f"{work / 1e9:.3f} GFLOP" if unit == "GFLOP/s" else f"{work / 1e6:.1f} MB"
-        rows.append((phase, amount, _ms(med[phase]), f"{rate:,.1f} {unit}", frac))
+        rows.append((phase, amount, fmt_ms(med[phase]), f"{rate:,.1f} {unit}", frac))
     return "Roofline (rank 0, steady median):\n" + _table(("phase", "work", "time", "achieved", "of peak"), rows)
 
 
@@ -96,7 +95,7 @@ def comm_table(data: dict[str, Any]) -> str:
     for b, nbytes in enumerate(layout):
         t = statistics.median(data["ms"][0][i][b] for i in steady)
         algbw = nbytes / (t / 1e3) / 1e9 if t > 0 else float("nan")
-        rows.append((b, f"{nbytes:,}", _ms(t), f"{algbw:.2f} GB/s", f"{algbw * ring:.2f} GB/s"))
+        rows.append((b, f"{nbytes:,}", fmt_ms(t), f"{algbw:.2f} GB/s", f"{algbw * ring:.2f} GB/s"))
     total = sum(layout)
     exposed = statistics.median(_steady(data["exposed_ms"][0]))
     busy = statistics.median(_steady(data["busy_ms"][0]))
@@ -108,7 +107,7 @@ def comm_table(data: dict[str, Any]) -> str:
         + _table(("bucket", "bytes", "time", "algbw", "busbw"), rows)
         + f"\n{len(layout)} bucket(s){rebuilt}, {total:,} bytes reduced per step "
         f"({data['param_bytes']:,} bytes of gradients); each rank sends 2(n-1)/n x S = {ring * total:,.0f} bytes "
-        f"in a ring all-reduce.\ncommunication {_ms(busy)} per step, of which {_ms(exposed)} exposed "
+        f"in a ring all-reduce.\ncommunication {fmt_ms(busy)} per step, of which {fmt_ms(exposed)} exposed "
         f"(not hidden under backward compute)"
     )
 

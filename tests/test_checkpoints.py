@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lit_ddp.fit import main
-from lit_ddp.strategy import AtomicCheckpointIO
+from lit_ddp.checkpointing import AtomicCheckpointIO
 from tests.helpers import run_module
 
 
@@ -55,13 +55,13 @@ def test_resume_from_nothing_is_an_error(tmp_path, monkeypatch, capsys):
     code, err = run_main(monkeypatch, capsys, "--devices", "1", "--ckpt_path", "last")
     assert code == 2
     assert err == ("lit-ddp-fit: error: --ckpt_path last: no checkpoint at runs/mini_train/checkpoints/last.ckpt: "
-                   "nothing to resume (write one with --checkpoint_every_n_steps N)")  # fmt: skip
+                   "nothing to resume (write one with --checkpoint.every_n_steps N)")  # fmt: skip
 
 
 def test_command_line_and_checkpoint_must_agree(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     common = ("--devices", "1", "--model.dim", "32")
-    assert run_main(monkeypatch, capsys, *common, "--checkpoint_every_n_steps", "5")[0] == 0
+    assert run_main(monkeypatch, capsys, *common, "--checkpoint.every_n_steps", "5")[0] == 0
     ckpt = tmp_path / "runs" / "mini_train" / "checkpoints" / "last.ckpt"
     assert ckpt.is_file()
     code, err = run_main(monkeypatch, capsys, "--devices", "1", "--model.dim", "16", "--ckpt_path", "last")
@@ -92,11 +92,11 @@ def test_atomic_save_keeps_the_old_checkpoint_when_a_save_dies(tmp_path, monkeyp
 @pytest.mark.timeout(200)
 def test_resumed_run_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path):
     args = ("lit_ddp.fit", "--devices", "2", "--model.dim", "64")
-    straight = run_module(*args, "--trainer.max_steps", "10", "--checkpoint_every_n_steps", "10",
+    straight = run_module(*args, "--trainer.max_steps", "10", "--checkpoint.every_n_steps", "10",
                           "--trainer.logger.init_args.name", "straight", cwd=tmp_path)  # fmt: skip
-    first = run_module(*args, "--trainer.max_steps", "5", "--checkpoint_every_n_steps", "5",
+    first = run_module(*args, "--trainer.max_steps", "5", "--checkpoint.every_n_steps", "5",
                        "--trainer.logger.init_args.name", "resumed", cwd=tmp_path)  # fmt: skip
-    second = run_module(*args, "--trainer.max_steps", "10", "--checkpoint_every_n_steps", "10", "--ckpt_path", "last",
+    second = run_module(*args, "--trainer.max_steps", "10", "--checkpoint.every_n_steps", "10", "--ckpt_path", "last",
                         "--trainer.logger.init_args.name", "resumed", cwd=tmp_path)  # fmt: skip
     for result in (straight, first, second):
         assert result.returncode == 0, result.stderr[-2000:]

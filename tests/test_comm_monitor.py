@@ -97,11 +97,13 @@ def test_union_of_overlapping_intervals():
     assert _union_ms([]) == 0
 
 
-def test_comm_monitor_needs_our_strategy():
+def test_comm_monitor_refuses_a_strategy_without_ddp():
     from lightning.pytorch import Trainer
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
-    with pytest.raises(TypeError, match="LitDDPStrategy"):
+    trainer = Trainer(accelerator="cpu", devices=1, strategy="auto", logger=False, enable_checkpointing=False)
+    assert "needs a DDP strategy, got SingleDeviceStrategy" in CommMonitor.unsupported(trainer)
+    with pytest.raises(MisconfigurationException, match="needs a DDP strategy"):
         CommMonitor().setup(trainer, LinearRegression(dim=4), "fit")
 
 

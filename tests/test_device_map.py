@@ -1,4 +1,4 @@
-from lit_ddp.device_map import RankPlacement, format_table, problems
+from lit_ddp.placement import RankPlacement, format_table, problems
 
 
 def row(rank, local_rank, device, cvd=None, slurm=None, host="n0", node=0) -> RankPlacement:

@@ -19,7 +19,7 @@ from tests.faults import NaNOnRank
 from tests.helpers import ROOT, run_module
 
 LONG_RUN = ["--devices", "2", "--model.dim", "64", "--trainer.max_steps", "100000", "--loss_monitor.every_n_steps", "0",
-            "--trainer.callbacks=[]", "--trainer.logger", "false"]  # fmt: skip
+            "--sync_check.every_n_steps", "0", "--trainer.logger", "false"]  # fmt: skip
 
 
 def alive(pid: int) -> bool:
@@ -123,7 +123,7 @@ def test_nan_on_one_rank_stops_every_rank_at_that_step(make_trainer):
 def test_sigterm_stops_every_rank_writes_a_checkpoint_and_exits_143(tmp_path):
     import torch
 
-    proc, rank1 = start_long_run(tmp_path, "--checkpoint_every_n_steps", "1000000")
+    proc, rank1 = start_long_run(tmp_path, "--checkpoint.every_n_steps", "1000000")
     proc.send_signal(signal.SIGTERM)
     code = wait_gone(proc, [proc.pid, rank1], timeout=60)
     assert code == 143

@@ -105,7 +105,7 @@ BAD_INPUTS = [
     (["--devices", "0"], "--trainer.devices"),
     (["--devices", "-2"], "--trainer.devices"),
     (["--devices", "two"], "--trainer.devices"),
-    (["--trainer.accelerator", "gpu"], "--trainer.accelerator"),
+    (["--trainer.accelerator", "mps"], "accelerator"),  # refused on Linux, with or without GPUs
     (["--trainer.strategy", "nonsense"], "strategy"),
     (["--model.dim", "0"], "model.dim"),
     (["--model.dim", "wide"], "model.dim"),

@@ -5,7 +5,7 @@ import re
 import pytest
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
-from lit_ddp.device_map import problems, this_rank
+from lit_ddp.placement import problems, this_rank
 from lit_ddp.fit import build_cli
 from tests.helpers import run_module
 
@@ -117,7 +117,7 @@ def test_single_node_run_listens_on_loopback_only(tmp_path):
 def test_torchrun_restart_resumes_from_last_checkpoint_and_ends_like_an_undisturbed_run(tmp_path):
     import torch
 
-    args = ("--devices", "2", "--model.dim", "64", "--trainer.max_steps", "8", "--checkpoint_every_n_steps", "2",
+    args = ("--devices", "2", "--model.dim", "64", "--trainer.max_steps", "8", "--checkpoint.every_n_steps", "2",
             "--ckpt_path", "auto")  # fmt: skip
     # pytorch#135712 / #167288: a restarted gloo job can hang when the workers share the agent's TCP store.
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}

@@ -36,8 +36,8 @@ def test_fingerprints_see_a_single_bit():
 
 
 def test_bad_arguments_are_refused():
-    with pytest.raises(ValueError, match="every_n_steps=0"):
-        SyncCheck(every_n_steps=0)
+    with pytest.raises(ValueError, match="every_n_steps=-1"):
+        SyncCheck(every_n_steps=-1)
     with pytest.raises(ValueError, match="mode='loud'"):
         SyncCheck(mode="loud")
 

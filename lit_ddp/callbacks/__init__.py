@@ -1,8 +1,22 @@
-"""Callbacks that make DDP visible: loss printing, phase timing, communication accounting, sync checks."""
+"""Callbacks that make DDP visible, in any LightningModule's Trainer: loss printing, the device map, phase
+timing, communication accounting, sync checks."""
 
 from lit_ddp.callbacks.comm_monitor import CommMonitor
+from lit_ddp.callbacks.device_map import DeviceMap
 from lit_ddp.callbacks.loss_monitor import LossMonitor, NonFiniteLossError
 from lit_ddp.callbacks.phase_timer import PhaseTimer
+from lit_ddp.callbacks.run_summary import RunSummary
+from lit_ddp.callbacks.step_sync import StepSync
 from lit_ddp.callbacks.sync_check import SyncCheck, SyncError
 
-__all__ = ["CommMonitor", "LossMonitor", "NonFiniteLossError", "PhaseTimer", "SyncCheck", "SyncError"]
+__all__ = [
+    "CommMonitor",
+    "DeviceMap",
+    "LossMonitor",
+    "NonFiniteLossError",
+    "PhaseTimer",
+    "RunSummary",
+    "StepSync",
+    "SyncCheck",
+    "SyncError",
+]

@@ -2,40 +2,53 @@
 
     python -m lit_ddp.fit --config configs/mini_train_profile.yaml --devices 2
 
-CommMonitor registers a DDP communication hook that performs the all-reduce itself (DDP's own
-``allreduce_hook``, or the strategy's configured hook) and times each bucket: CUDA events on GPUs (recorded
-when the bucket is handed over, and in the future's callback, which runs once the collective is done on
-the device), ``perf_counter`` on CPU. With ``compression`` the bucket is cast to fp16/bf16 *before* the
-timed all-reduce, so the bytes are those on the wire.
+CommMonitor registers a DDP communication hook on the wrapped model (any Lightning DDP strategy: DDP takes
+a hook until the first backward) that performs the all-reduce itself -- DDP's own ``allreduce_hook``, or the
+hook configured on the strategy -- and times each bucket: CUDA events on GPUs (recorded when the bucket is
+handed over, and in the future's callback, which runs once the collective is done on the device),
+``perf_counter`` on CPU. With ``compression`` the bucket is cast to fp16/bf16 *before* the timed all-reduce,
+so the bytes are those on the wire.
 
-Per step: buckets, bytes reduced S, time per bucket, algbw = S / t and busbw = algbw * 2(n-1)/n (the
-nccl-tests definitions), the bytes each rank sends in a ring all-reduce, 2(n-1)/n * S (the notes' "2x the
-parameter size per step"), the time communication was busy, and how much was exposed: the time from the
-moment the last bucket was handed over (backward's compute is done by then) to the end of the last
-all-reduce. Earlier buckets overlap with the remaining backward compute; that part is hidden.
+Per step: buckets, bytes reduced S, each bucket's ready time (from the start of backward to the hand-over),
+time per bucket, algbw = S / t and busbw = algbw * 2(n-1)/n (the nccl-tests definitions), the bytes each rank
+sends in a ring all-reduce, 2(n-1)/n * S (the notes' "2x the parameter size per step"), the time
+communication was busy, and how much was exposed: from the hand-over of the last bucket (backward's compute
+is done by then) to the end of the last all-reduce. Earlier buckets overlap with the remaining backward
+compute; that part is hidden.
 """
 
-import json
-import logging
+import math
 import threading
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from typing_extensions import override
 
-from lit_ddp import report
+from lit_ddp import _lightning, report
 from lit_ddp.callbacks.clock import HostClock, clock_for
-from lit_ddp.strategy import LitDDPStrategy
-
-log = logging.getLogger(__name__)
+from lit_ddp.callbacks.results import gather, say, write_json
 
 COMPRESSION_WRAPPERS = {
     "fp16": default_hooks.fp16_compress_wrapper,
     "bf16": default_hooks.bf16_compress_wrapper,
 }
+
+
+@dataclass
+class BucketTiming:
+    """One bucket's all-reduce in one step, on this rank; marks of the monitor's clock."""
+
+    step: int
+    index: int
+    nbytes: int
+    backward_start: Any
+    start: Any  # handed to the hook: the bucket's gradients are ready
+    end: Any = None  # the all-reduce's future completed
 
 
 class CommMonitor(Callback):
@@ -53,31 +66,52 @@ class CommMonitor(Callback):
         self.filename = filename
         self._clock: Any = HostClock()
         self._step = 0
-        self._lock: threading.Lock | None = None  # made in setup: ddp_spawn pickles callbacks, locks don't pickle
-        self._records: list[tuple[int, int, int, Any, Any]] = []  # step, bucket, bytes, start mark, end mark
+        self._backward_start: Any = None
+        self._lock: Optional[threading.Lock] = None  # made in setup: ddp_spawn pickles callbacks, locks don't
+        self._timings: list[BucketTiming] = []
+        self._hook: Any = None
+
+    @staticmethod
+    def unsupported(trainer: Trainer) -> Optional[str]:
+        """Why this callback cannot work with ``trainer``'s strategy, or None."""
+        strategy = trainer.strategy
+        if not isinstance(strategy, DDPStrategy):
+            return f"CommMonitor times DDP's gradient buckets and needs a DDP strategy, got {type(strategy).__name__}"
+        return None
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        strategy = trainer.strategy
-        if not isinstance(strategy, LitDDPStrategy):
-            raise TypeError(
-                "CommMonitor needs `strategy=LitDDPStrategy(...)` to register its comm hook, "
-                f"got {type(strategy).__name__}"
-            )
-        self._clock = clock_for(strategy.root_device)
+        reason = self.unsupported(trainer)
+        if reason:
+            raise MisconfigurationException(reason)
+        self._clock = clock_for(trainer.strategy.root_device)
         self._lock = threading.Lock()  # gloo completes futures on its own threads
-        strategy.wrap_comm_hook(self._wrap)
+        # Take over the hook the strategy would register (DDP accepts one only) and time it.
+        configured = _lightning.configured_comm_hook(trainer.strategy)
+        hook = configured.hook or default_hooks.allreduce_hook
+        if configured.wrapper is not None:
+            hook = configured.wrapper(hook)
+        _lightning.set_comm_hook(trainer.strategy, None)
+        self._hook = (configured.state, self._timed(hook))
 
-    def _wrap(self, hook):
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        state, hook = self._hook
+        trainer.strategy.model.register_comm_hook(state, hook)
+        self._timings = []
+
+    def _timed(self, hook):
         def timed(state, bucket):
             buffer = bucket.buffer()
-            start = self._clock.mark()
-            record = [self._step, bucket.index(), buffer.numel() * buffer.element_size(), start, None]
+            timing = BucketTiming(
+                self._step, bucket.index(), buffer.numel() * buffer.element_size(), self._backward_start,
+                self._clock.mark(),
+            )  # fmt: skip
 
             def done(fut):
-                record[4] = self._clock.mark()
+                timing.end = self._clock.mark()
                 with self._lock:
-                    self._records.append(tuple(record))
+                    self._timings.append(timing)
                 return fut.value()
 
             return hook(state, bucket).then(done)
@@ -90,44 +124,39 @@ class CommMonitor(Callback):
         self._step = trainer.global_step
 
     @override
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        self._backward_start = self._clock.mark()
+
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        data = self._gather(trainer, pl_module)
-        log_dir = trainer.log_dir  # a broadcast: every rank asks
-        if data is None or not trainer.is_global_zero:
+        data = self._summary(trainer, pl_module)
+        if data is None:
             return
-        log.info(report.comm_table(data))
-        if trainer.logger is not None:
+        write_json(trainer, self.filename, data)
+        say(trainer, report.comm_table(data))
+        if trainer.is_global_zero and trainer.logger is not None:
             for i, step in enumerate(data["steps"]):
-                bucket_ms = data["ms"][0][i]
                 trainer.logger.log_metrics(
                     {
                         "comm/bytes": float(sum(data["bucket_bytes_per_step"][i])),
                         "comm/busy_ms": data["busy_ms"][0][i],
                         "comm/exposed_ms": data["exposed_ms"][0][i],
-                        "comm/max_bucket_ms": max(bucket_ms),
+                        "comm/max_bucket_ms": max(data["ms"][0][i]),
                     },
                     step=step,
                 )
-        if log_dir is not None:
-            path = Path(log_dir) / self.filename
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(data))
 
-    def per_step(self) -> dict[int, list[tuple[int, int, float, float]]]:
-        """This rank's buckets per step: (bucket index, bytes, start ms, end ms), times from the first start."""
-        if self._records:
-            self._clock.wait(max(self._records, key=lambda r: (r[0], r[1]))[4])
-        records = sorted(self._records, key=lambda r: (r[0], r[1]))
-        if not records:
-            return {}
-        origin = records[0][3]
-        steps: dict[int, list] = {}
-        for step, index, nbytes, start, end in records:
-            ms = self._clock.elapsed_ms
-            steps.setdefault(step, []).append((index, nbytes, ms(origin, start), ms(origin, end)))
+    def per_step(self) -> dict[int, list[BucketTiming]]:
+        """This rank's buckets per step, in bucket order, every mark completed."""
+        timings = sorted(self._timings, key=lambda t: (t.step, t.index))
+        if timings:
+            self._clock.wait(timings[-1].end)
+        steps: dict[int, list[BucketTiming]] = {}
+        for timing in timings:
+            steps.setdefault(timing.step, []).append(timing)
         return steps
 
-    def _gather(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any] | None:
+    def _summary(self, trainer: Trainer, pl_module: LightningModule) -> Optional[dict[str, Any]]:
         steps = self.per_step()
         if not steps:
             return None
@@ -135,29 +164,31 @@ class CommMonitor(Callback):
         # became ready; so layouts can differ between steps (never between ranks). Pad to the widest.
         order = sorted(steps)
         width = max(len(b) for b in steps.values())
-        rows = []
+        ms = self._clock.elapsed_ms
+        nan = float("nan")
+        durations, ready, busy, exposed = [], [], [], []
         for s in order:
-            buckets = sorted(steps[s])
-            durations = [end - start for _, _, start, end in buckets]
-            busy = _union_ms([(start, end) for _, _, start, end in buckets])
-            exposed = max(end for *_, end in buckets) - max(start for _, _, start, _ in buckets)
-            rows.append([*durations, *[-1.0] * (width - len(buckets)), busy, exposed])
-        local = torch.tensor(rows, dtype=torch.float64, device=trainer.strategy.root_device)
-        gathered = trainer.strategy.all_gather(local)  # the one collective: [world, steps, width + 2]
-        if gathered.dim() == local.dim():
-            gathered = gathered.unsqueeze(0)
-        per_rank = gathered.cpu().tolist()
+            buckets = steps[s]
+            pad = [nan] * (width - len(buckets))
+            durations.append([ms(b.start, b.end) for b in buckets] + pad)
+            ready.append(
+                [ms(b.backward_start, b.start) if b.backward_start is not None else 0.0 for b in buckets] + pad
+            )
+            spans = [(ms(buckets[0].start, b.start), ms(buckets[0].start, b.end)) for b in buckets]
+            busy.append(_union_ms(spans))
+            exposed.append(max(end for _, end in spans) - max(start for start, _ in spans))
+        gathered = gather(trainer, {"ms": durations, "ready_ms": ready, "busy_ms": busy, "exposed_ms": exposed})
+        for name in ("ms", "ready_ms"):  # drop the padding of steps with fewer buckets
+            gathered[name] = [[[t for t in row if not math.isnan(t)] for row in rank] for rank in gathered[name]]
         return {
             "clock": self._clock.name,
             "world_size": trainer.world_size,
             "compression": self.compression,
             "steps": order,
-            "bucket_bytes_per_step": [[nbytes for _, nbytes, _, _ in sorted(steps[s])] for s in order],
-            "bucket_bytes": [nbytes for _, nbytes, _, _ in sorted(steps[order[-1]])],  # the final layout
+            "bucket_bytes_per_step": [[b.nbytes for b in steps[s]] for s in order],
+            "bucket_bytes": [b.nbytes for b in steps[order[-1]]],  # the final layout
             "param_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad),
-            "ms": [[[t for t in row[:width] if t >= 0] for row in rank] for rank in per_rank],
-            "busy_ms": [[row[width] for row in rank] for rank in per_rank],
-            "exposed_ms": [[row[width + 1] for row in rank] for rank in per_rank],
+            **gathered,
         }
 
 

@@ -2,64 +2,56 @@
 
     python -m lit_ddp.fit --config configs/mini_train_profile.yaml --devices 2
 
-Boundaries, in Lightning's hook order for automatic optimization (checked against lightning 2.6: the
-optimizer's ``step(closure)`` runs the closure -- training_step, zero_grad, backward -- then
-``on_before_optimizer_step``, then the update)::
+Marks, in Lightning's order for automatic optimization (checked against lightning 2.6: the optimizer's
+``step(closure)`` runs the closure -- training_step, zero_grad, backward -- then ``on_before_optimizer_step``,
+then the update)::
 
-    on_train_batch_start                       step starts, forward starts
+    on_train_batch_start                       step starts
+    forward pre-hook of the (DDP-)wrapped model  forward starts  (Lightning's own work before it -> "other")
       training_step                            forward
-    on_before_zero_grad                        forward ends   (zero_grad -> "other")
+    on_before_zero_grad                        forward ends    (zero_grad -> "other")
     on_before_backward                         backward starts
       loss.backward()                          backward, including DDP's wait for the last all-reduce
     on_after_backward                          backward ends
-    on_before_optimizer_step                   update starts  (hooks in between -> "other")
-      Adam's update
+    on_before_optimizer_step                   update starts   (hooks in between -> "other")
+      the optimizer's update
     optimizer step post-hook                   update ends
-    on_train_batch_end                         step ends
-
-PhaseTimer moves itself first in the callback list, so other callbacks' batch-end work (a sync check, the
-loss print) falls between steps and is not counted.
+    next on_train_batch_start (or train end)   step ends: everything done per step counts, whatever the
+                                               order of the callbacks
 
 ``other`` is the step minus the three phases, so the phases add up to the step. On CUDA the marks are CUDA
 events resolved without blocking once they complete (see ``clock.py``); on CPU, ``perf_counter``. Per-rank
 timings are all-gathered once, at the end of training, written to ``phases.json`` in the run's log dir,
-logged as ``time/{forward,backward,update,step}_ms`` and summarised by rank 0 in one table.
+logged as ``time/{forward,backward,update,other,step}_ms`` and summarised by rank 0 in one table, with a
+roofline: FLOPs counted once by ``torch.utils.flop_counter`` on the real batch, the optimizer's bytes from its
+real state (``lit_ddp.roofline``).
 """
 
-import json
-import logging
-from pathlib import Path
+from dataclasses import astuple, dataclass
 from typing import Any, Optional
 
 import torch
 from jsonargparse.typing import NonNegativeInt, PositiveFloat
 from lightning.pytorch import Callback, LightningModule, Trainer
-from torch import nn
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_ddp import report
+from lit_ddp import report, roofline
 from lit_ddp.callbacks.clock import HostClock, clock_for
+from lit_ddp.callbacks.results import gather, say, write_json
 
-log = logging.getLogger(__name__)
-
-BOUNDARIES = ("start", "forward_end", "backward_start", "backward_end", "update_start", "update_end", "end")
-
-
-def linear_flops(model: nn.Module, rows: int) -> tuple[int, int]:
-    """FLOPs of forward and backward for the ``nn.Linear`` layers of ``model`` on ``rows`` input rows.
-
-    Forward: one matmul per layer, ``2 * rows * in * out``. Backward: the weight gradient ``x^T @ dy`` for
-    every layer, and the input gradient ``dy @ W`` for every layer but the first, whose input needs none.
-    Bias terms are O(rows * out) and left out.
-    """
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    per_layer = [2 * rows * m.in_features * m.out_features for m in linears]
-    return sum(per_layer), sum(per_layer) + sum(per_layer[1:])
+BOUNDARIES = ("start", "forward_start", "forward_end", "backward_start", "backward_end", "update_start", "update_end")
 
 
-def adam_bytes(model: nn.Module) -> int:
-    """Bytes Adam moves per step: reads param, grad, exp_avg, exp_avg_sq; writes param, exp_avg, exp_avg_sq."""
-    return sum(7 * p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+@dataclass(frozen=True)
+class StepPhases:
+    """One step's phases on one rank, in milliseconds; ``other`` = ``step`` minus the three phases."""
+
+    forward: float
+    backward: float
+    update: float
+    other: float
+    step: float
 
 
 class PhaseTimer(Callback):
@@ -67,8 +59,10 @@ class PhaseTimer(Callback):
 
     Args:
         print_steps: Rank 0 prints the notes' per-step breakdown for the first ``print_steps`` steps.
-        peak_tflops: Peak matmul TFLOP/s of one device; when given, the roofline shows the fraction reached.
-        peak_gbps: Peak memory bandwidth (GB/s) of one device, for the update's fraction of peak.
+        peak_tflops: Peak matmul TFLOP/s of one device, for the roofline's fraction of peak. By default the
+            datasheet figure of a known GPU for the parameters' dtype (``lit_ddp.roofline.GPU_PEAKS``).
+        peak_gbps: Peak memory bandwidth (GB/s) of one device, for the update's fraction of peak; by default
+            that of a known GPU.
         filename: Name of the JSON written in the run's log dir.
     """
 
@@ -89,31 +83,45 @@ class PhaseTimer(Callback):
         self.peak_gbps = peak_gbps
         self.filename = filename
         self._clock: Any = HostClock()
+        self._step = -1
         self._marks: dict[str, Any] = {}
         self._pending: list[tuple[int, dict[str, Any]]] = []  # steps whose marks are not resolved yet
-        self._ms: dict[int, list[float]] = {}  # step -> [forward, backward, update, other, step] in ms
+        self._phases: dict[int, StepPhases] = {}
+        self._flops: Optional[roofline.StepFlops] = None
+        self._counted = False
         self._rows = 0
-        self._hook_handle: Any = None
-
-    @override
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        # First in the list: the step starts before, and ends before, the other callbacks' batch hooks, so a
-        # sync check or loss printing between steps is not counted as part of the step.
-        trainer.callbacks.remove(self)
-        trainer.callbacks.insert(0, self)
+        self._handles: list[Any] = []
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._clock = clock_for(trainer.strategy.root_device)
-        self._pending, self._ms = [], {}
-        # The update ends when the optimizer's step() returns: Lightning has no hook there.
-        self._hook_handle = trainer.optimizers[0].register_step_post_hook(self._on_optimizer_step_end)
+        self._pending, self._phases, self._marks, self._flops, self._counted = [], {}, {}, None, False
+        # Lightning has no hook where the forward starts (after its own batch handling) nor where the
+        # optimizer's step() returns: a forward pre-hook on the model Lightning calls, a step post-hook.
+        self._handles = [
+            trainer.strategy.model.register_forward_pre_hook(self._on_forward_start),
+            trainer.optimizers[0].register_step_post_hook(self._on_optimizer_step_end),
+        ]
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._marks = {"start": self._clock.mark()}
-        self._rows = len(batch[0])
+        if not self._counted:
+            # Once, on the real batch, before the first step's marks: FlopCounterMode runs an extra forward and
+            # backward that must not count as step 0.
+            self._counted, self._rows = True, _rows(batch)
+            try:
+                self._flops = roofline.count_step_flops(pl_module, batch, batch_idx)
+            except Exception as err:  # an exotic model must not stop training for a roofline
+                rank_zero_warn(f"PhaseTimer: no roofline, counting FLOPs failed: {type(err).__name__}: {err}")
+            self._marks = {}  # the count's forward went through the forward pre-hook
+        mark = self._clock.mark()
+        self._close_step(mark)
+        self._step = trainer.global_step
+        self._marks = {"start": mark}
         self._resolve(trainer, block=False)
+
+    def _on_forward_start(self, module, args) -> None:
+        self._marks.setdefault("forward_start", self._clock.mark())
 
     @override
     def on_before_zero_grad(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
@@ -138,26 +146,29 @@ class PhaseTimer(Callback):
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
-        self._marks["end"] = self._clock.mark()
-        self._marks.setdefault("update_end", self._marks["end"])
+        if "update_start" in self._marks:  # an optimizer without step post-hooks: the update ends by here
+            self._marks.setdefault("update_end", self._clock.mark())
+
+    def _close_step(self, end_mark: Any) -> None:
+        """The step that was running ends where the next one starts (or training ends)."""
+        if not self._marks:
+            return
+        self._marks.setdefault("forward_start", self._marks["start"])
         if all(b in self._marks for b in BOUNDARIES):  # a skipped optimizer step has no phases to report
-            self._pending.append((trainer.global_step - 1, self._marks))
-        self._resolve(trainer, block=False)
+            self._pending.append((self._step, {**self._marks, "end": end_mark}))
+        self._marks = {}
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._hook_handle is not None:
-            self._hook_handle.remove()
+        self._close_step(self._clock.mark())
+        for handle in self._handles:
+            handle.remove()
         self._resolve(trainer, block=True)
-        data = self._gather(trainer, pl_module)
-        log_dir = trainer.log_dir  # a broadcast: every rank asks
-        if data is None or not trainer.is_global_zero:
+        data = self._summary(trainer, pl_module)
+        if data is None:
             return
-        log.info(report.phase_table(data))
-        if log_dir is not None:
-            path = Path(log_dir) / self.filename
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(data))
+        write_json(trainer, self.filename, data)
+        say(trainer, report.phase_table(data))
 
     def _resolve(self, trainer: Trainer, block: bool) -> None:
         """Turns marks into milliseconds, oldest first, as far as they have completed."""
@@ -169,45 +180,60 @@ class PhaseTimer(Callback):
                 return
             self._pending.pop(0)
             ms = self._clock.elapsed_ms
-            forward = ms(marks["start"], marks["forward_end"])
+            forward = ms(marks["forward_start"], marks["forward_end"])
             backward = ms(marks["backward_start"], marks["backward_end"])
             update = ms(marks["update_start"], marks["update_end"])
             total = ms(marks["start"], marks["end"])
-            self._ms[step] = [forward, backward, update, total - forward - backward - update, total]
+            self._phases[step] = StepPhases(forward, backward, update, total - forward - backward - update, total)
             self._publish(trainer, step)
 
     def _publish(self, trainer: Trainer, step: int) -> None:
-        if not trainer.is_global_zero:
-            return
-        values = self._ms[step]
+        phases = self._phases[step]
         if step < self.print_steps:
-            log.info(report.format_step(step, values))
-        if trainer.logger is not None:
+            say(trainer, report.format_step(step, phases.forward, phases.backward, phases.update))
+        if trainer.is_global_zero and trainer.logger is not None:
             names = ("time/forward_ms", "time/backward_ms", "time/update_ms", "time/other_ms", "time/step_ms")
-            trainer.logger.log_metrics(dict(zip(names, values, strict=True)), step=step)
+            trainer.logger.log_metrics(dict(zip(names, astuple(phases), strict=True)), step=step)
 
-    def _gather(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any] | None:
-        steps = sorted(self._ms)
+    def _summary(self, trainer: Trainer, pl_module: LightningModule) -> Optional[dict[str, Any]]:
+        steps = sorted(self._phases)
         if not steps:
             return None
-        local = torch.tensor([self._ms[s] for s in steps], dtype=torch.float64, device=trainer.strategy.root_device)
-        gathered = trainer.strategy.all_gather(local)  # the one collective: [world, steps, phases]
-        if gathered.dim() == local.dim():
-            gathered = gathered.unsqueeze(0)
-        forward_flop, backward_flop = linear_flops(pl_module, self._rows)
+        per_rank = gather(trainer, {"ms": [list(astuple(self._phases[s])) for s in steps]})["ms"]
+        device = trainer.strategy.root_device
+        param = next((p for p in pl_module.parameters() if p.requires_grad), None)
+        peak = roofline.peak_for(_device_name(device), param.dtype if param is not None else torch.float32)
+        flops = self._flops or roofline.StepFlops(0, 0)
         return {
             "clock": self._clock.name,
-            "device": str(trainer.strategy.root_device),
+            "device": str(device),
+            "device_name": _device_name(device),
             "world_size": trainer.world_size,
             "phases": list(report.PHASES),
             "steps": steps,
-            "ms": gathered.cpu().tolist(),
+            "ms": per_rank,
             "roofline": {
                 "rows_per_rank": self._rows,
-                "forward_flop": forward_flop,
-                "backward_flop": backward_flop,
-                "update_bytes": adam_bytes(pl_module),
-                "peak_tflops": self.peak_tflops,
-                "peak_gbps": self.peak_gbps,
+                "forward_flop": flops.forward,
+                "backward_flop": flops.backward,
+                "update_bytes": roofline.optimizer_update_bytes(trainer.optimizers[0]),
+                "peak_tflops": self.peak_tflops or (peak.tflops if peak else None),
+                "peak_gbps": self.peak_gbps or (peak.gbps if peak else None),
+                "peak_label": "given" if self.peak_tflops or self.peak_gbps else (peak.label if peak else None),
             },
         }
+
+
+def _rows(batch: Any) -> int:
+    """Samples in the batch: the first dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return len(batch)
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)) and batch:
+        return _rows(batch[0])
+    return 0
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type

@@ -3,30 +3,28 @@
     python -m lit_ddp.fit --devices 2 --sync_check.every_n_steps 1 --sync_check.check_grads true
 
 At fit start: the optimizer holds exactly the DDP-wrapped module's parameters (the notes' "optimizer after
-wrapping" pitfall), the device map is printed with its pitfalls, and all ranks start from the same weights
-(DDP's initial broadcast). After every ``every_n_steps``-th step and the last: all ranks hold bitwise-equal
-parameters. Optionally, after backward: bitwise-equal gradients (the all-reduce happened).
+wrapping" pitfall), and all ranks start from the same weights (DDP's initial broadcast). After every
+``every_n_steps``-th step and the last: all ranks hold bitwise-equal parameters. Optionally, after
+backward: bitwise-equal gradients (the all-reduce happened).
 
-A check costs one pass over the parameters and one small all-gather: two fingerprints per parameter (the
-wrapping integer sum of its raw bits, which any single-bit difference changes, and its float sum). Only on
-a mismatch are the offending tensors gathered, for the report. Every rank takes the same decision from the
+A check after a step costs one pass over the parameters and two numbers in the step's one collective
+(``StepSync``): the model's fingerprint, built from two per parameter (the wrapping integer sum of its raw
+bits, which any single-bit difference changes, and its float sum). Only on a mismatch are the per-parameter
+fingerprints and then the offending tensors gathered, for the report. Every rank takes the same decision from the
 same gathered data, so every rank raises the same ``SyncError`` and none is left waiting in a collective.
 """
 
-import logging
 from typing import Literal
 
 import torch
-import torch.distributed as dist
-from jsonargparse.typing import PositiveInt
+from jsonargparse.typing import NonNegativeInt
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lit_ddp import device_map
-
-log = logging.getLogger(__name__)
+from lit_ddp.callbacks.results import is_last_step, say
+from lit_ddp.callbacks.step_sync import StepSync
 
 MAX_REPORTED = 5  # offending tensors gathered and named in one report
 
@@ -48,25 +46,33 @@ def fingerprints(tensors: list[Tensor]) -> Tensor:
     return torch.stack(rows)
 
 
+def model_fingerprint(tensors: list[Tensor]) -> Tensor:
+    """``[2]`` int64 for all ``tensors`` at once: their bit sums weighted by position (so that two swapped
+    tensors differ too) and the sum of their float sums' bits, both wrapping."""
+    per_tensor = fingerprints(tensors)  # [n, 2]
+    weights = torch.arange(1, len(tensors) + 1, dtype=torch.int64, device=per_tensor.device)
+    return torch.stack([(per_tensor[:, 0] * weights).sum(), per_tensor[:, 1].sum()])
+
+
 class SyncCheck(Callback):
     """Checks that all ranks hold identical parameters (and, optionally, gradients) during training.
 
     Args:
-        every_n_steps: Check the weights after every n-th step; the last step is always checked.
+        every_n_steps: Check the weights after every n-th step; the last step is always checked (0: only it).
         check_grads: Also check the gradients after backward, before the optimizer step.
         mode: ``raise`` stops the job with ``SyncError`` on every rank; ``warn`` reports and goes on.
-        check_setup: At fit start, check the optimizer/DDP parameter identity and print the device map.
+        check_setup: At fit start, check that the optimizer holds the DDP-wrapped module's parameters.
     """
 
     def __init__(
         self,
-        every_n_steps: PositiveInt = 1,
+        every_n_steps: NonNegativeInt = 1,
         check_grads: bool = False,
         mode: Literal["raise", "warn"] = "raise",
         check_setup: bool = True,
     ) -> None:
-        if every_n_steps < 1:
-            raise ValueError(f"`SyncCheck(every_n_steps={every_n_steps!r})` must be >= 1")
+        if every_n_steps < 0:
+            raise ValueError(f"`SyncCheck(every_n_steps={every_n_steps!r})` must be >= 0")
         if mode not in ("raise", "warn"):
             raise ValueError(f"`SyncCheck(mode={mode!r})` must be 'raise' or 'warn'")
         self.every_n_steps = every_n_steps
@@ -80,7 +86,6 @@ class SyncCheck(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.check_setup:
             self._check_optimizer_holds_wrapped_params(trainer)
-            self._print_device_map(trainer)
         self._compare(trainer, pl_module, "weights", "before the first step")
 
     @override
@@ -89,21 +94,37 @@ class SyncCheck(Callback):
             self._compare(trainer, pl_module, "gradients", f"at step {trainer.global_step}")
 
     @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._sync = StepSync.attach(trainer)
+
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
         step = trainer.global_step - 1
-        last = trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps
-        if last or step % self.every_n_steps == 0:
-            self._compare(trainer, pl_module, "weights", f"after step {step}")
+        last = is_last_step(trainer, batch_idx)
+        if trainer.world_size == 1 or not (last or (self.every_n_steps and step % self.every_n_steps == 0)):
+            return
+        # One row per rank in the step's collective: the whole model's fingerprint. Only when rows differ are
+        # the per-parameter fingerprints gathered, to name the parameters and ranks.
+        params = [p for p in pl_module.parameters() if p.requires_grad]
+        row = model_fingerprint(params).view(torch.float64)
+
+        def compare(gathered: torch.Tensor) -> None:
+            bits = gathered.contiguous().view(torch.int64)
+            if (bits != bits[0]).any():  # every rank sees the same rows: all take this branch together
+                self._compare(trainer, pl_module, "weights", f"after step {step}")
             self._last_checked_step = step
+
+        self._sync.put("sync_check", row, compare)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._last_checked_step is None or not trainer.is_global_zero:
+        if self._last_checked_step is None:
             return
         n_params = sum(p.numel() for p in pl_module.parameters())
-        log.info(
+        say(
+            trainer,
             f"weights in sync across {trainer.world_size} ranks after step {self._last_checked_step}: "
-            f"max |diff| = {self._max_diff:g} ({n_params:,} parameters)"
+            f"max |diff| = {self._max_diff:g} ({n_params:,} parameters)",
         )
 
     def _compare(self, trainer: Trainer, pl_module: LightningModule, what: str, when: str) -> None:
@@ -141,17 +162,3 @@ class SyncCheck(Callback):
                 f"the optimizer holds {stray} tensor(s) that are not parameters of the DDP-wrapped module: "
                 "it was created before wrapping, and DDP's broadcast and all-reduce never reach it"
             )
-
-    def _print_device_map(self, trainer: Trainer) -> None:
-        row = device_map.this_rank(
-            trainer.global_rank, trainer.local_rank, trainer.node_rank, trainer.strategy.root_device
-        )
-        rows: list = [None] * trainer.world_size
-        if dist.is_available() and dist.is_initialized():
-            dist.all_gather_object(rows, row)
-        else:
-            rows = [row]
-        if trainer.is_global_zero:
-            log.info(device_map.format_table(rows))
-            for problem in device_map.problems(rows):
-                rank_zero_warn(f"device map: {problem}")

@@ -1,6 +1,6 @@
 """Which rank runs on which device, and the notes' device-indexing pitfalls, checked on hand-made maps too.
 
-    python -m lit_ddp.fit --devices 2      # SyncCheck prints the map once, at fit start
+    python -m lit_ddp.fit --devices 2      # the DeviceMap callback prints the map once, at fit start
 
 The notes: under Slurm, either ``CUDA_VISIBLE_DEVICES=$SLURM_LOCALID`` and ``set_device(0)``, or all devices
 visible and ``device_ids=[local_rank]``; "never mix the two, or device indexing skews". The rules below flag

@@ -1,0 +1,108 @@
+"""Every private Lightning name that lit_ddp relies on, in one place, each with what it relies on.
+
+    pytest tests/test_private_apis.py      # fails loudly, naming the name, when the installed Lightning changed
+
+Tested with lightning 2.6 (pyproject allows >=2.6,<2.7). ``lit_ddp/strategy.py`` overrides three private
+methods of ``DDPStrategy`` (``_configure_launcher``, ``_setup_model``, ``_register_ddp_hooks``); everything else
+private is reached through the functions below and nowhere else. ``PRIVATE_NAMES`` lists them all for the test.
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Optional
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+
+class PrivateName(NamedTuple):
+    owner: Any
+    name: str
+    why: str
+
+
+PRIVATE_NAMES = [
+    PrivateName(DDPStrategy, "_configure_launcher", "LitDDPStrategy tells its ranks who launched them"),
+    PrivateName(DDPStrategy, "_setup_model", "LitDDPStrategy wraps DDP on the current CUDA stream"),
+    PrivateName(DDPStrategy, "_register_ddp_hooks", "LitDDPStrategy registers comm hooks on gloo too"),
+    PrivateName(DDPStrategy, "_ddp_comm_hook", "the hook, wrapper and state given to DDPStrategy(...)"),
+    PrivateName(DDPStrategy, "_ddp_comm_wrapper", "see _ddp_comm_hook"),
+    PrivateName(DDPStrategy, "_ddp_comm_state", "see _ddp_comm_hook"),
+    PrivateName(DDPStrategy, "_launcher", "the launcher the strategy configured (None in launched ranks)"),
+    PrivateName(DDPStrategy, "_start_method", "the start method the launcher is configured with"),
+    PrivateName(_SubprocessScriptLauncher, "procs", "the `ddp` launcher's Popen list of ranks 1..N-1"),
+    PrivateName(_MultiProcessingLauncher, "procs", "the ddp_spawn/fork launcher's processes"),
+    PrivateName(_SignalConnector, "_sigterm_notifier_fn", "the SIGTERM handler Lightning registers in fit"),
+    PrivateName(Trainer, "_signal_connector", "the trainer's signal connector"),
+    PrivateName(_TrainingEpochLoop, "_broadcast_sigterm_tensor", "Lightning's per-step SIGTERM broadcast"),
+    PrivateName(LightningCLI, "_get", "reads a (possibly subcommand-nested) key of the parsed config"),
+    PrivateName(None, "_register_ddp_comm_hook", "Lightning's helper that registers hook + wrapper on DDP"),
+]
+
+
+def is_lightning_launcher(launcher: Any) -> bool:
+    """The ``ddp`` (popen) and ``ddp_spawn``/``ddp_fork`` launchers start ranks themselves; torchrun/Slurm don't."""
+    return isinstance(launcher, (_SubprocessScriptLauncher, _MultiProcessingLauncher))
+
+
+def launched_ranks(strategy: DDPStrategy) -> Optional[list]:
+    """The ``ddp`` launcher's child processes (ranks 1..N-1 of this node), or None under any other launcher."""
+    launcher = strategy._launcher
+    return launcher.procs if isinstance(launcher, _SubprocessScriptLauncher) else None
+
+
+def launched_pids(strategy: DDPStrategy) -> list[int]:
+    """Pids of the ranks this process started, under any Lightning launcher (empty before launch)."""
+    launcher = strategy._launcher
+    return [p.pid for p in launcher.procs] if is_lightning_launcher(launcher) else []
+
+
+def trains_in_children(strategy: DDPStrategy) -> bool:
+    """``ddp_fork``/``ddp_spawn``: this process only launches and waits; every rank is a child process."""
+    return isinstance(strategy._launcher, _MultiProcessingLauncher)
+
+
+class CommHook(NamedTuple):
+    hook: Optional[Callable]
+    wrapper: Optional[Callable]
+    state: Any
+
+
+def configured_comm_hook(strategy: DDPStrategy) -> CommHook:
+    """The comm hook, wrapper and state given to ``DDPStrategy(ddp_comm_hook=..., ...)``."""
+    return CommHook(strategy._ddp_comm_hook, strategy._ddp_comm_wrapper, strategy._ddp_comm_state)
+
+
+def set_comm_hook(strategy: DDPStrategy, hook: Optional[Callable], wrapper: Optional[Callable] = None) -> None:
+    """Replaces the hook Lightning will register when it wraps the model (``strategy.setup``)."""
+    strategy._ddp_comm_hook, strategy._ddp_comm_wrapper = hook, wrapper
+
+
+def register_comm_hook(model: Any, state: Any, hook: Optional[Callable], wrapper: Optional[Callable]) -> None:
+    """Lightning's helper: ``model.register_comm_hook(state, wrapper(hook))`` with its checks."""
+    _register_ddp_comm_hook(model, ddp_comm_state=state, ddp_comm_hook=hook, ddp_comm_wrapper=wrapper)
+
+
+def replace_sigterm_notifier(trainer: Trainer, notifier: Callable) -> None:
+    """Lightning registers ``_sigterm_notifier_fn`` as its SIGTERM handler in ``fit``; set before that (``setup``)."""
+    trainer._signal_connector._sigterm_notifier_fn = notifier
+
+
+def disable_sigterm_broadcast(trainer: Trainer) -> None:
+    """Lightning 2.6 broadcasts the SIGTERM flag at the top of every step and reads it on the host
+    (lightning#21487; lightning#21640 would make it ``broadcast_sigterm_every_n_steps``, unmerged). The
+    caller carries the flag in its own per-step collective instead."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+        raise RuntimeError("lightning changed: _TrainingEpochLoop._broadcast_sigterm_tensor is gone")
+    epoch_loop._broadcast_sigterm_tensor = lambda: None
+
+
+def cli_get(cli: LightningCLI, config: Any, key: str, default: Any = None) -> Any:
+    """``LightningCLI._get``: ``config[key]``, looking inside the subcommand when there is one."""
+    return cli._get(config, key, default=default)

@@ -1,0 +1,119 @@
+"""One small collective per step for everything the tool's callbacks need from every rank.
+
+    python -m lit_ddp.fit --devices 2       # the loss, the NaN flag, SIGTERM and the sync check ride together
+
+LossMonitor puts its loss and non-finite flag, SyncCheck its weights' fingerprint, and every rank its
+SIGTERM flag into one float64 row; one ``all_gather`` (no barrier) gives every rank every row, and every rank
+takes the same decisions from the same data. A step on which nobody puts anything and no SIGTERM check is
+due has no collective at all. The gathered rows are read on the host only on such steps, so on GPUs the tool
+adds no host sync to the other steps.
+
+SIGTERM: Lightning 2.6 broadcasts its SIGTERM flag from rank 0 at the top of every step and reads it on the
+host (lightning#21487), and broadcasts from inside its signal handler too, which can interleave with the main
+thread's collectives and hang. StepSync replaces both (through ``lit_ddp._lightning``): the handler only sets a
+flag (and forwards the signal to the ranks Lightning launched), the flag rides in the step's row, and when any
+rank has it every rank sets ``trainer.should_stop`` at the same step and ``stopped_by_sigterm``: training ends
+after that step as if finished (``LastCheckpoint`` saves it), and the caller decides the exit
+(``python -m lit_ddp.fit`` exits 143). Lightning's own path raises ``SIGTERMException`` (a ``SystemExit``)
+inside the ranks instead, which leaves a ``ddp_fork``/``ddp_spawn`` parent waiting forever for rank 0's result.
+
+The callbacks that need it find or add the one StepSync of a Trainer (``StepSync.attach``).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from jsonargparse.typing import PositiveInt
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import Tensor
+from typing_extensions import override
+
+from lit_ddp import _lightning
+
+
+@dataclass
+class _Slot:
+    values: Tensor  # this rank's values, 1-D float64 on the root device
+    on_result: Callable[[Tensor], None]  # called with [world_size, width] float64 on the CPU
+
+
+class StepSync(Callback):
+    """Carries per-step values of every rank to every rank in one ``all_gather``, and SIGTERM with them.
+
+    Args:
+        sigterm_every_n_steps: Check for SIGTERM at least every n steps (a step that gathers anyway always
+            checks). Between checks a step that nobody else needs has no collective and no host read.
+    """
+
+    def __init__(self, sigterm_every_n_steps: PositiveInt = 10) -> None:
+        if sigterm_every_n_steps < 1:
+            raise ValueError(f"`StepSync(sigterm_every_n_steps={sigterm_every_n_steps!r})` must be >= 1")
+        self.sigterm_every_n_steps = sigterm_every_n_steps
+        self._slots: dict[str, _Slot] = {}
+        self._sigterm = False
+        self.stopped_by_sigterm = False
+        self.collectives = 0  # how many per-step collectives ran (for tests and benchmarks)
+
+    @staticmethod
+    def attach(trainer: Trainer) -> "StepSync":
+        """The Trainer's StepSync, added to its callbacks if it has none (call from a callback's ``setup``)."""
+        for callback in trainer.callbacks:
+            if isinstance(callback, StepSync):
+                return callback
+        sync = StepSync()
+        trainer.callbacks.append(sync)  # Lightning iterates trainer.callbacks afresh for every hook
+        sync.setup(trainer, trainer.lightning_module, "fit")
+        return sync
+
+    def put(self, key: str, values: list[float] | Tensor, on_result: Callable[[Tensor], None]) -> None:
+        """Adds this rank's ``values`` for this step; after the step's collective (in this callback's
+        ``on_train_batch_end``, after those of the callbacks before it) ``on_result`` gets every rank's values,
+        ``[world_size, len(values)]``, on the CPU. Every rank must put the same keys and widths."""
+        device = self._device
+        row = values.detach().reshape(-1) if isinstance(values, Tensor) else torch.tensor(values)
+        self._slots[key] = _Slot(row.to(device=device, dtype=torch.float64), on_result)
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if getattr(self, "_set_up", False):
+            return
+        self._set_up = True
+        self._device = trainer.strategy.root_device
+
+        def notify(signum, frame) -> None:
+            launcher = trainer.strategy.launcher
+            if not self._sigterm and launcher is not None:
+                launcher.kill(signum)  # the ranks this one launched get it too
+            self._sigterm = True
+
+        _lightning.replace_sigterm_notifier(trainer, notify)
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.world_size > 1:
+            _lightning.disable_sigterm_broadcast(trainer)
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
+        slots, self._slots = self._slots, {}
+        if trainer.world_size == 1:  # nothing to exchange: every value is already here
+            sigterm = self._sigterm
+            for slot in slots.values():
+                slot.on_result(slot.values.reshape(1, -1).cpu())
+        else:
+            if not slots and trainer.global_step % self.sigterm_every_n_steps:
+                return
+            row = torch.cat([torch.tensor([float(self._sigterm)], dtype=torch.float64, device=self._device)] +
+                            [slot.values for slot in slots.values()])  # fmt: skip
+            gathered = trainer.strategy.all_gather(row).reshape(trainer.world_size, -1).cpu()  # the host read
+            self.collectives += 1
+            sigterm = bool(gathered[:, 0].any())
+            start = 1
+            for slot in slots.values():
+                width = slot.values.numel()
+                slot.on_result(gathered[:, start : start + width])
+                start += width
+        if sigterm:  # the same decision on every rank, at the same step
+            self.stopped_by_sigterm = True
+            trainer.should_stop = True

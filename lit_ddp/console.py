@@ -1,0 +1,59 @@
+"""What ``python -m lit_ddp.fit`` shows: the notes' lines on stdout, without Lightning's start-up banners.
+
+    python -m lit_ddp.fit --trainer.enable_model_summary true --trainer.profiler simple   # both still shown
+
+The callbacks speak through Lightning's rank-zero logging (``rank_zero_info``), as Lightning's own callbacks
+do, so they print in any script. Here that logging goes to stdout, and a filter drops the banners *by their
+text*: setting Lightning's loggers to WARNING would also hide the model summary and profiler report a user
+asked for.
+"""
+
+import logging
+import re
+import sys
+import warnings
+
+# Lightning's lines that say nothing about this run that the tool does not say better.
+BANNERS = re.compile(
+    r"^(\[rank: \d+\] )?(GPU available:|TPU available:|HPU available:|IPU available:|💡 Tip:"
+    r"|Initializing distributed:|-{10,}|distributed_backend=|LOCAL_RANK: \d+ - CUDA_VISIBLE_DEVICES"
+    r"|`Trainer.fit` stopped: `max_(steps|epochs)=\d+` reached"
+    r"|Using default `ModelCheckpoint`|You are using a CUDA device .* Tensor Cores|Seed set to \d+)"
+)
+
+NOISY_WARNINGS = (
+    # One fixed batch is the point of the experiment: no workers, no sampler.
+    ".*does not have many workers.*",
+    ".*Total length of .* across ranks is zero.*",
+    ".*The number of training batches .* is smaller than the logging interval.*",
+    ".*Checkpoint directory .* exists and is not empty.*",
+    # The ddp_fork parent loads rank 0's final weights from the temporary file rank 0 wrote for it.
+    ".*`weights_only` was not set, defaulting to `False`.*",
+    # `cli_main` always passes the (expanded) argv as `args`.
+    ".*LightningCLI's args parameter is intended to run from within Python.*",
+    # Lightning 2.6 against newer torch's pytree and collectives APIs; nothing a user can act on.
+    ".*torch.distributed.nn.functional.all_gather is deprecated.*",
+    r".*isinstance\(treespec, LeafSpec\)` is deprecated.*",
+)
+
+
+class DropBanners(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not BANNERS.match(record.getMessage())
+
+
+def setup() -> None:
+    """Lightning's and lit_ddp's log lines to stdout, bare, banners dropped; known-noise warnings off."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.addFilter(DropBanners())
+    for name in ("lightning.pytorch", "lightning.fabric", "lit_ddp"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    # torch's spawn logs "Terminating process N via signal SIGTERM" for each rank it stops after another failed;
+    # the failed rank's own line says what happened.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    for pattern in NOISY_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)

@@ -1,0 +1,189 @@
+"""A run's life around ``trainer.fit``: who launched a rank, dying with the launcher, a loopback rendezvous,
+naming a dead rank, tearing the process group down, and the exit codes of ``python -m lit_ddp.fit``
+(SIGTERM itself travels with the step's collective: ``lit_ddp.callbacks.step_sync``).
+
+    python -m lit_ddp.fit --devices 2      # then: kill -TERM <pid>  -> every rank stops at one step, exit 143
+
+Exit codes: 0 done; 1 a rank failed (``SyncError``, ``NonFiniteLossError``, any other error); 2 bad input,
+reported in one line before any rank starts; 143 (128 + SIGTERM) stopped by SIGTERM.
+"""
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import ClusterEnvironment, LightningEnvironment
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+from lit_ddp import _lightning
+from lit_ddp.callbacks import NonFiniteLossError, SyncError
+
+PROG = "lit-ddp-fit"
+# The launcher's pid, written into the environment the ranks it starts inherit (see mark_launcher).
+LAUNCHER_PID_ENV = "LIT_DDP_LAUNCHER_PID"
+
+
+class UsageError(Exception):
+    """Bad command line, config or checkpoint: one line on stderr and exit 2, before any rank is started."""
+
+
+def mark_launcher(strategy) -> None:
+    """Called when the strategy configures its launcher: the ranks this process is about to start will know
+    their launcher's pid (and only those: torchrun's and Slurm's ranks start elsewhere)."""
+    if (
+        _lightning.is_lightning_launcher(strategy.launcher)
+        and not strategy.cluster_environment.creates_processes_externally
+    ):
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+
+
+def follow_launcher(environment: ClusterEnvironment) -> None:
+    """A rank that Lightning started dies with its launcher.
+
+    Lightning's child observer (``ddp``) runs in rank 0 and watches the children only, and torch's spawn
+    (``ddp_spawn``) watches from the parent: if that process dies, the ranks it started would wait in a
+    collective until the timeout, or train on, or hang on forever. A stale value inherited by a torchrun or
+    Slurm rank is ignored: those have their own environments.
+    """
+    launcher_pid = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher_pid is None or int(launcher_pid) == os.getpid() or type(environment) is not LightningEnvironment:
+        return
+    if sys.platform == "linux":
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+        if os.getppid() != int(launcher_pid):  # the launcher died before the call above
+            os._exit(1)
+
+
+def init_loopback_process_group(
+    backend: str, rank: int, world_size: int, port: int, timeout: timedelta, device: torch.device
+) -> None:
+    """The process group of a one-machine run, its rendezvous store listening on 127.0.0.1 only.
+
+    Through ``env://`` the rank-0 TCPStore listens on every interface, and torch's SECURITY.md warns that its
+    distributed features accept connections from anywhere.
+    """
+    listen_fd = None
+    if rank == 0:
+        server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+        listen_fd = server.detach()  # the store owns the descriptor from here on
+    store = dist.TCPStore(
+        "127.0.0.1", port, world_size, is_master=rank == 0, timeout=timeout, master_listen_fd=listen_fd
+    )
+    # device_id binds the NCCL communicator to this rank's GPU up front (no "using the device under current
+    # context" guess in barrier()); gloo takes none.
+    device_id = device if device.type == "cuda" else None
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
+    )
+
+
+class ExitedRank(NamedTuple):
+    rank: int
+    code: int
+
+
+def stop_launched_ranks(strategy, first_rank: int, wait_s: float = 1.0) -> list[ExitedRank]:
+    """On a failure in rank 0 of the ``ddp`` launcher: name the launched ranks that exited with an error, then
+    kill the rest. Lightning kills them only on KeyboardInterrupt, so a hung rank would outlive rank 0, whose
+    own error is often just "connection reset by peer". Waits up to ``wait_s`` for a dead rank to be reaped."""
+    procs = _lightning.launched_ranks(strategy)
+    if not procs:
+        return []
+    deadline = time.monotonic() + wait_s
+    while True:
+        exited = [ExitedRank(first_rank + i, p.poll()) for i, p in enumerate(procs)]
+        exited = [e for e in exited if e.code not in (None, 0)]
+        if exited or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    for dead in exited:
+        print(f"{PROG}: rank {dead.rank} exited with code {dead.code}", file=sys.stderr)
+    strategy.launcher.kill(signal.SIGKILL)
+    return exited
+
+
+@contextmanager
+def launcher_forwards_sigterm(strategy) -> Iterator[None]:
+    """Around ``fit`` in a process that only launches ranks and waits (``ddp_fork``/``ddp_spawn``): SIGTERM is
+    passed on to the ranks, which stop together at a step boundary and save ``last.ckpt``, and ``fit`` then
+    ends in ``SIGTERMException`` here too. Elsewhere (the ``ddp`` launcher's rank 0, torchrun) the process trains
+    itself and Lightning's signal handling, through ``StepSync``, applies."""
+    if not _lightning.trains_in_children(strategy):
+        yield
+        return
+    received: list[int] = []
+
+    def forward(signum, frame) -> None:
+        received.append(signum)
+        for pid in _lightning.launched_pids(strategy):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    sys.stdout.flush()  # a fork copies unflushed buffers into every rank
+    sys.stderr.flush()
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if received:
+        raise SIGTERMException()
+
+
+def teardown_process_group() -> None:
+    """Lightning leaves the process group alive, and gloo's threads then die in interpreter teardown
+    ("terminate called without an active exception", SIGABRT, seen under torchrun). Every rank is past its
+    last collective: destroy the group while everything is still alive (pytorch#75097: barrier first)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def exit_code(run: Callable[[], object]) -> int:
+    """Runs ``run`` and turns its outcome into the exit code and the one line a user reads."""
+    try:
+        run()
+    except UsageError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    except SIGTERMException:
+        # Lightning's SIGTERMException subclasses SystemExit with no code, i.e. exit 0: a preempted job would
+        # look like a finished one. 128 + SIGTERM is what a shell reports for a terminated process.
+        if rank_zero_only.rank == 0:
+            print(f"{PROG}: stopped by SIGTERM", file=sys.stderr)
+        return 143
+    except (SyncError, NonFiniteLossError) as err:
+        # Raised on every rank at the same step; one report is enough.
+        if rank_zero_only.rank == 0:
+            print(f"{PROG}: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    except ProcessRaisedException as err:  # a rank that ddp_fork/ddp_spawn started raised; err.msg: its traceback
+        kind, _, message = err.msg.strip().splitlines()[-1].partition(": ")
+        name = kind.rpartition(".")[2]
+        if name in (SyncError.__name__, NonFiniteLossError.__name__):
+            print(f"{PROG}: {name}: {message}", file=sys.stderr)
+        else:
+            print(err.msg.strip(), file=sys.stderr)
+            print(f"{PROG}: rank {err.error_index} exited with code 1: {name}: {message}", file=sys.stderr)
+        return 1
+    except ProcessExitedException as err:  # ... or died
+        how = f"signal {err.signal_name}" if err.signal_name else f"code {err.exit_code}"
+        print(f"{PROG}: rank {err.error_index} exited with {how}", file=sys.stderr)
+        return 1
+    return 0

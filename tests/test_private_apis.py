@@ -1,0 +1,59 @@
+"""Every private Lightning name lit_ddp relies on still exists in the installed Lightning.
+
+When one of these fails, Lightning changed under us: the message names the name and what lit_ddp uses it for
+(``lit_ddp/_lightning.py``); adapt that module (and pyproject's lightning range) before anything else.
+"""
+
+import inspect
+
+import lightning
+import pytest
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+from lit_ddp import _lightning
+
+
+def has_name(owner, name: str) -> bool:
+    if owner is None:
+        return hasattr(_lightning, name)
+    if hasattr(owner, name):
+        return True
+    # Instance attributes set in __init__ (or in the methods that set them) show in the class's source.
+    return any(f"self.{name} " in line or f"self.{name}:" in line for line in inspect.getsource(owner).splitlines())
+
+
+@pytest.mark.parametrize(
+    "private", _lightning.PRIVATE_NAMES, ids=lambda p: f"{getattr(p.owner, '__name__', '')}.{p.name}"
+)
+def test_private_name_still_exists(private):
+    assert has_name(private.owner, private.name), (
+        f"lightning {lightning.__version__} has no {getattr(private.owner, '__name__', 'module')}.{private.name}; "
+        f"lit_ddp relies on it: {private.why}"
+    )
+
+
+def test_the_loop_still_broadcasts_sigterm_where_step_sync_disables_it():
+    source = inspect.getsource(_TrainingEpochLoop.advance)
+    assert "self._broadcast_sigterm_tensor()" in source, "Lightning's per-step SIGTERM broadcast moved"
+
+
+def test_the_signal_handler_is_still_the_one_step_sync_replaces():
+    source = inspect.getsource(_SignalConnector.register_signal_handlers)
+    assert "self._sigterm_notifier_fn" in source, "Lightning registers another SIGTERM handler now"
+
+
+def test_launchers_still_keep_their_processes():
+    for launcher in (_SubprocessScriptLauncher, _MultiProcessingLauncher):
+        assert "self.procs" in inspect.getsource(launcher), f"{launcher.__name__} no longer has .procs"
+
+
+def test_ddp_strategy_keeps_the_hook_and_wraps_in_the_methods_we_override():
+    source = inspect.getsource(DDPStrategy)
+    for name in ("_ddp_comm_hook", "_ddp_comm_wrapper", "_ddp_comm_state", "_start_method", "_launcher"):
+        assert f"self.{name} = " in source, f"DDPStrategy no longer sets {name}"
+    for method in ("_configure_launcher", "_setup_model", "_register_ddp_hooks"):
+        assert method in DDPStrategy.__dict__, f"DDPStrategy.{method} is gone: LitDDPStrategy overrides it"

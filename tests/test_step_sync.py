@@ -1,0 +1,69 @@
+"""StepSync: at most one small collective per step, none when nothing needs it, and no barrier."""
+
+import json
+
+import pytest
+import torch.distributed as dist
+from lightning.pytorch import Callback
+
+from lit_ddp import FixedBatchDataModule, LinearRegression
+from lit_ddp.callbacks import LossMonitor, StepSync, SyncCheck
+
+COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "barrier", "reduce")
+
+
+class CountCollectives(Callback):
+    """Counts Python-level torch.distributed calls from the start of step 1 to the end of training, per rank.
+    (DDP's own gradient all-reduce runs in its C++ reducer and is not counted.)"""
+
+    def __init__(self, out_dir):
+        self.out_dir = out_dir
+        self.counts = dict.fromkeys(COLLECTIVES, 0)
+        self.counting = False
+
+    def setup(self, trainer, pl_module, stage):
+        for name in COLLECTIVES:
+            original = getattr(dist, name)
+
+            def counted(*args, _name=name, _original=original, **kwargs):
+                if self.counting:
+                    self.counts[_name] += 1
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.counting = trainer.global_step >= 1  # step 0 has DDP's and the sync check's start-up work
+
+    def on_train_end(self, trainer, pl_module):
+        self.counting = False
+        sync = next(c for c in trainer.callbacks if isinstance(c, StepSync))
+        result = {"counts": self.counts, "steps": trainer.global_step - 1, "collectives": sync.collectives}
+        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+def run(make_trainer, tmp_path, callbacks, steps=6):
+    trainer = make_trainer(max_steps=steps, callbacks=[*callbacks, CountCollectives(tmp_path)])
+    trainer.fit(LinearRegression(dim=16), FixedBatchDataModule(dim=16, batch_size=4))
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_loss_nan_check_and_sync_check_share_one_all_gather_per_step(make_trainer, tmp_path):
+    ranks = run(make_trainer, tmp_path, [LossMonitor(every_n_steps=1), SyncCheck(every_n_steps=1)])
+    for rank in ranks:
+        assert rank["steps"] == 5  # counted steps 1..5
+        assert rank["counts"] == {**dict.fromkeys(COLLECTIVES, 0), "all_gather": 5}, rank["counts"]
+        assert rank["collectives"] == 6  # steps 0..5
+
+
+def test_nothing_due_means_no_collective(make_trainer, tmp_path):
+    quiet = [LossMonitor(every_n_steps=0, check_finite=False), SyncCheck(every_n_steps=0), StepSync(100)]
+    ranks = run(make_trainer, tmp_path, quiet)
+    for rank in ranks:
+        # Only the sync check after the last step gathers; no SIGTERM check is due before step 100.
+        assert rank["counts"] == {**dict.fromkeys(COLLECTIVES, 0), "all_gather": 1}, rank["counts"]
+
+
+def test_bad_argument_is_refused():
+    with pytest.raises(ValueError, match="sigterm_every_n_steps=0"):
+        StepSync(sigterm_every_n_steps=0)

@@ -51,15 +51,52 @@ def phase_table(data: dict[str, Any]) -> str:
         slowest = max(range(len(per_rank)), key=per_rank.__getitem__)
         rows.append((phase, fmt_ms(warmup), fmt_ms(statistics.median(pooled)), fmt_ms(min(pooled)), fmt_ms(max(pooled)),
                      f"rank {slowest}: {fmt_ms(per_rank[slowest])}"))  # fmt: skip
+    header = ["phase", "step 0", "median", "min", "max", "slowest rank (median)"]
+    busy = data.get("busy_ms")  # [rank][profiled step][phase], GPU kernel time inside each phase
+    if busy:
+        header.append("GPU busy (rank 0)")
+        rows = [(*row, fmt_ms(statistics.median(step[p] for step in busy[0]))) for p, row in enumerate(rows)]
     n_steady = len(_steady(ms[0]))
-    title = (f"Phase times ({data['clock']}), {len(ms)} rank(s), step 0 = warm-up, "
+    title = (f"Phase times, {CLOCKS.get(data['clock'], data['clock'])}; {len(ms)} rank(s), step 0 = warm-up, "
              f"then {n_steady} steady step(s):")  # fmt: skip
-    header = ("phase", "step 0", "median", "min", "max", "slowest rank (median)")
-    text = title + "\n" + _table(header, rows)
-    roofline = data.get("roofline")
-    if roofline:
+    text = title + "\n" + _table(tuple(header), rows)
+    if data.get("roofline"):
         text += "\n" + roofline_table(data)
-    return text
+    return text + "\n" + verdict(data)
+
+
+CLOCKS = {
+    "perf_counter": "host clock (perf_counter)",
+    "cuda_event": "CUDA events (device time between the marks, idle gaps included)",
+}
+
+HINTS = {
+    "forward": "a larger batch per rank or fewer, larger ops",
+    "backward": "more overlap of the all-reduce with backward (smaller buckets; see the all-reduce table)",
+    "update": "a fused or foreach optimizer (--model.fused true)",
+    "other": "less per-step Python: callbacks, logging, printing every step",
+}
+
+
+def verdict(data: dict[str, Any]) -> str:
+    """One line: what bounds the step, and what would help."""
+    steps = [step[PHASES.index("step")] for step in _steady(data["ms"][0])]
+    step_ms = statistics.median(steps)
+    busy = data.get("busy_ms")
+    if busy:
+        share = statistics.median(step[PHASES.index("step")] for step in busy[0]) / step_ms if step_ms else 0.0
+        if share >= 0.8:
+            return (f"Verdict: GPU-bound: the GPU was busy {share:.0%} of the step; lower precision (bf16), "
+                    "fewer FLOPs or faster kernels would help")  # fmt: skip
+        return (f"Verdict: host-bound: the GPU was busy {share:.0%} of the step; larger batches, fewer kernel "
+                "launches (fused Adam, CUDA graphs) or less per-step Python would help")  # fmt: skip
+    if data["clock"] == "cuda_event":
+        return "Verdict: unknown: GPU-busy time was not measured (PhaseTimer(kernel_steps=0))"
+    shares = {
+        p: statistics.median(step[i] for step in _steady(data["ms"][0])) / step_ms for i, p in enumerate(PHASES[:4])
+    }
+    top = max(shares, key=shares.get)
+    return f"Verdict: a CPU run (no device to idle): {top} is {shares[top]:.0%} of the step; {HINTS[top]} would help"
 
 
 def roofline_table(data: dict[str, Any]) -> str:
@@ -113,39 +150,64 @@ def comm_table(data: dict[str, Any]) -> str:
 
 
 def plot(phases: dict[str, Any], comm: dict[str, Any] | None, out: Path) -> Path:
-    """Stacked phase bars per step (rank 0) and per rank (steady medians), communication marked."""
+    """Left: stacked phase bars per step (rank 0). Right: a timeline of one steady step per rank: the phases as
+    segments, each bucket's all-reduce as a segment below them, its exposed part (after backward) hatched."""
     # The Figure API, not pyplot: no backend switch and no global state, so this also works inside a notebook
     # without breaking its inline plots.
     from matplotlib.figure import Figure
 
     ms = phases["ms"]
     colors = {"forward": "#4C72B0", "backward": "#DD8452", "update": "#55A868", "other": "#BBBBBB"}
-    fig = Figure(figsize=(12, 4.5))
-    ax_step, ax_rank = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 1]})
+    fig = Figure(figsize=(13, 4.5))
+    ax_step, ax_line = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 2]})
     steps = phases["steps"]
-    per_rank = [[statistics.median(s[i] for s in _steady(rank)) for i in range(len(PHASES))] for rank in ms]
-    for ax, series, xs in ((ax_step, ms[0], steps), (ax_rank, per_rank, list(range(len(ms))))):
-        bottom = [0.0] * len(series)
-        for i, phase in enumerate(PHASES[:4]):
-            heights = [max(row[i], 0.0) for row in series]
-            ax.bar(xs, heights, bottom=bottom, color=colors[phase], label=phase)
-            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-        ax.set_ylabel("ms")
-    if comm is not None:
-        busy, exposed = comm["busy_ms"][0], comm["exposed_ms"][0]
-        ax_step.plot(steps, busy, "k_", markersize=14, markeredgewidth=2, label="all-reduce (busy)")
-        ax_step.plot(steps, exposed, "r_", markersize=14, markeredgewidth=2, label="all-reduce (exposed)")
-        comm_per_rank = [statistics.median(_steady(r)) for r in comm["busy_ms"]]
-        ax_rank.plot(range(len(comm_per_rank)), comm_per_rank, "k_", markersize=14, markeredgewidth=2)
-    ax_step.set_title(f"per step, rank 0 ({phases['clock']})")
-    ax_step.set_xlabel("step")
-    ax_rank.set_title("per rank, steady median")
-    ax_rank.set_xlabel("rank")
-    ax_rank.set_xticks(range(len(ms)))
+    bottom = [0.0] * len(steps)
+    for i, phase in enumerate(PHASES[:4]):
+        heights = [max(row[i], 0.0) for row in ms[0]]
+        ax_step.bar(steps, heights, bottom=bottom, color=colors[phase], label=phase)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    ax_step.set(title=f"per step, rank 0 ({phases['clock']})", xlabel="step", ylabel="ms")
     ax_step.legend(loc="upper right", fontsize=8)
+    if "offsets_ms" in phases:
+        _timeline(ax_line, phases, comm, colors)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     return out
+
+
+def _timeline(ax, phases: dict[str, Any], comm: dict[str, Any] | None, colors: dict[str, str]) -> None:
+    """One steady step per rank (the step whose rank-0 time is the median), ms from the step's start."""
+    steady = _steady(list(range(len(phases["steps"]))))
+    by_time = sorted(steady, key=lambda i: phases["ms"][0][i][PHASES.index("step")])
+    index = by_time[len(by_time) // 2]
+    at = {name: i for i, name in enumerate(phases["boundaries"])}
+    spans = (("forward", "forward_start", "forward_end"), ("backward", "backward_start", "backward_end"),
+             ("update", "update_start", "update_end"))  # fmt: skip
+    for rank, offsets in enumerate(phases["offsets_ms"]):
+        marks = offsets[index]
+        y = 2 * rank
+        ax.broken_barh([(0, marks[at["end"]])], (y + 0.55, 0.4), color=colors["other"])
+        for phase, start, end in spans:
+            ax.broken_barh([(marks[at[start]], marks[at[end]] - marks[at[start]])], (y + 0.55, 0.4),
+                           color=colors[phase], label=phase if rank == 0 else None)  # fmt: skip
+        if comm is None or index >= len(comm["ms"][rank]):
+            continue
+        backward_start, backward_end = marks[at["backward_start"]], marks[at["backward_end"]]
+        ready, durations = comm["ready_ms"][rank][index], comm["ms"][rank][index]
+        last_ready = backward_start + max(ready)
+        for b, (r, d) in enumerate(zip(ready, durations, strict=True)):
+            start, end = backward_start + r, backward_start + r + d
+            ax.broken_barh([(start, d)], (y + 0.05, 0.4), facecolor="#8172B3", edgecolor="white",
+                           label="all-reduce (one per bucket)" if rank == 0 and b == 0 else None)  # fmt: skip
+            if end > last_ready:  # what runs after the last gradient is ready is not hidden under compute
+                lo = max(start, last_ready)
+                ax.broken_barh([(lo, end - lo)], (y + 0.05, 0.4), facecolor="none", edgecolor="#C44E52",
+                               hatch="///", label="exposed" if rank == 0 and b == 0 else None)  # fmt: skip
+        ax.vlines(backward_end, y, y + 1, color="#888888", lw=0.8)  # backward's compute ends
+    ax.set_yticks([2 * r + 0.5 for r in range(len(phases["offsets_ms"]))])
+    ax.set_yticklabels([f"rank {r}" for r in range(len(phases["offsets_ms"]))])
+    ax.set(title=f"timeline of step {phases['steps'][index]} (the median step)", xlabel="ms from the step's start")
+    ax.legend(loc="upper right", fontsize=8)
 
 
 def load(run_dir: Path) -> tuple[dict | None, dict | None]:

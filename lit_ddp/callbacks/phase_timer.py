@@ -87,6 +87,7 @@ class PhaseTimer(Callback):
         self._marks: dict[str, Any] = {}
         self._pending: list[tuple[int, dict[str, Any]]] = []  # steps whose marks are not resolved yet
         self._phases: dict[int, StepPhases] = {}
+        self._offsets: dict[int, list[float]] = {}  # step -> each boundary after "start", ms from the start
         self._flops: Optional[roofline.StepFlops] = None
         self._counted = False
         self._rows = 0
@@ -95,7 +96,8 @@ class PhaseTimer(Callback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._clock = clock_for(trainer.strategy.root_device)
-        self._pending, self._phases, self._marks, self._flops, self._counted = [], {}, {}, None, False
+        self._pending, self._phases, self._offsets, self._marks = [], {}, {}, {}
+        self._flops, self._counted = None, False
         # Lightning has no hook where the forward starts (after its own batch handling) nor where the
         # optimizer's step() returns: a forward pre-hook on the model Lightning calls, a step post-hook.
         self._handles = [
@@ -185,6 +187,7 @@ class PhaseTimer(Callback):
             update = ms(marks["update_start"], marks["update_end"])
             total = ms(marks["start"], marks["end"])
             self._phases[step] = StepPhases(forward, backward, update, total - forward - backward - update, total)
+            self._offsets[step] = [ms(marks["start"], marks[b]) for b in (*BOUNDARIES[1:], "end")]
             self._publish(trainer, step)
 
     def _publish(self, trainer: Trainer, step: int) -> None:
@@ -199,7 +202,10 @@ class PhaseTimer(Callback):
         steps = sorted(self._phases)
         if not steps:
             return None
-        per_rank = gather(trainer, {"ms": [list(astuple(self._phases[s])) for s in steps]})["ms"]
+        gathered = gather(
+            trainer,
+            {"ms": [list(astuple(self._phases[s])) for s in steps], "offsets_ms": [self._offsets[s] for s in steps]},
+        )
         device = trainer.strategy.root_device
         param = next((p for p in pl_module.parameters() if p.requires_grad), None)
         peak = roofline.peak_for(_device_name(device), param.dtype if param is not None else torch.float32)
@@ -211,7 +217,10 @@ class PhaseTimer(Callback):
             "world_size": trainer.world_size,
             "phases": list(report.PHASES),
             "steps": steps,
-            "ms": per_rank,
+            "ms": gathered["ms"],
+            # [rank][step][boundary]: ms from the step's start to each of BOUNDARIES[1:] and the step's end
+            "offsets_ms": gathered["offsets_ms"],
+            "boundaries": [*BOUNDARIES[1:], "end"],
             "roofline": {
                 "rows_per_rank": self._rows,
                 "forward_flop": flops.forward,

@@ -15,11 +15,17 @@ from lit_ddp.callbacks.results import say
 
 
 class RunSummary(Callback):
-    """Rank 0 says how many steps ran on how many ranks, where, how long since this callback was made, and
-    where the logs are."""
+    """Rank 0 says how many steps ran on how many ranks, where, the wall time, and where the logs are.
+
+    The wall time runs from the callback's creation, or from ``measure_from(t0)``: ``time.perf_counter()``
+    of the process that launched the ranks (forked ranks share its clock).
+    """
 
     def __init__(self) -> None:
-        self._start = time.perf_counter()  # inherited by forked ranks: the same clock
+        self._start = time.perf_counter()
+
+    def measure_from(self, t0: float) -> None:
+        self._start = t0
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

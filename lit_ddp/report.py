@@ -57,17 +57,17 @@ def phase_table(data: dict[str, Any]) -> str:
         header.append("GPU busy (rank 0)")
         rows = [(*row, fmt_ms(statistics.median(step[p] for step in busy[0]))) for p, row in enumerate(rows)]
     n_steady = len(_steady(ms[0]))
-    title = (f"Phase times, {CLOCKS.get(data['clock'], data['clock'])}; {len(ms)} rank(s), step 0 = warm-up, "
-             f"then {n_steady} steady step(s):")  # fmt: skip
+    clock = data["clock"] + CLOCKS.get(data["clock"], "")
+    title = f"Phase times ({clock}), {len(ms)} rank(s), step 0 = warm-up, then {n_steady} steady step(s):"
     text = title + "\n" + _table(tuple(header), rows)
     if data.get("roofline"):
         text += "\n" + roofline_table(data)
     return text + "\n" + verdict(data)
 
 
-CLOCKS = {
-    "perf_counter": "host clock (perf_counter)",
-    "cuda_event": "CUDA events (device time between the marks, idle gaps included)",
+CLOCKS = {  # what each clock's times mean
+    "perf_counter": ": host time",
+    "cuda_event": ": device time between the marks, idle gaps included",
 }
 
 HINTS = {

@@ -42,7 +42,7 @@ def test_callbacks_print_once_in_a_plain_script(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout + result.stderr  # Lightning's own log handler writes to stderr
     for line in (
-        "Phase times (perf_counter), 2 rank(s), step 0 = warm-up, then 3 steady step(s):",
+        "Phase times (perf_counter: host time), 2 rank(s), step 0 = warm-up, then 3 steady step(s):",
         "Roofline (rank 0, steady median):",
         "Gradient all-reduce per step (2 ranks, compression none, rank 0, steady median):",
         "weights in sync across 2 ranks after step 3: max |diff| = 0 (1,692,200 parameters)",

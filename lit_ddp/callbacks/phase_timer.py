@@ -38,8 +38,10 @@ from typing_extensions import override
 
 from lit_ddp import report, roofline
 from lit_ddp.callbacks.clock import HostClock, clock_for
+from lit_ddp.callbacks.kernels import KernelRecorder, busy_ms
 from lit_ddp.callbacks.results import gather, say, write_json
 
+FIRST_PROFILED_STEP = 2  # after the warm-up step and one more (allocator, DDP's bucket rebuild)
 BOUNDARIES = ("start", "forward_start", "forward_end", "backward_start", "backward_end", "update_start", "update_end")
 
 
@@ -64,6 +66,8 @@ class PhaseTimer(Callback):
         peak_gbps: Peak memory bandwidth (GB/s) of one device, for the update's fraction of peak; by default
             that of a known GPU.
         filename: Name of the JSON written in the run's log dir.
+        kernel_steps: Profile this many steady steps (from step 2) with ``torch.profiler`` to measure the GPU's
+            busy time inside each phase (``lit_ddp.callbacks.kernels``). ``None``: 3 on CUDA, 0 elsewhere.
     """
 
     def __init__(
@@ -72,7 +76,10 @@ class PhaseTimer(Callback):
         peak_tflops: Optional[PositiveFloat] = None,
         peak_gbps: Optional[PositiveFloat] = None,
         filename: str = "phases.json",
+        kernel_steps: Optional[NonNegativeInt] = None,
     ) -> None:
+        if kernel_steps is not None and kernel_steps < 0:
+            raise ValueError(f"`PhaseTimer(kernel_steps={kernel_steps!r})` must be >= 0")
         if print_steps < 0:
             raise ValueError(f"`PhaseTimer(print_steps={print_steps!r})` must be >= 0")
         for name, value in (("peak_tflops", peak_tflops), ("peak_gbps", peak_gbps)):
@@ -82,6 +89,9 @@ class PhaseTimer(Callback):
         self.peak_tflops = peak_tflops
         self.peak_gbps = peak_gbps
         self.filename = filename
+        self.kernel_steps = kernel_steps
+        self._recorder: Optional[KernelRecorder] = None
+        self._busy: list[list[float]] = []  # per profiled step: GPU-busy ms of forward, backward, update, other, step
         self._clock: Any = HostClock()
         self._step = -1
         self._marks: dict[str, Any] = {}
@@ -98,6 +108,15 @@ class PhaseTimer(Callback):
         self._clock = clock_for(trainer.strategy.root_device)
         self._pending, self._phases, self._offsets, self._marks = [], {}, {}, {}
         self._flops, self._counted = None, False
+        self._busy, self._recorder = [], None
+        kernel_steps = (
+            self.kernel_steps if self.kernel_steps is not None else (3 if self._clock.name == "cuda_event" else 0)
+        )
+        if kernel_steps and self._clock.name != "cuda_event":
+            rank_zero_warn(f"PhaseTimer(kernel_steps={kernel_steps}) measures GPU kernels: off without CUDA")
+        elif kernel_steps:
+            self._recorder = KernelRecorder(trainer.strategy.root_device)
+        self._profiled = range(FIRST_PROFILED_STEP, FIRST_PROFILED_STEP + kernel_steps)
         # Lightning has no hook where the forward starts (after its own batch handling) nor where the
         # optimizer's step() returns: a forward pre-hook on the model Lightning calls, a step post-hook.
         self._handles = [
@@ -116,40 +135,53 @@ class PhaseTimer(Callback):
             except Exception as err:  # an exotic model must not stop training for a roofline
                 rank_zero_warn(f"PhaseTimer: no roofline, counting FLOPs failed: {type(err).__name__}: {err}")
             self._marks = {}  # the count's forward went through the forward pre-hook
-        mark = self._clock.mark()
+        step = trainer.global_step
+        if self._recorder is not None and step == self._profiled.start:
+            self._recorder.start()
+        mark = self._mark("start")
         self._close_step(mark)
-        self._step = trainer.global_step
+        if self._recorder is not None and self._recorder.active and step not in self._profiled:
+            self._busy = _busy_per_step(*self._recorder.stop())
+        self._step = step
         self._marks = {"start": mark}
         self._resolve(trainer, block=False)
 
+    def _mark(self, boundary: str) -> Any:
+        if self._recorder is not None and self._recorder.active:
+            self._recorder.mark(boundary)
+        return self._clock.mark()
+
+    def _mark_once(self, boundary: str) -> None:
+        if boundary not in self._marks:
+            self._marks[boundary] = self._mark(boundary)
+
     def _on_forward_start(self, module, args) -> None:
-        self._marks.setdefault("forward_start", self._clock.mark())
+        self._mark_once("forward_start")
 
     @override
     def on_before_zero_grad(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
-        self._marks.setdefault("forward_end", self._clock.mark())
+        self._mark_once("forward_end")
 
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
-        mark = self._clock.mark()
-        self._marks.setdefault("forward_end", mark)  # no zero_grad (e.g. accumulation): forward ends here
-        self._marks["backward_start"] = mark
+        self._mark_once("forward_end")  # no zero_grad (e.g. accumulation): forward ends here
+        self._marks["backward_start"] = self._mark("backward_start")
 
     @override
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._marks["backward_end"] = self._clock.mark()
+        self._marks["backward_end"] = self._mark("backward_end")
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
-        self._marks["update_start"] = self._clock.mark()
+        self._marks["update_start"] = self._mark("update_start")
 
     def _on_optimizer_step_end(self, optimizer, args, kwargs) -> None:
-        self._marks["update_end"] = self._clock.mark()
+        self._marks["update_end"] = self._mark("update_end")
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
         if "update_start" in self._marks:  # an optimizer without step post-hooks: the update ends by here
-            self._marks.setdefault("update_end", self._clock.mark())
+            self._mark_once("update_end")
 
     def _close_step(self, end_mark: Any) -> None:
         """The step that was running ends where the next one starts (or training ends)."""
@@ -162,7 +194,9 @@ class PhaseTimer(Callback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._close_step(self._clock.mark())
+        self._close_step(self._mark("start"))
+        if self._recorder is not None and self._recorder.active:
+            self._busy = _busy_per_step(*self._recorder.stop())
         for handle in self._handles:
             handle.remove()
         self._resolve(trainer, block=True)
@@ -202,10 +236,13 @@ class PhaseTimer(Callback):
         steps = sorted(self._phases)
         if not steps:
             return None
-        gathered = gather(
-            trainer,
-            {"ms": [list(astuple(self._phases[s])) for s in steps], "offsets_ms": [self._offsets[s] for s in steps]},
-        )
+        columns = {
+            "ms": [list(astuple(self._phases[s])) for s in steps],
+            "offsets_ms": [self._offsets[s] for s in steps],
+        }
+        if self._busy:  # every rank profiled the same steps
+            columns["busy_ms"] = self._busy
+        gathered = gather(trainer, columns)
         device = trainer.strategy.root_device
         param = next((p for p in pl_module.parameters() if p.requires_grad), None)
         peak = roofline.peak_for(_device_name(device), param.dtype if param is not None else torch.float32)
@@ -221,6 +258,7 @@ class PhaseTimer(Callback):
             # [rank][step][boundary]: ms from the step's start to each of BOUNDARIES[1:] and the step's end
             "offsets_ms": gathered["offsets_ms"],
             "boundaries": [*BOUNDARIES[1:], "end"],
+            **({"busy_ms": gathered["busy_ms"]} if "busy_ms" in gathered else {}),
             "roofline": {
                 "rows_per_rank": self._rows,
                 "forward_flop": flops.forward,
@@ -231,6 +269,29 @@ class PhaseTimer(Callback):
                 "peak_label": "given" if self.peak_tflops or self.peak_gbps else (peak.label if peak else None),
             },
         }
+
+
+def _busy_per_step(marks: list[tuple[str, float]], kernels: list[tuple[float, float]]) -> list[list[float]]:
+    """GPU-busy ms of forward, backward, update, other and the whole step, for each profiled step: the
+    kernels between the step's markers (``kernels.busy_ms``). A step runs from one "start" marker to the next."""
+    starts = [i for i, (name, _) in enumerate(marks) if name == "start"]
+    steps = []
+    for first, last in zip(starts, starts[1:], strict=False):
+        at = {name: t for name, t in marks[first:last]}
+        if not all(b in at for b in BOUNDARIES):
+            continue
+        end = marks[last][1]
+        phases = [
+            busy_ms(kernels, at[a], at[b])
+            for a, b in (
+                ("forward_start", "forward_end"),
+                ("backward_start", "backward_end"),
+                ("update_start", "update_end"),
+            )
+        ]
+        step = busy_ms(kernels, at["start"], end)
+        steps.append([*phases, step - sum(phases), step])
+    return steps
 
 
 def _rows(batch: Any) -> int:

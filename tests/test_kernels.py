@@ -1,0 +1,47 @@
+"""GPU-busy time per phase: the interval arithmetic on hand-made kernels, and the profiler path where it runs."""
+
+import pytest
+import torch
+
+from lit_ddp.callbacks.kernels import KernelRecorder, busy_ms
+from lit_ddp.callbacks.phase_timer import _busy_per_step
+
+
+def test_busy_is_the_union_of_kernels_clipped_to_the_window():
+    kernels = [(0.0, 1.0), (0.5, 2.0), (3.0, 4.0), (9.0, 12.0)]
+    assert busy_ms(kernels, 0.0, 10.0) == pytest.approx(2.0 + 1.0 + 1.0)  # overlap counted once, tail clipped
+    assert busy_ms(kernels, 1.5, 3.5) == pytest.approx(0.5 + 0.5)
+    assert busy_ms(kernels, 5.0, 8.0) == 0.0  # idle window
+    assert busy_ms([], 0.0, 1.0) == 0.0
+
+
+def step_marks(t0: float) -> list[tuple[str, float]]:
+    return [(name, t0 + dt) for name, dt in (("start", 0), ("forward_start", 1), ("forward_end", 3),
+            ("backward_start", 4), ("backward_end", 8), ("update_start", 9), ("update_end", 10))]  # fmt: skip
+
+
+def test_busy_per_step_splits_kernels_into_phases():
+    marks = [*step_marks(0.0), *step_marks(12.0), ("start", 24.0)]
+    # step 0: forward busy 1 of 2 ms, backward 4 of 4, update 0.5, plus 1 ms of kernels between phases
+    kernels = [(1.0, 2.0), (4.0, 8.0), (9.0, 9.5), (10.5, 11.5), (13.0, 15.0)]
+    steps = _busy_per_step(marks, kernels)
+    assert len(steps) == 2
+    assert steps[0] == pytest.approx([1.0, 4.0, 0.5, 1.0, 6.5])
+    assert steps[1] == pytest.approx([2.0, 0.0, 0.0, 0.0, 2.0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_recorder_finds_its_markers_and_the_kernels_between_them():
+    recorder = KernelRecorder(torch.device("cuda"))
+    a = torch.randn(2048, 2048, device="cuda")
+    torch.cuda.synchronize()
+    recorder.start()
+    recorder.mark("start")
+    for _ in range(5):
+        a = a @ a / 2048
+    recorder.mark("end")
+    torch.cuda.synchronize()
+    marks, kernels = recorder.stop()
+    assert [name for name, _ in marks] == ["start", "end"]
+    busy = busy_ms(kernels, marks[0][1], marks[1][1])
+    assert 0 < busy <= marks[1][1] - marks[0][1] + 1e-6

@@ -14,7 +14,6 @@ rank. Bad input is reported as one line with exit code 2 before any rank is star
 """
 
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -23,6 +22,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+import lit_ddp
 from lit_ddp import console, lifecycle
 from lit_ddp.arguments import check_devices, expand_shorthands
 from lit_ddp.callbacks import DeviceMap, LossMonitor, RunSummary, StepSync, SyncCheck
@@ -116,13 +116,12 @@ def _one_line(err: BaseException) -> str:
 
 def cli_main(args: Optional[list[str]] = None) -> LitDDPCLI:
     """Parses ``args`` (``sys.argv[1:]`` when ``None``), builds the Trainer and runs ``fit``."""
-    start = time.perf_counter()
     console.setup()
     cli = build_cli(sys.argv[1:] if args is None else list(args))
     hparams = {**cli.model.hparams, **cli.datamodule.hparams}
     for callback in cli.trainer.callbacks:
         if isinstance(callback, RunSummary):
-            callback.measure_from(start)
+            callback.measure_from(lit_ddp.STARTED)
     ckpt_path = resume_path(cli.config.ckpt_path, Path(cli.config.checkpoint.dirpath), hparams)
     with lifecycle.launcher_forwards_sigterm(cli.trainer.strategy):
         cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path, weights_only=True)

@@ -3,16 +3,17 @@
 import pytest
 import torch
 
-from lit_ddp.callbacks.kernels import KernelRecorder, busy_ms
+from lit_ddp.callbacks.kernels import KernelRecorder, union_ms
 from lit_ddp.callbacks.phase_timer import _busy_per_step
 
 
 def test_busy_is_the_union_of_kernels_clipped_to_the_window():
     kernels = [(0.0, 1.0), (0.5, 2.0), (3.0, 4.0), (9.0, 12.0)]
-    assert busy_ms(kernels, 0.0, 10.0) == pytest.approx(2.0 + 1.0 + 1.0)  # overlap counted once, tail clipped
-    assert busy_ms(kernels, 1.5, 3.5) == pytest.approx(0.5 + 0.5)
-    assert busy_ms(kernels, 5.0, 8.0) == 0.0  # idle window
-    assert busy_ms([], 0.0, 1.0) == 0.0
+    assert union_ms(kernels, 0.0, 10.0) == pytest.approx(2.0 + 1.0 + 1.0)  # overlap counted once, tail clipped
+    assert union_ms(kernels, 1.5, 3.5) == pytest.approx(0.5 + 0.5)
+    assert union_ms(kernels, 5.0, 8.0) == 0.0  # idle window
+    assert union_ms([], 0.0, 1.0) == 0.0
+    assert union_ms([(0, 2), (1, 3), (5, 6)]) == 4  # unbounded: all of it
 
 
 def step_marks(t0: float) -> list[tuple[str, float]]:
@@ -43,5 +44,5 @@ def test_recorder_finds_its_markers_and_the_kernels_between_them():
     torch.cuda.synchronize()
     marks, kernels = recorder.stop()
     assert [name for name, _ in marks] == ["start", "end"]
-    busy = busy_ms(kernels, marks[0][1], marks[1][1])
+    busy = union_ms(kernels, marks[0][1], marks[1][1])
     assert 0 < busy <= marks[1][1] - marks[0][1] + 1e-6

@@ -31,6 +31,7 @@ from typing_extensions import override
 
 from lit_ddp import _lightning, report
 from lit_ddp.callbacks.clock import HostClock, clock_for
+from lit_ddp.callbacks.kernels import union_ms
 from lit_ddp.callbacks.results import gather, say, write_json
 
 COMPRESSION_WRAPPERS = {
@@ -175,7 +176,7 @@ class CommMonitor(Callback):
                 [ms(b.backward_start, b.start) if b.backward_start is not None else 0.0 for b in buckets] + pad
             )
             spans = [(ms(buckets[0].start, b.start), ms(buckets[0].start, b.end)) for b in buckets]
-            busy.append(_union_ms(spans))
+            busy.append(union_ms(spans))
             exposed.append(max(end for _, end in spans) - max(start for start, _ in spans))
         gathered = gather(trainer, {"ms": durations, "ready_ms": ready, "busy_ms": busy, "exposed_ms": exposed})
         for name in ("ms", "ready_ms"):  # drop the padding of steps with fewer buckets
@@ -190,18 +191,3 @@ class CommMonitor(Callback):
             "param_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad),
             **gathered,
         }
-
-
-def _union_ms(intervals: list[tuple[float, float]]) -> float:
-    """Total length covered by possibly overlapping intervals."""
-    total, current_start, current_end = 0.0, None, None
-    for start, end in sorted(intervals):
-        if current_end is None or start > current_end:
-            if current_end is not None:
-                total += current_end - current_start
-            current_start, current_end = start, end
-        else:
-            current_end = max(current_end, end)
-    if current_end is not None:
-        total += current_end - current_start
-    return total

@@ -11,6 +11,7 @@ busy time of a phase is the union of all kernels' intervals (every stream, NCCL'
 window between its two markers.
 """
 
+import math
 from collections.abc import Iterable
 from typing import Optional
 
@@ -21,9 +22,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 MARK_PREFIX = "lit_ddp::mark::"
 
 
-def busy_ms(kernels: Iterable[tuple[float, float]], start: float, end: float) -> float:
-    """Length of the union of ``kernels`` (start, end) intervals inside ``[start, end]`` (same unit, ms)."""
-    clipped = sorted((max(s, start), min(e, end)) for s, e in kernels if e > start and s < end)
+def union_ms(intervals: Iterable[tuple[float, float]], start: float = -math.inf, end: float = math.inf) -> float:
+    """Length of the union of (start, end) ``intervals`` inside ``[start, end]``: time something was busy."""
+    clipped = sorted((max(s, start), min(e, end)) for s, e in intervals if e > start and s < end)
     total, cur_start, cur_end = 0.0, None, None
     for s, e in clipped:
         if cur_end is None or s > cur_end:

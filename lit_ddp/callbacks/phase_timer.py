@@ -38,7 +38,7 @@ from typing_extensions import override
 
 from lit_ddp import report, roofline
 from lit_ddp.callbacks.clock import HostClock, clock_for
-from lit_ddp.callbacks.kernels import KernelRecorder, busy_ms
+from lit_ddp.callbacks.kernels import KernelRecorder, union_ms
 from lit_ddp.callbacks.results import gather, say, write_json
 
 FIRST_PROFILED_STEP = 2  # after the warm-up step and one more (allocator, DDP's bucket rebuild)
@@ -273,7 +273,7 @@ class PhaseTimer(Callback):
 
 def _busy_per_step(marks: list[tuple[str, float]], kernels: list[tuple[float, float]]) -> list[list[float]]:
     """GPU-busy ms of forward, backward, update, other and the whole step, for each profiled step: the
-    kernels between the step's markers (``kernels.busy_ms``). A step runs from one "start" marker to the next."""
+    kernels between the step's markers (``kernels.union_ms``). A step runs from one "start" marker to the next."""
     starts = [i for i, (name, _) in enumerate(marks) if name == "start"]
     steps = []
     for first, last in zip(starts, starts[1:], strict=False):
@@ -282,14 +282,14 @@ def _busy_per_step(marks: list[tuple[str, float]], kernels: list[tuple[float, fl
             continue
         end = marks[last][1]
         phases = [
-            busy_ms(kernels, at[a], at[b])
+            union_ms(kernels, at[a], at[b])
             for a, b in (
                 ("forward_start", "forward_end"),
                 ("backward_start", "backward_end"),
                 ("update_start", "update_end"),
             )
         ]
-        step = busy_ms(kernels, at["start"], end)
+        step = union_ms(kernels, at["start"], end)
         steps.append([*phases, step - sum(phases), step])
     return steps
 

@@ -31,7 +31,9 @@ from lit_ddp.data import FixedBatchDataModule
 from lit_ddp.lifecycle import UsageError
 from lit_ddp.module import LinearRegression
 
-PROG = "python -m lit_ddp.fit"
+def _prog() -> str:
+    """The program as it was called: the console script, or the module."""
+    return "lit-ddp-fit" if Path(sys.argv[0]).name == "lit-ddp-fit" else "python -m lit_ddp.fit"
 
 TRAINER_DEFAULTS = {
     "strategy": {"class_path": "lit_ddp.strategy.LitDDPStrategy"},
@@ -104,7 +106,7 @@ def build_cli(args: list[str]) -> LitDDPCLI:
             save_config_kwargs={"overwrite": True},
             # The model owns its optimizer (configure_optimizers): no --optimizer to override it behind its back.
             auto_configure_optimizers=False,
-            parser_kwargs={"exit_on_error": False, "prog": PROG},
+            parser_kwargs={"exit_on_error": False, "prog": _prog()},
         )
     except ArgumentError as err:  # types, ranges, unknown keys, unreadable config files
         raise UsageError(_one_line(err)) from err

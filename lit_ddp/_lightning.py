@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
@@ -40,7 +39,6 @@ PRIVATE_NAMES = [
     PrivateName(_SignalConnector, "_sigterm_notifier_fn", "the SIGTERM handler Lightning registers in fit"),
     PrivateName(Trainer, "_signal_connector", "the trainer's signal connector"),
     PrivateName(_TrainingEpochLoop, "_broadcast_sigterm_tensor", "Lightning's per-step SIGTERM broadcast"),
-    PrivateName(LightningCLI, "_get", "reads a (possibly subcommand-nested) key of the parsed config"),
     PrivateName(None, "_register_ddp_comm_hook", "Lightning's helper that registers hook + wrapper on DDP"),
 ]
 
@@ -101,8 +99,3 @@ def disable_sigterm_broadcast(trainer: Trainer) -> None:
     if not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
         raise RuntimeError("lightning changed: _TrainingEpochLoop._broadcast_sigterm_tensor is gone")
     epoch_loop._broadcast_sigterm_tensor = lambda: None
-
-
-def cli_get(cli: LightningCLI, config: Any, key: str, default: Any = None) -> Any:
-    """``LightningCLI._get``: ``config[key]``, looking inside the subcommand when there is one."""
-    return cli._get(config, key, default=default)

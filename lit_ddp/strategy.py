@@ -90,7 +90,8 @@ class LitDDPStrategy(DDPStrategy):
         if self.start_method_choice == "auto":
             # CUDA must not be initialised before a fork, and a forked rank cannot be a node of a multi-node job.
             fork = (
-                self.root_device.type == "cpu"
+                not self.cluster_environment.creates_processes_externally  # torchrun, Slurm: started already
+                and self.root_device.type == "cpu"
                 and self.num_processes > 1
                 and self.num_nodes == 1
                 and "fork" in multiprocessing.get_all_start_methods()

@@ -1,42 +1,52 @@
-"""Shared fixtures: a fast CPU ``ddp_spawn`` trainer factory and clean-up that keeps tests independent."""
+"""Shared fixtures: the fast CPU trainer factory, and clean-up that keeps tests independent."""
 
+import functools
+import logging
 import os
 
 import pytest
 import torch.distributed as dist
-from lightning.pytorch import Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
-from lit_ddp.strategy import LitDDPStrategy
+from tests.helpers import fast_trainer
+
+# Loggers that `lit_ddp.console.setup` (run by an in-process `main()`) points at the stdout of its time, a
+# capsys buffer that is closed after its test.
+_CONFIGURED_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lit_ddp", "torch.multiprocessing.spawn")
 
 
 @pytest.fixture(autouse=True)
 def _restore_env_and_process_group():
-    """Lightning's launchers write MASTER_ADDR/PORT, WORLD_SIZE, LOCAL_RANK... into os.environ; undo it."""
+    """Lightning's launchers write MASTER_ADDR/PORT, WORLD_SIZE, LOCAL_RANK... into os.environ, and a Trainer
+    built as some rank (a simulated Slurm rank 3) sets the rank that rank_zero_info obeys in this process;
+    undo both."""
     env = dict(os.environ)
+    ranks = rank_zero_only.rank, utils_rank_zero_only.rank
     yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(env)
+    rank_zero_only.rank, utils_rank_zero_only.rank = ranks
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    saved = {}
+    for name in _CONFIGURED_LOGGERS:
+        logger = logging.getLogger(name)
+        saved[name] = (list(logger.handlers), logger.level, logger.propagate)
+    yield
+    for name, (handlers, level, propagate) in saved.items():
+        logger = logging.getLogger(name)
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+        logger.propagate = propagate
 
 
 @pytest.fixture
 def make_trainer(tmp_path):
-    """``make_trainer(devices=2, max_steps=5, callbacks=[...], **strategy_kwargs)``: CPU, ``ddp_spawn``, quiet."""
-
-    def make(devices=2, max_steps=5, callbacks=(), logger=False, enable_checkpointing=False, **strategy_kwargs):
-        strategy_kwargs.setdefault("timeout_s", 30)
-        return Trainer(
-            accelerator="cpu",
-            devices=devices,
-            strategy=LitDDPStrategy(start_method="spawn", **strategy_kwargs),
-            max_steps=max_steps,
-            callbacks=list(callbacks),
-            logger=logger,
-            enable_checkpointing=enable_checkpointing,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
-        )
-
-    return make
+    """``make_trainer(devices=2, max_steps=5, callbacks=[...], **strategy_kwargs)``: ``fast_trainer`` in
+    ``tmp_path``."""
+    return functools.partial(fast_trainer, tmp_path)

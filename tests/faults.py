@@ -1,5 +1,5 @@
-"""Test-only callbacks that break one rank, for the fault tests. Importable by the ranks that
-``python -m lit_ddp.fit`` starts (the tests put the repo root on PYTHONPATH)."""
+"""Test-only callbacks for the fault tests: break one rank, or say where the ranks are. Importable by the ranks
+that ``python -m lit_ddp.fit`` starts (the tests put the repo root on PYTHONPATH)."""
 
 import os
 import time
@@ -42,3 +42,18 @@ class NaNOnRank(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
             batch[0].fill_(float("nan"))
+
+
+class WritePid(Callback):
+    """Every rank writes its pid to ``<directory>/rank<global rank>`` when training starts: how a test finds the
+    ranks to signal, whichever way they were started (the ``ddp`` launcher's children, forked, torchrun's)."""
+
+    def __init__(self, directory: str = "pids") -> None:
+        self.directory = directory
+
+    def on_train_start(self, trainer, pl_module):
+        os.makedirs(self.directory, exist_ok=True)
+        path = os.path.join(self.directory, f"rank{trainer.global_rank}")
+        with open(f"{path}.tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(f"{path}.tmp", path)  # a reader never sees a half-written pid

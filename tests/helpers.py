@@ -1,35 +1,347 @@
-"""Helpers for tests that start real processes."""
+"""What several test files share: a fast CPU Trainer, running commands in a subprocess (to completion, or in the
+background until a sign of training), the step-line format, free ports, bitwise checkpoint comparison, a
+profiled 2-rank run, and recording what a ``ddp_spawn`` rank logs."""
 
+import json
+import logging
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.loggers import CSVLogger
+
+from lit_ddp.strategy import LitDDPStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The notes' step line, as LossMonitor and lit_ddp.reference print it.
+STEP_LINE = re.compile(r"^Step (\d+), Loss ([0-9.]+)$", re.M)
 
-def run_module(*args: str, cwd: Path, timeout: float = 90, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``python -m <args>`` in a fresh process (the real ``ddp`` launcher), with a hard timeout that also
-    kills every process the command started (its own session), so a hung rank never outlives the test."""
+TORCHRUN = ("torch.distributed.run",)
+
+# Marks every process a test starts, and everything those start (launched ranks, torchrun's workers in
+# their own sessions), so that clean-up finds them all.
+_TAG = "LIT_DDP_TEST_RUN"
+
+
+def fast_trainer(root_dir: Path, devices=2, max_steps=5, callbacks=(), logger=False, enable_checkpointing=False,
+                 max_epochs=None, spawn=True, **strategy_kwargs) -> Trainer:  # fmt: skip
+    """CPU, ``ddp_spawn``, a few steps, quiet, logger and checkpointing off unless asked; ``strategy_kwargs`` go to
+    ``LitDDPStrategy``. ``spawn=False``: one rank in this process (Lightning's single-device strategy), whose logs
+    ``caplog`` sees."""
+    if spawn:
+        strategy_kwargs.setdefault("timeout_s", 30)
+        strategy = LitDDPStrategy(start_method="spawn", **strategy_kwargs)
+    else:
+        assert devices == 1 and not strategy_kwargs, "spawn=False runs one rank, with no DDP options"
+        strategy = "auto"
+    return Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=max_steps,
+        max_epochs=max_epochs,
+        callbacks=list(callbacks),
+        logger=logger,
+        enable_checkpointing=enable_checkpointing,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root_dir,
+    )
+
+
+def step_numbers(stdout: str) -> list[int]:
+    return [int(step) for step, _ in STEP_LINE.findall(stdout)]
+
+
+def step_losses(stdout: str) -> list[float]:
+    return [float(loss) for _, loss in STEP_LINE.findall(stdout)]
+
+
+def fit_command(*args: str, launcher: tuple[str, ...] = (), accelerator: str | None = "cpu") -> list[str]:
+    """The ``python -m`` arguments of ``lit_ddp.fit ARGS``, or of ``LAUNCHER... -m lit_ddp.fit ARGS``.
+
+    Args:
+        launcher: A module and its arguments that start ``lit_ddp.fit``, e.g. ``(*TORCHRUN, "--standalone")``.
+        accelerator: ``--trainer.accelerator``; the tests mean CPU (so the suite passes unchanged on a GPU
+            machine) unless they say otherwise. ``None`` leaves it to the command line and configs.
+    """
+    fit = ["lit_ddp.fit", *(("--trainer.accelerator", accelerator) if accelerator else ()), *args]
+    return [*launcher, "-m", *fit] if launcher else fit
+
+
+def _popen(module_args: list[str], cwd: Path, env: dict | None) -> tuple[subprocess.Popen, str]:
+    tag = uuid.uuid4().hex
     proc = subprocess.Popen(
-        [sys.executable, "-m", *args],
+        [sys.executable, "-m", *module_args],
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        # Unbuffered: a rank's stdout is a pipe here, block-buffered otherwise, and its lines would arrive
+        # only at exit (or never, when it is killed).
+        env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", _TAG: tag, **(env or {})},
         start_new_session=True,
     )
+    return proc, tag
+
+
+def _kill_everything(proc: subprocess.Popen, tag: str) -> None:
+    """SIGKILL the command's session and every process that carries its tag (ranks that outlived their
+    launcher, torchrun's workers in sessions of their own)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    needle = f"{_TAG}={tag}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):  # gone, or not ours to read
+            continue
+
+
+def run_module(*args: str, cwd: Path, timeout: float = 90, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m ARGS`` in a fresh process, to completion, with a hard timeout; every process it started is
+    killed afterwards, so a hung rank never outlives the test. stdout and stderr are text, ``\\r`` kept."""
+    proc, tag = _popen(list(args), cwd, env)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_everything(proc, tag)
         proc.communicate()
         raise
     finally:
-        try:  # ranks that outlived their launcher
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+        _kill_everything(proc, tag)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, _decode(stdout), _decode(stderr))
+
+
+def run_fit(
+    *args: str,
+    cwd: Path,
+    timeout: float = 90,
+    env: dict | None = None,
+    launcher: tuple[str, ...] = (),
+    accelerator: str | None = "cpu",
+) -> subprocess.CompletedProcess:
+    """``python -m lit_ddp.fit ARGS`` (on the CPU unless told otherwise) to completion: see ``run_module``."""
+    return run_module(*fit_command(*args, launcher=launcher, accelerator=accelerator), cwd=cwd, timeout=timeout,
+                      env=env)  # fmt: skip
+
+
+def _decode(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace")
+
+
+class Running:
+    """A command running in the background, in its own session; its output is read as it comes."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self._out: list[bytes] = []
+        self._err: list[bytes] = []
+        self._readers = [
+            threading.Thread(target=self._read, args=(stream, chunks), daemon=True)
+            for stream, chunks in ((proc.stdout, self._out), (proc.stderr, self._err))
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream, chunks: list[bytes]) -> None:
+        for line in iter(stream.readline, b""):
+            chunks.append(line)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def stdout(self) -> str:
+        return _decode(b"".join(self._out))
+
+    @property
+    def stderr(self) -> str:
+        return _decode(b"".join(self._err))
+
+    def wait_for(self, pattern: str, timeout: float = 90) -> re.Match:
+        """Waits until a line of stdout matches ``pattern`` (a ``re.M`` regex); fails the test if the command
+        exits or ``timeout`` passes first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            exited = self.proc.poll() is not None
+            if exited:
+                self._join(timeout=5)
+            found = re.search(pattern, self.stdout, re.M)
+            if found:
+                return found
+            if exited or time.monotonic() > deadline:
+                why = f"exited with {self.proc.returncode}" if exited else f"still running after {timeout} s"
+                pytest.fail(f"no line matching {pattern!r}: {why}\nstdout: {self.stdout[-2000:]}\n"
+                            f"stderr: {self.stderr[-2000:]}")  # fmt: skip
+            time.sleep(0.05)
+
+    def wait_for_files(self, paths: list[Path], timeout: float = 90) -> None:
+        """Waits until every path exists (and is not empty); fails the test if the command exits first."""
+        deadline = time.monotonic() + timeout
+        while not all(p.is_file() and p.stat().st_size for p in paths):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                missing = [str(p) for p in paths if not p.is_file()]
+                pytest.fail(f"never written: {missing} (exit code {self.proc.poll()})\n{self.stderr[-2000:]}")
+            time.sleep(0.05)
+
+    def wait(self, timeout: float) -> int:
+        """The exit code, once the command has exited and its output is read."""
+        code = self.proc.wait(timeout=timeout)
+        self._join(timeout=10)
+        return code
+
+    def _join(self, timeout: float) -> None:
+        for reader in self._readers:
+            reader.join(timeout=timeout)
+
+
+@contextmanager
+def start_module(*args: str, cwd: Path, env: dict | None = None) -> Iterator[Running]:
+    """``python -m ARGS`` in the background for the ``with`` block; afterwards every process it started is
+    killed, whatever happened."""
+    proc, tag = _popen(list(args), cwd, env)
+    try:
+        yield Running(proc)
+    finally:
+        _kill_everything(proc, tag)
+        proc.wait()
+
+
+@contextmanager
+def start_fit(
+    *args: str,
+    cwd: Path,
+    env: dict | None = None,
+    launcher: tuple[str, ...] = (),
+    accelerator: str | None = "cpu",
+) -> Iterator[Running]:
+    """``python -m lit_ddp.fit ARGS`` (on the CPU unless told otherwise) in the background: see ``start_module``."""
+    with start_module(*fit_command(*args, launcher=launcher, accelerator=accelerator), cwd=cwd, env=env) as run:
+        yield run
+
+
+# A 2-rank run that goes on until it is stopped: it prints step 0 only, checks sync only after its (never
+# reached) last step, and every rank writes its pid to pids/rank<r> (tests.faults.WritePid).
+LONG_RUN = ("--devices", "2", "--model.dim", "64", "--trainer.max_steps", "100000",
+            "--loss_monitor.every_n_steps", "100000", "--sync_check.every_n_steps", "0", "--trainer.logger", "false",
+            "--trainer.callbacks+=tests.faults.WritePid")  # fmt: skip
+
+
+@contextmanager
+def start_long_run(tmp_path: Path, *extra: str) -> Iterator[tuple[Running, list[int]]]:
+    """Starts ``LONG_RUN`` in ``tmp_path``; yields it and the pids of ranks 0 and 1 once both ranks are
+    training (both wrote their pid, and step 0's loss, gathered from both, is printed)."""
+    with start_fit(*LONG_RUN, *extra, cwd=tmp_path) as run:
+        pid_files = [tmp_path / "pids" / f"rank{rank}" for rank in (0, 1)]
+        run.wait_for_files(pid_files)
+        run.wait_for(r"^Step 0, Loss ")
+        yield run, [int(p.read_text()) for p in pid_files]
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now: bound on 127.0.0.1 by the kernel's choice, then released."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def assert_same_checkpoint(a: Path, b: Path, global_step: int) -> None:
+    """Both checkpoints are at ``global_step`` and bitwise equal: every weight and Adam's whole state."""
+    ca, cb = (torch.load(path, weights_only=True) for path in (a, b))
+    assert ca["global_step"] == cb["global_step"] == global_step
+    assert ca["state_dict"].keys() == cb["state_dict"].keys()
+    for key, value in ca["state_dict"].items():
+        assert torch.equal(value, cb["state_dict"][key]), key
+    sa, sb = ca["optimizer_states"][0]["state"], cb["optimizer_states"][0]["state"]
+    assert sa.keys() == sb.keys() and sa, "no Adam state to compare"
+    for index in sa:
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(sa[index][key], sb[index][key]), f"optimizer state {index}.{key}"
+
+
+class RecordLogs(Callback):
+    """Appends what Lightning's logging (``rank_zero_info``) and ``warnings`` (``rank_zero_warn``) say during
+    fit to ``<out_dir>/rank<r>.log``, from every rank: the test process cannot see a ``ddp_spawn`` worker's
+    logs or warnings."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = Path(out_dir)
+
+    def setup(self, trainer, pl_module, stage):
+        handler = logging.FileHandler(self.out_dir / f"rank{trainer.global_rank}.log")
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logging.captureWarnings(True)  # warnings -> the "py.warnings" logger
+        for name in ("lightning.pytorch", "py.warnings"):
+            logging.getLogger(name).addHandler(handler)
+
+    @staticmethod
+    def read(out_dir: Path, rank: int) -> str:
+        return (Path(out_dir) / f"rank{rank}.log").read_text()
+
+
+class RecordDDPBuckets(Callback):
+    """Writes DDP's own bucket sizes (its logging data) from rank 0."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            data = trainer.strategy.model._get_ddp_logging_data()
+            sizes = {k: [int(v) for v in str(data[k]).split(",")] for k in ("bucket_sizes", "rebuilt_bucket_sizes")
+                     if k in data}  # fmt: skip
+            self.out.write_text(json.dumps(sizes))
+
+
+def profile(make_trainer, tmp_path, dim, num_layers=1, compression=None, steps=4, **strategy_kwargs):
+    """A 2-rank ``ddp_spawn`` run with PhaseTimer and CommMonitor; returns its phases and comm records, DDP's own
+    bucket sizes and the log directory."""
+    from lit_ddp import FixedBatchDataModule, LinearRegression, report
+    from lit_ddp.callbacks import CommMonitor, PhaseTimer
+
+    log_dir = tmp_path / "run" / "version_0"
+    trainer = make_trainer(
+        max_steps=steps,
+        callbacks=[PhaseTimer(), CommMonitor(compression=compression), RecordDDPBuckets(tmp_path / "ddp.json")],
+        logger=CSVLogger(tmp_path, name="run", version=0),
+        **strategy_kwargs,
+    )
+    trainer.fit(LinearRegression(dim=dim, num_layers=num_layers), FixedBatchDataModule(dim=dim, batch_size=8))
+    phases, comm = report.load(log_dir)
+    ddp = json.loads((tmp_path / "ddp.json").read_text())
+    return phases, comm, ddp, log_dir
+
+
+def run_main(monkeypatch, capsys, *args: str) -> subprocess.CompletedProcess:
+    """``lit-ddp-fit ARGS`` in this process, for what launches no rank (bad input, one rank); the exit code and
+    what it printed, as ``run_fit`` returns them."""
+    from lit_ddp.fit import main
+
+    monkeypatch.setattr(sys, "argv", ["lit-ddp-fit", *args])
+    try:
+        main()
+        code = 0
+    except SystemExit as exit_info:
+        code = exit_info.code
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(["lit-ddp-fit", *args], code, captured.out, captured.err)

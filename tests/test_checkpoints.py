@@ -1,24 +1,20 @@
 """Checkpoints: written atomically in a fixed place, resumed exactly, refused clearly when bad."""
 
 import pickle
-import sys
 
 import pytest
 import torch
 
-from lit_ddp.fit import main
 from lit_ddp.checkpointing import AtomicCheckpointIO
-from tests.helpers import run_module
+from tests.helpers import assert_same_checkpoint, run_fit, run_main
+
+CPU = ("--trainer.accelerator", "cpu")
 
 
-def run_main(monkeypatch, capsys, *args) -> tuple[int, str]:
-    monkeypatch.setattr(sys, "argv", ["lit-ddp-fit", *args])
-    try:
-        main()
-        code = 0
-    except SystemExit as exit_info:
-        code = exit_info.code
-    return code, capsys.readouterr().err.strip()
+def main_code_and_err(monkeypatch, capsys, *args) -> tuple[int, str]:
+    """``lit-ddp-fit ARGS`` in this process, on the CPU: the exit code and stderr."""
+    result = run_main(monkeypatch, capsys, *CPU, *args)
+    return result.returncode, result.stderr.strip()
 
 
 class Evil:
@@ -44,7 +40,7 @@ def test_bad_checkpoints_are_refused_in_one_line(kind, tmp_path, monkeypatch, ca
             torch.save({"state_dict": {}, "payload": Evil()}, f, pickle_module=pickle)
     else:
         torch.save({"weights": torch.zeros(3)}, path)
-    code, err = run_main(monkeypatch, capsys, "--devices", "1", "--ckpt_path", str(path))
+    code, err = main_code_and_err(monkeypatch, capsys, "--devices", "1", "--ckpt_path", str(path))
     assert code == 2
     assert len(err.splitlines()) == 1 and str(path) in err, err
     assert not (tmp_path / "PWNED").exists(), "the checkpoint's pickle ran code"
@@ -52,7 +48,7 @@ def test_bad_checkpoints_are_refused_in_one_line(kind, tmp_path, monkeypatch, ca
 
 def test_resume_from_nothing_is_an_error(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    code, err = run_main(monkeypatch, capsys, "--devices", "1", "--ckpt_path", "last")
+    code, err = main_code_and_err(monkeypatch, capsys, "--devices", "1", "--ckpt_path", "last")
     assert code == 2
     assert err == ("lit-ddp-fit: error: --ckpt_path last: no checkpoint at runs/mini_train/checkpoints/last.ckpt: "
                    "nothing to resume (write one with --checkpoint.every_n_steps N)")  # fmt: skip
@@ -61,13 +57,13 @@ def test_resume_from_nothing_is_an_error(tmp_path, monkeypatch, capsys):
 def test_command_line_and_checkpoint_must_agree(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     common = ("--devices", "1", "--model.dim", "32")
-    assert run_main(monkeypatch, capsys, *common, "--checkpoint.every_n_steps", "5")[0] == 0
+    assert main_code_and_err(monkeypatch, capsys, *common, "--checkpoint.every_n_steps", "5")[0] == 0
     ckpt = tmp_path / "runs" / "mini_train" / "checkpoints" / "last.ckpt"
     assert ckpt.is_file()
-    code, err = run_main(monkeypatch, capsys, "--devices", "1", "--model.dim", "16", "--ckpt_path", "last")
+    code, err = main_code_and_err(monkeypatch, capsys, "--devices", "1", "--model.dim", "16", "--ckpt_path", "last")
     assert code == 2
     assert "dim=32 in the checkpoint but 16 here" in err
-    code, err = run_main(monkeypatch, capsys, *common, "--model.lr", "0.01", "--ckpt_path", "last")
+    code, err = main_code_and_err(monkeypatch, capsys, *common, "--model.lr", "0.01", "--ckpt_path", "last")
     assert code == 2 and "lr=0.001 in the checkpoint but 0.01 here" in err
 
 
@@ -91,22 +87,15 @@ def test_atomic_save_keeps_the_old_checkpoint_when_a_save_dies(tmp_path, monkeyp
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_resumed_run_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path):
-    args = ("lit_ddp.fit", "--devices", "2", "--model.dim", "64")
-    straight = run_module(*args, "--trainer.max_steps", "10", "--checkpoint.every_n_steps", "10",
-                          "--trainer.logger.init_args.name", "straight", cwd=tmp_path)  # fmt: skip
-    first = run_module(*args, "--trainer.max_steps", "5", "--checkpoint.every_n_steps", "5",
-                       "--trainer.logger.init_args.name", "resumed", cwd=tmp_path)  # fmt: skip
-    second = run_module(*args, "--trainer.max_steps", "10", "--checkpoint.every_n_steps", "10", "--ckpt_path", "last",
-                        "--trainer.logger.init_args.name", "resumed", cwd=tmp_path)  # fmt: skip
+    args = ("--devices", "2", "--model.dim", "64")
+    straight = run_fit(*args, "--trainer.max_steps", "10", "--checkpoint.every_n_steps", "10",
+                       "--trainer.logger.init_args.name", "straight", cwd=tmp_path)  # fmt: skip
+    first = run_fit(*args, "--trainer.max_steps", "5", "--checkpoint.every_n_steps", "5",
+                    "--trainer.logger.init_args.name", "resumed", cwd=tmp_path)  # fmt: skip
+    second = run_fit(*args, "--trainer.max_steps", "10", "--checkpoint.every_n_steps", "10", "--ckpt_path", "last",
+                     "--trainer.logger.init_args.name", "resumed", cwd=tmp_path)  # fmt: skip
     for result in (straight, first, second):
         assert result.returncode == 0, result.stderr[-2000:]
     assert "Step 5, Loss" in second.stdout and "Step 4, Loss" not in second.stdout
-    a = torch.load(tmp_path / "runs/straight/checkpoints/last.ckpt", weights_only=True)
-    b = torch.load(tmp_path / "runs/resumed/checkpoints/last.ckpt", weights_only=True)
-    assert a["global_step"] == b["global_step"] == 10
-    for key, value in a["state_dict"].items():
-        assert torch.equal(value, b["state_dict"][key]), key
-    for sa, sb in zip(a["optimizer_states"][0]["state"].values(), b["optimizer_states"][0]["state"].values(),
-                      strict=True):  # fmt: skip
-        for key in ("step", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(sa[key], sb[key]), key
+    assert_same_checkpoint(tmp_path / "runs/straight/checkpoints/last.ckpt",
+                           tmp_path / "runs/resumed/checkpoints/last.ckpt", global_step=10)  # fmt: skip

@@ -1,54 +1,16 @@
-"""PhaseTimer and CommMonitor on real 2-process runs: what real runs can promise, exactly."""
-
-import json
+"""CommMonitor on real 2-process runs: bytes exactly as DDP's buckets, times that make sense, compression."""
 
 import pytest
 import torch
-from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_ddp import FixedBatchDataModule, LinearRegression, report
 from lit_ddp.callbacks import CommMonitor, PhaseTimer
-from lit_ddp.callbacks.comm_monitor import _union_ms
-from tests.helpers import ROOT, run_module
+from tests.helpers import ROOT, profile, run_fit
 
 
-class RecordDDPBuckets(Callback):
-    """Writes DDP's own bucket sizes (its logging data) from rank 0."""
-
-    def __init__(self, out):
-        self.out = out
-
-    def on_train_end(self, trainer, pl_module):
-        if trainer.is_global_zero:
-            data = trainer.strategy.model._get_ddp_logging_data()
-            sizes = {k: [int(v) for v in str(data[k]).split(",")] for k in ("bucket_sizes", "rebuilt_bucket_sizes")
-                     if k in data}  # fmt: skip
-            self.out.write_text(json.dumps(sizes))
-
-
-def profile(make_trainer, tmp_path, dim, num_layers=1, compression=None, steps=4, **strategy_kwargs):
-    log_dir = tmp_path / "run" / "version_0"
-    trainer = make_trainer(
-        max_steps=steps,
-        callbacks=[PhaseTimer(), CommMonitor(compression=compression), RecordDDPBuckets(tmp_path / "ddp.json")],
-        logger=CSVLogger(tmp_path, name="run", version=0),
-        **strategy_kwargs,
-    )
-    trainer.fit(LinearRegression(dim=dim, num_layers=num_layers), FixedBatchDataModule(dim=dim, batch_size=8))
-    phases, comm = report.load(log_dir)
-    ddp = json.loads((tmp_path / "ddp.json").read_text())
-    return phases, comm, ddp, log_dir
-
-
-def test_real_run_phases_add_up_and_bytes_are_exact(make_trainer, tmp_path):
-    phases, comm, ddp, log_dir = profile(make_trainer, tmp_path, dim=1024)
-    assert phases["world_size"] == 2 and len(phases["ms"]) == 2 and phases["steps"] == [0, 1, 2, 3]
-    for rank in phases["ms"]:
-        for forward, backward, update, other, step in rank:
-            assert min(forward, backward, update, step) > 0
-            assert forward + backward + update + other == pytest.approx(step, abs=1e-6)
-            assert other >= -1e-6
+def test_real_run_bytes_are_exact(make_trainer, tmp_path):
+    _, comm, ddp, log_dir = profile(make_trainer, tmp_path, dim=1024)
     assert comm["bucket_bytes"] == [4 * (1024 * 1024 + 1024)] == [4_198_400]
     assert comm["param_bytes"] == 4_198_400
     assert comm["bucket_bytes_per_step"][0] == ddp["bucket_sizes"]  # DDP's construction-time buckets
@@ -56,7 +18,7 @@ def test_real_run_phases_add_up_and_bytes_are_exact(make_trainer, tmp_path):
     assert all(t > 0 for rank in comm["ms"] for step in rank for t in step)
     assert all(0 <= e <= b + 1e-9 for e, b in zip(comm["exposed_ms"][0], comm["busy_ms"][0], strict=True))
     metrics = (log_dir / "metrics.csv").read_text().splitlines()[0].split(",")
-    assert {"time/forward_ms", "time/backward_ms", "time/update_ms", "time/step_ms", "comm/busy_ms"} <= set(metrics)
+    assert "comm/busy_ms" in metrics
 
 
 def test_several_buckets_match_ddp_and_overlap(make_trainer, tmp_path):
@@ -76,27 +38,6 @@ def test_fp16_compression_halves_the_bytes_on_the_wire(make_trainer, tmp_path):
     assert sum(half["bucket_bytes"]) * 2 == half["param_bytes"]
 
 
-def test_report_reprints_the_tables_and_draws_the_picture(make_trainer, tmp_path, capsys):
-    _, _, _, log_dir = profile(make_trainer, tmp_path, dim=64, steps=3)
-    assert report.main([str(log_dir)]) == 0
-    out = capsys.readouterr().out
-    assert "Phase times (perf_counter), 2 rank(s)" in out and "Gradient all-reduce per step" in out
-    png = log_dir / "phases.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-
-
-def test_report_refuses_a_directory_without_timings(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        report.main([str(tmp_path)])
-    assert exit_info.value.code == 2
-    assert "neither phases.json nor comm.json" in capsys.readouterr().err
-
-
-def test_union_of_overlapping_intervals():
-    assert _union_ms([(0, 2), (1, 3), (5, 6)]) == 4
-    assert _union_ms([]) == 0
-
-
 def test_comm_monitor_refuses_a_strategy_without_ddp():
     from lightning.pytorch import Trainer
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -109,13 +50,13 @@ def test_comm_monitor_refuses_a_strategy_without_ddp():
 
 @pytest.mark.slow
 def test_profile_config_prints_the_notes_format_and_tables(tmp_path):
-    result = run_module("lit_ddp.fit", "--config", str(ROOT / "configs" / "mini_train_profile.yaml"),
-                        "--devices", "2", "--trainer.max_steps", "3", cwd=tmp_path, timeout=120)  # fmt: skip
+    result = run_fit("--config", str(ROOT / "configs" / "mini_train_profile.yaml"), "--devices", "2",
+                     "--trainer.max_steps", "3", cwd=tmp_path, timeout=120)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     for step in range(3):
         assert f"Step {step}\n forward : " in out
-    assert "Phase times (perf_counter), 2 rank(s), step 0 = warm-up, then 2 steady step(s):" in out
+    assert "Phase times (perf_counter: host time), 2 rank(s), step 0 = warm-up, then 2 steady step(s):" in out
     assert "67,125,248 bytes reduced per step" in out
     assert "Roofline" in out
 

@@ -1,56 +1,25 @@
-from lit_ddp.placement import RankPlacement, format_table, problems
+"""The DeviceMap callback on 2 real ranks: rank 0 prints every rank's row once and warns about a pitfall."""
+
+from lit_ddp import FixedBatchDataModule, LinearRegression
+from lit_ddp.callbacks import DeviceMap
+from tests.helpers import RecordLogs
 
 
-def row(rank, local_rank, device, cvd=None, slurm=None, host="n0", node=0) -> RankPlacement:
-    return RankPlacement(rank=rank, local_rank=local_rank, node_rank=node, host=host, device=device,
-                         cuda_visible_devices=cvd, env_local_rank=str(local_rank), slurm_localid=slurm)  # fmt: skip
-
-
-def test_one_gpu_per_rank_is_fine():
-    assert problems([row(0, 0, "cuda:0"), row(1, 1, "cuda:1")]) == []
-
-
-def test_cpu_ranks_are_fine():
-    assert problems([row(0, 0, "cpu"), row(1, 1, "cpu")]) == []
-
-
-def test_slurm_style_one_visible_device_each_is_fine():
-    """CUDA_VISIBLE_DEVICES=$SLURM_LOCALID and set_device(0): the notes' first style."""
-    rows = [row(0, 0, "cuda:0", cvd="0", slurm="0"), row(1, 1, "cuda:0", cvd="1", slurm="1")]
-    assert problems(rows) == []
-
-
-def test_two_ranks_on_one_gpu_are_flagged():
-    found = problems([row(0, 0, "cuda:0"), row(1, 1, "cuda:0")])
-    assert any("ranks [0, 1] share GPU 0 on n0" in p for p in found), found
-
-
-def test_same_index_on_different_hosts_is_not_shared():
-    assert problems([row(0, 0, "cuda:0", host="a"), row(1, 0, "cuda:0", host="b", node=1)]) == []
-
-
-def test_mixing_visible_devices_and_device_ids_is_flagged():
-    """CUDA_VISIBLE_DEVICES=$SLURM_LOCALID *and* device_ids=[local_rank]: cuda:1 does not exist for rank 1,
-    and with two devices visible, device index != local rank means the two styles were mixed."""
-    rows = [row(0, 0, "cuda:0", cvd="0,1", slurm="0"), row(1, 1, "cuda:0", cvd="1,0", slurm="1")]
-    found = problems(rows)
-    assert any("rank 1 uses cuda:0 but its local rank is 1" in p for p in found), found
-
-
-def test_visible_devices_map_to_physical_gpus():
-    # Both ranks see a permuted list and pick index 0: physical GPUs 1 and 0, distinct, but indices skew.
-    rows = [row(0, 0, "cuda:0", cvd="1,0"), row(1, 1, "cuda:0", cvd="0,1")]
-    found = problems(rows)
-    assert not any("share" in p for p in found)
-    assert any("rank 1 uses cuda:0" in p for p in found)
-
-
-def test_slurm_localid_disagreeing_with_local_rank_is_flagged():
-    found = problems([row(0, 0, "cpu", slurm="1"), row(1, 1, "cpu", slurm="0")])
-    assert len(found) == 2 and "SLURM_LOCALID=1 but local rank 0" in found[0]
-
-
-def test_table_has_one_line_per_rank():
-    table = format_table([row(0, 0, "cuda:0", cvd="0,1"), row(1, 1, "cuda:1", cvd="0,1")])
-    lines = table.splitlines()
-    assert len(lines) == 3 and lines[0].split()[0] == "rank" and "cuda:1" in lines[2]
+def test_rank_0_prints_every_rank_once_and_warns_about_a_pitfall(make_trainer, tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_LOCALID", "1")  # both ranks inherit it: right for rank 1, wrong for rank 0
+    trainer = make_trainer(max_steps=1, callbacks=[RecordLogs(tmp_path), DeviceMap()])
+    trainer.fit(LinearRegression(dim=8), FixedBatchDataModule(dim=8, batch_size=4))
+    rank0, rank1 = RecordLogs.read(tmp_path, 0), RecordLogs.read(tmp_path, 1)
+    lines = rank0.splitlines()
+    header = [i for i, line in enumerate(lines) if line.split()[:2] == ["rank", "local"]]
+    assert len(header) == 1, rank0
+    assert lines[header[0]].split() == ["rank", "local", "node", "host", "device", "CUDA_VISIBLE_DEVICES",
+                                        "LOCAL_RANK", "SLURM_LOCALID"]  # fmt: skip
+    rows = [line.split() for line in lines[header[0] + 1 : header[0] + 3]]
+    assert [(row[0], row[1], row[2], row[4], row[7]) for row in rows] == [
+        ("0", "0", "0", "cpu", "1"),
+        ("1", "1", "0", "cpu", "1"),
+    ], rank0
+    assert "device map: rank 0: SLURM_LOCALID=1 but local rank 0" in rank0
+    assert "device map: rank 1" not in rank0
+    assert "rank  local" not in rank1 and "device map:" not in rank1  # rank 1 prints and warns nothing

@@ -1,25 +1,18 @@
 """A rank that fails, dies or hangs ends the whole job, fast, with nothing left behind.
 
-These run the real ``ddp`` launcher (``python -m lit_ddp.fit``) in a subprocess and inject the fault into one
-rank with a test-only callback (``tests/faults.py``) or a signal.
+These run ``python -m lit_ddp.fit`` in a subprocess and inject the fault into one rank with a test-only
+callback (``tests/faults.py``) or a signal. A NaN loss is LossMonitor's (``tests/test_loss_monitor.py``).
 """
 
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
-from lit_ddp.callbacks import LossMonitor
-from tests.faults import NaNOnRank
-from tests.helpers import ROOT, run_module
-
-LONG_RUN = ["--devices", "2", "--model.dim", "64", "--trainer.max_steps", "100000", "--loss_monitor.every_n_steps", "0",
-            "--sync_check.every_n_steps", "0", "--trainer.logger", "false"]  # fmt: skip
+from tests.helpers import Running, run_fit, start_fit, start_long_run
 
 
 def alive(pid: int) -> bool:
@@ -31,31 +24,9 @@ def alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
-def children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
-def start_long_run(tmp_path, *extra: str) -> tuple[subprocess.Popen, int]:
-    """Starts a long 2-rank run; returns it and rank 1's pid once rank 1 is running."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lit_ddp.fit", *LONG_RUN, *extra],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        kids = children(proc.pid)
-        if kids:
-            time.sleep(8)  # let both ranks import, rendezvous and train a while
-            return proc, kids[0]
-        time.sleep(0.2)
-    proc.kill()
-    pytest.fail("rank 1 never started")
-
-
-def wait_gone(proc: subprocess.Popen, pids: list[int], timeout: float) -> int:
-    code = proc.wait(timeout=timeout)
+def wait_gone(run: Running, pids: list[int], timeout: float) -> int:
+    """The command's exit code, once it and every pid in ``pids`` are gone."""
+    code = run.wait(timeout=timeout)
     deadline = time.monotonic() + 10
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -65,12 +36,14 @@ def wait_gone(proc: subprocess.Popen, pids: list[int], timeout: float) -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("victim", ["rank0", "rank1"])
+@pytest.mark.parametrize("victim", ["launcher", "rank0", "rank1"])
 def test_sigkill_of_any_rank_ends_the_job(tmp_path, victim):
-    proc, rank1 = start_long_run(tmp_path)
-    start = time.monotonic()
-    os.kill(proc.pid if victim == "rank0" else rank1, signal.SIGKILL)
-    code = wait_gone(proc, [proc.pid, rank1], timeout=60)
+    """``launcher``: the process the user started (rank 0 itself under the ``ddp`` launcher, the parent of
+    the ranks under ``ddp_fork``)."""
+    with start_long_run(tmp_path) as (run, ranks):
+        start = time.monotonic()
+        os.kill(run.pid if victim == "launcher" else ranks[int(victim[-1])], signal.SIGKILL)
+        code = wait_gone(run, [run.pid, *ranks], timeout=60)
     assert code != 0
     assert time.monotonic() - start < 60
 
@@ -81,10 +54,10 @@ def test_sigkill_of_any_rank_ends_the_job(tmp_path, victim):
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_failing_rank_ends_the_job(tmp_path, how, rank):
     start = time.monotonic()
-    result = run_module("lit_ddp.fit", "--devices", "2", "--model.dim", "64", "--trainer.max_steps", "50",
-                        "--trainer.callbacks+=tests.faults.FailOnRank",
-                        f"--trainer.callbacks.rank={rank}", f"--trainer.callbacks.how={how}",
-                        cwd=tmp_path, timeout=120)  # fmt: skip
+    result = run_fit("--devices", "2", "--model.dim", "64", "--trainer.max_steps", "50",
+                     "--trainer.callbacks+=tests.faults.FailOnRank",
+                     f"--trainer.callbacks.rank={rank}", f"--trainer.callbacks.how={how}",
+                     cwd=tmp_path, timeout=120)  # fmt: skip
     assert result.returncode != 0
     assert time.monotonic() - start < 60
     if how == "raise":
@@ -96,26 +69,20 @@ def test_a_failing_rank_ends_the_job(tmp_path, how, rank):
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_hung_rank_ends_the_job_after_the_timeout(tmp_path):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lit_ddp.fit", "--devices", "2", "--model.dim", "64", "--trainer.max_steps", "50",
-         "--trainer.strategy.timeout_s", "10", "--trainer.callbacks+=tests.faults.FailOnRank",
-         "--trainer.callbacks.how=hang"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    start = time.monotonic()
-    kids: list[int] = []
-    while not kids and time.monotonic() - start < 60:
-        kids = children(proc.pid)
-        time.sleep(0.2)
-    code = wait_gone(proc, [proc.pid, *kids], timeout=10 + 60 + 30)
+    """Rank 1 hangs before step 2 outside any collective; rank 0's collective of that step times out after
+    ``timeout_s`` and the job ends, every rank gone, with a line that names rank 0's timeout."""
+    with start_fit("--devices", "2", "--model.dim", "64", "--trainer.max_steps", "50",
+                   "--trainer.strategy.timeout_s", "10", "--trainer.callbacks+=tests.faults.WritePid",
+                   "--trainer.callbacks+=tests.faults.FailOnRank", "--trainer.callbacks.how=hang",
+                   cwd=tmp_path) as run:  # fmt: skip
+        run.wait_for(r"^Step 1, Loss ")
+        start = time.monotonic()
+        ranks = [int((tmp_path / "pids" / f"rank{rank}").read_text()) for rank in (0, 1)]
+        code = wait_gone(run, [run.pid, *ranks], timeout=10 + 60)
     assert code != 0
-
-
-def test_nan_on_one_rank_stops_every_rank_at_that_step(make_trainer):
-    trainer = make_trainer(max_steps=6, callbacks=[NaNOnRank(rank=1, step=2), LossMonitor()])
-    with pytest.raises(Exception, match=re.escape("loss is nan at step 2: non-finite on rank(s) [1]")):
-        trainer.fit(LinearRegression(dim=16), FixedBatchDataModule(dim=16, batch_size=4))
+    assert 9 < time.monotonic() - start < 10 + 60
+    assert re.search(r"^lit-ddp-fit: rank 0 .*Timed out waiting 10000ms", run.stderr, re.M), run.stderr[-2000:]
+    assert "Step 2, Loss" not in run.stdout
 
 
 @pytest.mark.slow
@@ -123,11 +90,11 @@ def test_nan_on_one_rank_stops_every_rank_at_that_step(make_trainer):
 def test_sigterm_stops_every_rank_writes_a_checkpoint_and_exits_143(tmp_path):
     import torch
 
-    proc, rank1 = start_long_run(tmp_path, "--checkpoint.every_n_steps", "1000000")
-    proc.send_signal(signal.SIGTERM)
-    code = wait_gone(proc, [proc.pid, rank1], timeout=60)
+    with start_long_run(tmp_path, "--checkpoint.every_n_steps", "1000000") as (run, ranks):
+        run.proc.send_signal(signal.SIGTERM)
+        code = wait_gone(run, [run.pid, *ranks], timeout=60)
     assert code == 143
-    assert "lit-ddp-fit: stopped by SIGTERM" in proc.stdout.read()
+    assert "lit-ddp-fit: stopped by SIGTERM" in run.stderr
     checkpoint = torch.load(tmp_path / "runs" / "checkpoints" / "last.ckpt", weights_only=True)
     assert checkpoint["global_step"] > 0  # written at the SIGTERM, not by the every-million-steps schedule
 

@@ -7,29 +7,30 @@ import pytest
 import yaml
 
 from lit_ddp.fit import build_cli, main
-from tests.helpers import ROOT, run_module
+from tests.helpers import ROOT, STEP_LINE, run_fit, run_main, step_losses, step_numbers
 
-STEP_LINE = re.compile(r"^Step (\d+), Loss ([0-9.]+)$", re.M)
-
-
-def step_losses(stdout: str) -> list[float]:
-    return [float(loss) for _, loss in STEP_LINE.findall(stdout)]
+CPU = ("--trainer.accelerator", "cpu")  # for build_cli and main(): the subprocess helpers add it themselves
+SMALL = ("--devices", "2", "--model.dim", "64")
 
 
-def test_default_run_prints_five_decreasing_steps_once(tmp_path):
-    first = run_module("lit_ddp.fit", "--devices", "2", cwd=tmp_path)
+def test_default_run_prints_the_notes_output_and_nothing_else(tmp_path):
+    first = run_fit("--devices", "2", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
-    losses = step_losses(first.stdout)
-    assert [int(i) for i, _ in STEP_LINE.findall(first.stdout)] == [0, 1, 2, 3, 4]
-    assert all(a > b for a, b in zip(losses, losses[1:], strict=False)), losses
     lines = first.stdout.splitlines()
+    assert len(lines) == 10, first.stdout  # the map (header + 2 ranks), 5 steps, the sync verdict, Done
     assert lines[0].split()[:3] == ["rank", "local", "node"]  # the device map, printed once
-    assert sum(line.startswith("rank ") for line in lines) == 1
-    assert lines[-2] == "weights in sync across 2 ranks after step 4: max |diff| = 0 (1,049,600 parameters)"
-    assert re.match(r"Done: 5 steps on 2 ranks, backend gloo, device cpu, wall [0-9.]+ s", lines[-1])
+    assert [line.split()[0] for line in lines[1:3]] == ["0", "1"]
+    assert step_numbers("\n".join(lines[3:8])) == [0, 1, 2, 3, 4]
+    losses = step_losses(first.stdout)
+    assert all(a > b for a, b in zip(losses, losses[1:], strict=False)), losses
+    assert lines[8] == "weights in sync across 2 ranks after step 4: max |diff| = 0 (1,049,600 parameters)"
+    assert re.fullmatch(r"Done: 5 steps on 2 ranks, backend gloo, device cpu, wall [0-9.]+ s, "
+                        r"logs in runs/mini_train/version_0", lines[9])  # fmt: skip
+    for banner in ("GPU available", "TPU available", "Seed set to", "Tip:", "Initializing distributed"):
+        assert banner not in first.stdout + first.stderr, banner
     assert "Traceback" not in first.stderr
     # The same command again: a new run directory, not a clash with the first run's config.yaml.
-    second = run_module("lit_ddp.fit", "--devices", "2", cwd=tmp_path)
+    second = run_fit("--devices", "2", cwd=tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
     assert step_losses(second.stdout) == losses
     runs = sorted(p.name for p in (tmp_path / "runs" / "mini_train").iterdir())
@@ -39,29 +40,103 @@ def test_default_run_prints_five_decreasing_steps_once(tmp_path):
 
 @pytest.mark.slow
 def test_four_cpu_processes_print_the_steps_once(tmp_path):
-    result = run_module("lit_ddp.fit", "--devices", "4", "--model.dim", "256", cwd=tmp_path, timeout=120)
+    result = run_fit("--devices", "4", "--model.dim", "256", cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(STEP_LINE.findall(result.stdout)) == 5
     assert "on 4 ranks" in result.stdout
 
 
-def test_two_ranks_and_one_rank_with_double_batch_print_the_same_losses(tmp_path, capsys):
-    two = run_module("lit_ddp.fit", "--devices", "2", "--model.dim", "128", cwd=tmp_path)
+def test_two_ranks_and_one_rank_with_double_batch_print_the_same_losses(tmp_path, monkeypatch, capsys):
+    two = run_fit("--devices", "2", "--model.dim", "128", cwd=tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
     # One process launches nothing, so it can run in this process.
-    sys_argv = ["lit-ddp-fit", "--devices", "1", "--data.batch_size", "64", "--model.dim", "128",
-                f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}"]  # fmt: skip
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sys, "argv", sys_argv)
-        main()
-    one = capsys.readouterr().out
-    assert len(step_losses(one)) == 5
-    assert step_losses(one) == step_losses(two.stdout)
+    one = run_main(monkeypatch, capsys, *CPU, "--devices", "1", "--data.batch_size", "64", "--model.dim", "128",
+                   f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}")  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert len(step_losses(one.stdout)) == 5
+    assert step_losses(one.stdout) == step_losses(two.stdout)
+
+
+def test_max_epochs_ends_after_the_last_epoch(tmp_path):
+    result = run_fit(*SMALL, "--trainer.max_steps", "-1", "--trainer.max_epochs", "3", "--data.steps_per_epoch", "4",
+                     cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert step_numbers(result.stdout) == list(range(12))
+    assert "weights in sync across 2 ranks after step 11:" in result.stdout
+    assert re.search(r"^Done: 12 steps on 2 ranks,", result.stdout, re.M), result.stdout
+
+
+@pytest.fixture(scope="module")
+def profiled_and_summarized(tmp_path_factory):
+    """One run for the two tests below: both options only add text."""
+    cwd = tmp_path_factory.mktemp("profiled")
+    result = run_fit(*SMALL, "--trainer.profiler", "simple", "--trainer.enable_model_summary", "true", cwd=cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert step_numbers(result.stdout) == [0, 1, 2, 3, 4]
+    return result
+
+
+def test_the_simple_profiler_prints_its_report(profiled_and_summarized):
+    assert "FIT Profiler Report" in profiled_and_summarized.stdout
+
+
+def test_the_model_summary_is_printed_when_asked(profiled_and_summarized):
+    assert re.search(r"^\s*\| Name +\| Type", profiled_and_summarized.stdout, re.M), profiled_and_summarized.stdout
+
+
+def screen_lines(raw: str) -> list[str]:
+    """The lines a terminal shows for ``raw``: a carriage return goes back to the start of the line, and what
+    follows overwrites what was there (tqdm redraws its bar this way)."""
+    lines = []
+    for line in raw.split("\n"):
+        shown = ""
+        for part in line.split("\r"):
+            shown = part + shown[len(part) :]
+        lines.append(shown.rstrip())
+    return lines
+
+
+@pytest.fixture(scope="module")
+def with_progress_bar(tmp_path_factory) -> list[str]:
+    """The screen lines of a run with Lightning's progress bar on (one run for the two tests below)."""
+    result = run_fit(*SMALL, "--trainer.enable_progress_bar", "true", cwd=tmp_path_factory.mktemp("bar"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Epoch 0: 100%" in result.stdout + result.stderr  # the bar was drawn
+    return screen_lines(result.stdout)
+
+
+def test_with_the_progress_bar_every_step_line_is_a_line_of_its_own(with_progress_bar):
+    with_steps = [line for line in with_progress_bar if "Step " in line]
+    assert [STEP_LINE.fullmatch(line) is not None for line in with_steps] == [True] * 5, with_steps
+
+
+def test_with_the_progress_bar_the_device_map_and_the_done_line_remain(with_progress_bar):
+    assert any(line.split()[:3] == ["rank", "local", "node"] for line in with_progress_bar), with_progress_bar
+    assert any(line.startswith("Done: 5 steps on 2 ranks") for line in with_progress_bar), with_progress_bar
+
+
+def test_help_names_the_program_as_it_is_run(tmp_path):
+    result = run_fit("--help", cwd=tmp_path, accelerator=None)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("usage: python -m lit_ddp.fit ")
+    assert "fit.py" not in result.stdout
+
+
+def test_lightning_s_own_ddp_strategy_runs_the_profile_config(tmp_path):
+    result = run_fit("--trainer.strategy", "ddp", "--config", str(ROOT / "configs" / "mini_train_profile.yaml"),
+                     "--devices", "2", "--trainer.max_steps", "3", "--model.dim", "256", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert step_numbers(result.stdout) == [0, 1, 2]
+    assert "Phase times (perf_counter: host time), 2 rank(s)" in result.stdout
+    assert "Gradient all-reduce per step (2 ranks" in result.stdout
+    assert "263,168 bytes reduced per step" in result.stdout  # 4 * (256 * 256 + 256)
+    assert re.search(r"^Done: 3 steps on 2 ranks, backend gloo", result.stdout, re.M), result.stdout
 
 
 def test_model_dim_sets_the_data_dim_and_options_reach_the_objects():
-    cli = build_cli(["--model.dim", "48", "--model.fused", "false", "--data.seed", "3", "--trainer.max_steps", "7",
-                     "--trainer.strategy.bucket_cap_mb", "1", "--trainer.strategy.static_graph", "true"])  # fmt: skip
+    cli = build_cli([*CPU, "--model.dim", "48", "--model.fused", "false", "--data.seed", "3",
+                     "--trainer.max_steps", "7", "--trainer.strategy.bucket_cap_mb", "1",
+                     "--trainer.strategy.static_graph", "true"])  # fmt: skip
     assert cli.model.hparams.dim == cli.datamodule.hparams.dim == 48
     assert cli.model.hparams.fused is False
     assert cli.datamodule.hparams.seed == 3
@@ -77,26 +152,26 @@ def test_model_dim_sets_the_data_dim_and_options_reach_the_objects():
 def test_explicit_options_win_over_config_files_wherever_written(tmp_path):
     config = str(ROOT / "configs" / "cpu_small.yaml")  # devices: 2, dim: 256
     for args in (["--devices", "1", "--config", config], ["--config", config, "--devices", "1"]):
-        cli = build_cli([*args, "--model.dim", "32"])
+        cli = build_cli([*CPU, *args, "--model.dim", "32"])
         assert cli.trainer.num_devices == 1 and cli.model.hparams.dim == 32, args
-    two_files = build_cli(["--config", config, "--config", str(ROOT / "configs" / "mini_train.yaml")])
+    two_files = build_cli([*CPU, "--config", config, "--config", str(ROOT / "configs" / "mini_train.yaml")])
     assert two_files.model.hparams.dim == 1024  # files keep their order: the later one wins
 
 
 def test_print_config_round_trips(tmp_path):
-    result = run_module("lit_ddp.fit", "--devices", "2", "--model.dim", "64", "--print_config", cwd=tmp_path)
+    result = run_fit("--devices", "2", "--model.dim", "64", "--print_config", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     config = yaml.safe_load(result.stdout)
     assert int(config["trainer"]["devices"]) == 2 and config["model"]["dim"] == 64
     assert config["trainer"]["strategy"]["class_path"] == "lit_ddp.strategy.LitDDPStrategy"
     (tmp_path / "printed.yaml").write_text(result.stdout)
-    cli = build_cli(["--config", str(tmp_path / "printed.yaml")])
+    cli = build_cli([*CPU, "--config", str(tmp_path / "printed.yaml")])
     assert cli.model.hparams.dim == 64
 
 
 @pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_config_parses_and_instantiates(config):
-    cli = build_cli(["--config", str(config)])
+    cli = build_cli([*CPU, "--config", str(config)])
     assert cli.trainer.max_steps > 0
     assert cli.model.hparams.dim == cli.datamodule.hparams.dim
 
@@ -143,7 +218,7 @@ def test_bad_yaml_is_refused(tmp_path, capsys, monkeypatch):
 
 
 def test_bad_input_exits_2_without_traceback_or_spawn(tmp_path):
-    result = run_module("lit_ddp.fit", "--devices", "2", "--model.dim", "-4", cwd=tmp_path, timeout=60)
+    result = run_fit("--devices", "2", "--model.dim", "-4", cwd=tmp_path, timeout=60)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         'lit-ddp-fit: error: Parser key "model.dim": Not of type PositiveInt: -4 does not conform to restriction v>0'

@@ -1,13 +1,13 @@
 """Beyond Lightning's own launcher: Slurm's variables, torchrun, two "nodes" on one machine."""
 
-import re
+import os
 
 import pytest
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
-from lit_ddp.placement import problems, this_rank
 from lit_ddp.fit import build_cli
-from tests.helpers import run_module
+from lit_ddp.placement import problems, this_rank
+from tests.helpers import STEP_LINE, TORCHRUN, assert_same_checkpoint, free_port, run_fit, start_fit, start_long_run
 
 SLURM_RANK_3_OF_4 = {
     "SLURM_JOB_ID": "1234",
@@ -34,49 +34,40 @@ def test_simulated_slurm_rank_gets_its_rank_and_device(monkeypatch):
     assert row["slurm_localid"] == "1" and problems([row]) == []
 
 
-STEP = re.compile(r"^Step \d+, Loss [0-9.]+$", re.M)
+STANDALONE_2 = (*TORCHRUN, "--standalone", "--nproc_per_node", "2")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_torchrun_prints_the_steps_once(tmp_path):
-    result = run_module("torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "lit_ddp.fit",
-                        "--devices", "2", "--model.dim", "64", cwd=tmp_path, timeout=120)  # fmt: skip
+    result = run_fit("--devices", "2", "--model.dim", "64", launcher=STANDALONE_2, cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert len(STEP.findall(result.stdout)) == 5
+    assert len(STEP_LINE.findall(result.stdout)) == 5
     assert "on 2 ranks" in result.stdout
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_two_nodes_on_one_machine(tmp_path):
-    import subprocess
-    import sys
-
-    from tests.helpers import ROOT
-
-    def node(rank: int) -> subprocess.Popen:
-        return subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(rank),
-             "--master_addr", "127.0.0.1", "--master_port", "29561", "--nproc_per_node", "1",
-             "-m", "lit_ddp.fit", "--devices", "1", "--trainer.num_nodes", "2", "--model.dim", "64"],
-            cwd=tmp_path / f"node{rank}", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
-        )  # fmt: skip
-
+    port = str(free_port())
     for rank in (0, 1):
         (tmp_path / f"node{rank}").mkdir()
-    nodes = [node(0), node(1)]
-    outs = [n.communicate(timeout=120) for n in nodes]
-    assert [n.returncode for n in nodes] == [0, 0], [o[1][-1500:] for o in outs]
-    assert len(STEP.findall(outs[0][0])) == 5 and "on 2 ranks" in outs[0][0]
-    assert not STEP.findall(outs[1][0])  # printed once, by global rank 0
+
+    def node(rank: int):
+        launcher = (*TORCHRUN, "--nnodes", "2", "--node_rank", str(rank), "--master_addr", "127.0.0.1",
+                    "--master_port", port, "--nproc_per_node", "1")  # fmt: skip
+        return start_fit("--devices", "1", "--trainer.num_nodes", "2", "--model.dim", "64", launcher=launcher,
+                         cwd=tmp_path / f"node{rank}")  # fmt: skip
+
+    with node(0) as node0, node(1) as node1:
+        codes = [node0.wait(timeout=120), node1.wait(timeout=120)]
+    assert codes == [0, 0], [node0.stderr[-1500:], node1.stderr[-1500:]]
+    assert len(STEP_LINE.findall(node0.stdout)) == 5 and "on 2 ranks" in node0.stdout
+    assert not STEP_LINE.findall(node1.stdout)  # printed once, by global rank 0
 
 
 def listening_addresses(pids: list[int]) -> list[str]:
     """Local addresses ("hex_ip:hex_port") of the TCP sockets these processes listen on."""
-    import os
-
     inodes = set()
     for pid in pids:
         for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -99,14 +90,8 @@ def listening_addresses(pids: list[int]) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_single_node_run_listens_on_loopback_only(tmp_path):
-    from tests.test_faults import start_long_run
-
-    proc, rank1 = start_long_run(tmp_path)
-    try:
-        addresses = listening_addresses([proc.pid, rank1])
-    finally:
-        proc.kill()
-        proc.wait()
+    with start_long_run(tmp_path) as (run, ranks):
+        addresses = listening_addresses([run.pid, *ranks])
     assert addresses, "found no listening socket at all: the check would be vacuous"
     loopback = ("0100007F:", "00000000000000000000000001000000:")  # 127.0.0.1, ::1
     assert all(a.startswith(loopback) for a in addresses), addresses
@@ -115,24 +100,19 @@ def test_single_node_run_listens_on_loopback_only(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_torchrun_restart_resumes_from_last_checkpoint_and_ends_like_an_undisturbed_run(tmp_path):
-    import torch
-
     args = ("--devices", "2", "--model.dim", "64", "--trainer.max_steps", "8", "--checkpoint.every_n_steps", "2",
             "--ckpt_path", "auto")  # fmt: skip
     # pytorch#135712 / #167288: a restarted gloo job can hang when the workers share the agent's TCP store.
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    torchrun = ("torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts", "1",
-                "-m", "lit_ddp.fit")  # fmt: skip
-    faulty = run_module(*torchrun, *args, "--trainer.logger.init_args.name", "faulty",
-                        "--trainer.callbacks+=tests.faults.FailOnRank", "--trainer.callbacks.step=5",
-                        "--trainer.callbacks.how=exit", "--trainer.callbacks.first_attempt_only=true",
-                        cwd=tmp_path, timeout=200, env=env)  # fmt: skip
+    torchrun = (*STANDALONE_2, "--max-restarts", "1")
+    faulty = run_fit(*args, "--trainer.logger.init_args.name", "faulty",
+                     "--trainer.callbacks+=tests.faults.FailOnRank", "--trainer.callbacks.step=5",
+                     "--trainer.callbacks.how=exit", "--trainer.callbacks.first_attempt_only=true",
+                     launcher=torchrun, cwd=tmp_path, timeout=200, env=env)  # fmt: skip
     assert faulty.returncode == 0, faulty.stderr[-3000:]
     assert "Step 4, Loss" in faulty.stdout and "Step 7, Loss" in faulty.stdout
-    clean = run_module(*torchrun, *args, "--trainer.logger.init_args.name", "clean", cwd=tmp_path, timeout=200, env=env)
+    clean = run_fit(*args, "--trainer.logger.init_args.name", "clean", launcher=torchrun, cwd=tmp_path, timeout=200,
+                    env=env)  # fmt: skip
     assert clean.returncode == 0, clean.stderr[-3000:]
-    a = torch.load(tmp_path / "runs/faulty/checkpoints/last.ckpt", weights_only=True)
-    b = torch.load(tmp_path / "runs/clean/checkpoints/last.ckpt", weights_only=True)
-    assert a["global_step"] == b["global_step"] == 8
-    for key, value in a["state_dict"].items():
-        assert torch.equal(value, b["state_dict"][key]), key
+    assert_same_checkpoint(tmp_path / "runs/faulty/checkpoints/last.ckpt",
+                           tmp_path / "runs/clean/checkpoints/last.ckpt", global_step=8)  # fmt: skip

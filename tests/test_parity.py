@@ -2,7 +2,6 @@
 and the port trains exactly like the notes' plain torch.distributed loop."""
 
 import csv
-import re
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp.callbacks import LossMonitor
-from tests.helpers import run_module
+from tests.helpers import TORCHRUN, run_module, step_losses
 
 DIM, STEPS = 64, 6
 
@@ -60,13 +59,14 @@ def test_without_the_gradient_sync_the_invariant_breaks(make_trainer, tmp_path):
 def test_reference_loop_and_port_agree(make_trainer, tmp_path):
     port_losses, port_weights = fit_port(make_trainer, tmp_path, devices=2, batch_size=16, name="port")
     ref = run_module(
-        "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "lit_ddp.reference",
+        *TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "lit_ddp.reference",
         "--dim", str(DIM), "--batch-size", "16", "--steps", str(STEPS), "--lr", "1e-2",
         "--save", str(tmp_path / "ref.pt"),
         cwd=tmp_path,
+        env={"CUDA_VISIBLE_DEVICES": ""},  # the reference takes the GPUs when it sees any; the port runs on CPU
     )  # fmt: skip
     assert ref.returncode == 0, ref.stderr[-2000:]
-    ref_losses = [float(v) for v in re.findall(r"^Step \d+, Loss ([0-9.]+)$", ref.stdout, re.M)]
+    ref_losses = step_losses(ref.stdout)
     assert len(ref_losses) == STEPS
     assert ref_losses == pytest.approx(port_losses, abs=1e-4)  # the reference prints 4 decimals
     ref_weights = torch.load(tmp_path / "ref.pt", weights_only=True)

@@ -7,8 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from lightning.pytorch.loggers import CSVLogger
 
-from lit_ddp import LinearRegression, report
+from lit_ddp import FixedBatchDataModule, LinearRegression, report
 from lit_ddp.callbacks import PhaseTimer
 
 
@@ -65,7 +66,7 @@ def test_every_boundary_with_a_patched_clock(monkeypatch, tmp_path, caplog):
         assert step == pytest.approx(100.0, abs=1e-6)
     assert "Step 0\n forward : 10.00 ms\n backward: 20.00 ms\n update  : 5.00 ms" in caplog.text
     assert "Step 1\n" not in caplog.text  # print_steps=1
-    assert "Phase times (perf_counter), 1 rank(s)" in caplog.text
+    assert "Phase times (perf_counter: host time), 1 rank(s)" in caplog.text
 
 
 def test_update_ends_at_batch_end_without_the_post_hook(monkeypatch, tmp_path):
@@ -100,6 +101,22 @@ def test_bad_arguments_are_refused():
         PhaseTimer(print_steps=-1)
     with pytest.raises(ValueError, match="peak_tflops=0"):
         PhaseTimer(peak_tflops=0)
+
+
+def test_real_run_phases_add_up_and_are_logged(make_trainer, tmp_path):
+    """On 2 real ranks, what a real run can promise: every phase > 0 and the phases add up to the step."""
+    trainer = make_trainer(max_steps=4, callbacks=[PhaseTimer()], logger=CSVLogger(tmp_path, name="run", version=0))
+    trainer.fit(LinearRegression(dim=256), FixedBatchDataModule(dim=256, batch_size=8))
+    log_dir = tmp_path / "run" / "version_0"
+    phases, _ = report.load(log_dir)
+    assert phases["world_size"] == 2 and len(phases["ms"]) == 2 and phases["steps"] == [0, 1, 2, 3]
+    for rank in phases["ms"]:
+        for forward, backward, update, other, step in rank:
+            assert min(forward, backward, update, step) > 0
+            assert forward + backward + update + other == pytest.approx(step, abs=1e-6)
+            assert other >= -1e-6
+    metrics = (log_dir / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"time/forward_ms", "time/backward_ms", "time/update_ms", "time/step_ms"} <= set(metrics)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

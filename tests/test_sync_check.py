@@ -11,7 +11,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp.callbacks import SyncCheck
 from lit_ddp.callbacks.sync_check import fingerprints
-from tests.helpers import run_module
+from tests.helpers import RecordLogs, fast_trainer, run_fit
 
 
 def perturb_rank1_hook(state, bucket):
@@ -76,14 +76,31 @@ def test_one_perturbed_rank_is_named(make_trainer):
         fit(make_trainer, SyncCheck(check_grads=True), ddp_comm_hook=perturb_rank1_hook)
 
 
-def test_warn_mode_goes_on(make_trainer):
-    assert fit(make_trainer, SyncCheck(mode="warn"), ddp_comm_hook=noop_hook)
+@pytest.fixture(scope="module")
+def warn_mode_log(tmp_path_factory) -> str:
+    """What rank 0 of a 3-step run without the all-reduce, in warn mode, logged and warned (rank_zero_warn in a
+    ddp_spawn worker: RecordLogs writes it where this process can read it)."""
+    out = tmp_path_factory.mktemp("warn_mode")
+    callbacks = [RecordLogs(out), SyncCheck(mode="warn")]
+    trainer = fast_trainer(out, max_steps=3, callbacks=callbacks, ddp_comm_hook=noop_hook)
+    trainer.fit(LinearRegression(dim=32, num_layers=2), FixedBatchDataModule(dim=32, batch_size=4))
+    return RecordLogs.read(out, 0)
+
+
+def test_warn_mode_warns_and_goes_on(warn_mode_log):
+    for step in range(3):  # every step, to the last one
+        assert re.search(rf"UserWarning: weights out of sync across 2 ranks after step {step}: net\.\d\.\w+ "
+                         r"differs on rank\(s\) \[1\] from rank 0", warn_mode_log), warn_mode_log  # fmt: skip
+
+
+def test_warn_mode_does_not_end_with_weights_in_sync(warn_mode_log):
+    assert "weights in sync" not in warn_mode_log, warn_mode_log
+    assert re.search(r"weights OUT OF SYNC across 2 ranks at 3 check\(s\), last after step 2", warn_mode_log)
 
 
 def test_cli_run_without_all_reduce_fails_fast_with_sync_error(tmp_path):
     hook = "torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks.noop_hook"
-    result = run_module("lit_ddp.fit", "--devices", "2", "--trainer.strategy.ddp_comm_hook", hook,
-                        cwd=tmp_path, timeout=60)  # fmt: skip
+    result = run_fit("--devices", "2", "--trainer.strategy.ddp_comm_hook", hook, cwd=tmp_path, timeout=60)
     assert result.returncode == 1
     assert re.search(r"^lit-ddp-fit: SyncError: weights out of sync across 2 ranks after step 0: net\.0\.weight "
                      r"differs on rank\(s\) \[1\]", result.stderr, re.M), result.stderr[-2000:]  # fmt: skip

@@ -80,7 +80,9 @@ class KernelRecorder:
                     break
         marks, kernels = [], []
         for e in events:
-            if e.device_type != DeviceType.CUDA:
+            # GPU user annotations (record_function ranges drawn on the GPU timeline) span the gaps between
+            # kernels: they are not work. torch's own device totals leave them out too.
+            if e.device_type != DeviceType.CUDA or e.is_user_annotation:
                 continue
             interval = (e.time_range.start / 1e3, e.time_range.end / 1e3)
             label = marker_ops.get(e.linked_correlation_id)

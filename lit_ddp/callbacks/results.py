@@ -7,7 +7,9 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from tqdm import tqdm
 
 
 def say(trainer: Trainer, text: str) -> None:
@@ -16,7 +18,10 @@ def say(trainer: Trainer, text: str) -> None:
     if not trainer.is_global_zero:
         return
     bar = trainer.progress_bar_callback
-    if bar is not None and bar.is_enabled:
+    if isinstance(bar, TQDMProgressBar) and bar.is_enabled:
+        # Above the bar while one is drawn, plainly when none is (the bar's own print() drops text then).
+        tqdm.write(text)
+    elif bar is not None and bar.is_enabled:
         bar.print(text)
     else:
         rank_zero_info(text)

@@ -81,9 +81,11 @@ class SyncCheck(Callback):
         self.check_setup = check_setup
         self._last_checked_step: int | None = None
         self._max_diff = 0.0
+        self._out_of_sync = 0  # checks that found the ranks apart (mode="warn")
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._last_checked_step, self._max_diff, self._out_of_sync = None, 0.0, 0
         if self.check_setup:
             self._check_optimizer_holds_wrapped_params(trainer)
         self._compare(trainer, pl_module, "weights", "before the first step")
@@ -121,6 +123,13 @@ class SyncCheck(Callback):
         if self._last_checked_step is None:
             return
         n_params = sum(p.numel() for p in pl_module.parameters())
+        if self._out_of_sync:  # mode="warn" went on after finding the ranks apart
+            say(
+                trainer,
+                f"weights OUT OF SYNC across {trainer.world_size} ranks at {self._out_of_sync} check(s), last after "
+                f"step {self._last_checked_step}: max |diff| = {self._max_diff:g} ({n_params:,} parameters)",
+            )
+            return
         say(
             trainer,
             f"weights in sync across {trainer.world_size} ranks after step {self._last_checked_step}: "
@@ -149,6 +158,7 @@ class SyncCheck(Callback):
         message = f"{what} out of sync across {trainer.world_size} ranks {when}: " + "; ".join(report) + more
         if self.mode == "raise":
             raise SyncError(message)
+        self._out_of_sync += 1
         rank_zero_warn(message)
 
     def _check_optimizer_holds_wrapped_params(self, trainer: Trainer) -> None:

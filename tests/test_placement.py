@@ -1,0 +1,58 @@
+"""The placement rules (``lit_ddp.placement``) on hand-made maps: the notes' device-indexing pitfalls."""
+
+from lit_ddp.placement import RankPlacement, format_table, problems
+
+
+def row(rank, local_rank, device, cvd=None, slurm=None, host="n0", node=0) -> RankPlacement:
+    return RankPlacement(rank=rank, local_rank=local_rank, node_rank=node, host=host, device=device,
+                         cuda_visible_devices=cvd, env_local_rank=str(local_rank), slurm_localid=slurm)  # fmt: skip
+
+
+def test_one_gpu_per_rank_is_fine():
+    assert problems([row(0, 0, "cuda:0"), row(1, 1, "cuda:1")]) == []
+
+
+def test_cpu_ranks_are_fine():
+    assert problems([row(0, 0, "cpu"), row(1, 1, "cpu")]) == []
+
+
+def test_slurm_style_one_visible_device_each_is_fine():
+    """CUDA_VISIBLE_DEVICES=$SLURM_LOCALID and set_device(0): the notes' first style."""
+    rows = [row(0, 0, "cuda:0", cvd="0", slurm="0"), row(1, 1, "cuda:0", cvd="1", slurm="1")]
+    assert problems(rows) == []
+
+
+def test_two_ranks_on_one_gpu_are_flagged():
+    found = problems([row(0, 0, "cuda:0"), row(1, 1, "cuda:0")])
+    assert any("ranks [0, 1] share GPU 0 on n0" in p for p in found), found
+
+
+def test_same_index_on_different_hosts_is_not_shared():
+    assert problems([row(0, 0, "cuda:0", host="a"), row(1, 0, "cuda:0", host="b", node=1)]) == []
+
+
+def test_mixing_visible_devices_and_device_ids_is_flagged():
+    """CUDA_VISIBLE_DEVICES=$SLURM_LOCALID *and* device_ids=[local_rank]: cuda:1 does not exist for rank 1,
+    and with two devices visible, device index != local rank means the two styles were mixed."""
+    rows = [row(0, 0, "cuda:0", cvd="0,1", slurm="0"), row(1, 1, "cuda:0", cvd="1,0", slurm="1")]
+    found = problems(rows)
+    assert any("rank 1 uses cuda:0 but its local rank is 1" in p for p in found), found
+
+
+def test_visible_devices_map_to_physical_gpus():
+    # Both ranks see a permuted list and pick index 0: physical GPUs 1 and 0, distinct, but indices skew.
+    rows = [row(0, 0, "cuda:0", cvd="1,0"), row(1, 1, "cuda:0", cvd="0,1")]
+    found = problems(rows)
+    assert not any("share" in p for p in found)
+    assert any("rank 1 uses cuda:0" in p for p in found)
+
+
+def test_slurm_localid_disagreeing_with_local_rank_is_flagged():
+    found = problems([row(0, 0, "cpu", slurm="1"), row(1, 1, "cpu", slurm="0")])
+    assert len(found) == 2 and "SLURM_LOCALID=1 but local rank 0" in found[0]
+
+
+def test_table_has_one_line_per_rank():
+    table = format_table([row(0, 0, "cuda:0", cvd="0,1"), row(1, 1, "cuda:1", cvd="0,1")])
+    lines = table.splitlines()
+    assert len(lines) == 3 and lines[0].split()[0] == "rank" and "cuda:1" in lines[2]

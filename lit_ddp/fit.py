@@ -31,9 +31,11 @@ from lit_ddp.data import FixedBatchDataModule
 from lit_ddp.lifecycle import UsageError
 from lit_ddp.module import LinearRegression
 
+
 def _prog() -> str:
     """The program as it was called: the console script, or the module."""
     return "lit-ddp-fit" if Path(sys.argv[0]).name == "lit-ddp-fit" else "python -m lit_ddp.fit"
+
 
 TRAINER_DEFAULTS = {
     "strategy": {"class_path": "lit_ddp.strategy.LitDDPStrategy"},

@@ -133,6 +133,15 @@ class LitDDPStrategy(DDPStrategy):
         return DistributedDataParallel(module=model, device_ids=device_ids, **self.ddp_kwargs)
 
     @override
+    def teardown(self) -> None:
+        super().teardown()
+        if multiprocessing.parent_process() is not None and _lightning.trains_in_children(self):
+            # A ddp_spawn/ddp_fork rank that finished (exceptions skip teardown there): destroy the process
+            # group while every rank is alive, or gloo's threads may abort the interpreter's exit ("terminate
+            # called without an active exception", seen under ddp_spawn).
+            lifecycle.teardown_process_group()
+
+    @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         lifecycle.stop_launched_ranks(self, first_rank=self.node_rank * self.num_processes + 1)

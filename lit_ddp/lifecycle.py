@@ -1,5 +1,5 @@
-"""A run's life around ``trainer.fit``: who launched a rank, dying with the launcher, a loopback rendezvous,
-naming a dead rank, tearing the process group down, and the exit codes of ``python -m lit_ddp.fit``
+"""A run's life around ``trainer.fit``: who launched a rank, dying with the launcher, naming a dead rank,
+tearing the process group down, and the exit codes of ``python -m lit_ddp.fit``
 (SIGTERM itself travels with the step's collective: ``lit_ddp.callbacks.step_sync``).
 
     python -m lit_ddp.fit --devices 2      # then: kill -TERM <pid>  -> every rank stops at one step, exit 143
@@ -12,15 +12,12 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import NamedTuple
 
-import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment, LightningEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -65,32 +62,6 @@ def follow_launcher(environment: ClusterEnvironment) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
         if os.getppid() != int(launcher_pid):  # the launcher died before the call above
             os._exit(1)
-
-
-def init_loopback_process_group(
-    backend: str, rank: int, world_size: int, port: int, timeout: timedelta, device: torch.device
-) -> None:
-    """The process group of a one-machine run, its rendezvous store listening on 127.0.0.1 only.
-
-    Through ``env://`` the rank-0 TCPStore listens on every interface, and torch's SECURITY.md warns that its
-    distributed features accept connections from anywhere.
-    """
-    listen_fd = None
-    if rank == 0:
-        server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind(("127.0.0.1", port))
-        server.listen()
-        listen_fd = server.detach()  # the store owns the descriptor from here on
-    store = dist.TCPStore(
-        "127.0.0.1", port, world_size, is_master=rank == 0, timeout=timeout, master_listen_fd=listen_fd
-    )
-    # device_id binds the NCCL communicator to this rank's GPU up front (no "using the device under current
-    # context" guess in barrier()); gloo takes none.
-    device_id = device if device.type == "cuda" else None
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
-    )
 
 
 class ExitedRank(NamedTuple):

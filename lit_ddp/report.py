@@ -1,6 +1,7 @@
 """Timing JSON -> the summary tables and a picture.
 
     python -m lit_ddp.report runs/mini_train_profile/version_0
+    python -m lit_ddp.report runs/mini_train_profile/version_0 --forecast 8,64,512 --link nvlink+ib400
 
 Reads ``phases.json`` (PhaseTimer) and ``comm.json`` (CommMonitor) from a run directory, prints the same
 tables the callbacks print at the end of training, and writes ``phases.png``: stacked forward / backward /
@@ -15,24 +16,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lit_ddp import forecast
+from lit_ddp.tables import fmt_ms, table
+
 PHASES = ("forward", "backward", "update", "other", "step")
 
 
 def _steady(steps: list) -> list:
     """Step 0 is warm-up (allocator, kernel selection, DDP's first-iteration bookkeeping)."""
     return steps[1:] if len(steps) > 1 else steps
-
-
-def fmt_ms(value: float) -> str:
-    return f"{value:.2f} ms" if value < 1000 else f"{value / 1000:.2f} s"
-
-
-def _table(header: tuple, rows: list[tuple]) -> str:
-    cells = [tuple(str(c) for c in row) for row in [header, *rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
-             for row in cells]  # fmt: skip
-    return "\n".join(line.rstrip() for line in lines)
 
 
 def format_step(step: int, forward: float, backward: float, update: float) -> str:
@@ -59,7 +51,7 @@ def phase_table(data: dict[str, Any]) -> str:
     n_steady = len(_steady(ms[0]))
     clock = data["clock"] + CLOCKS.get(data["clock"], "")
     title = f"Phase times ({clock}), {len(ms)} rank(s), step 0 = warm-up, then {n_steady} steady step(s):"
-    text = title + "\n" + _table(tuple(header), rows)
+    text = title + "\n" + table(tuple(header), rows)
     if data.get("roofline"):
         text += "\n" + roofline_table(data)
     return text + "\n" + verdict(data)
@@ -114,7 +106,7 @@ def roofline_table(data: dict[str, Any]) -> str:
         frac = f"{rate / peak_rate:.1%}" if peak_rate else "-"
         amount = f"{work / 1e9:.3f} GFLOP" if unit == "GFLOP/s" else f"{work / 1e6:.1f} MB"
         rows.append((phase, amount, fmt_ms(med[phase]), f"{rate:,.1f} {unit}", frac))
-    return "Roofline (rank 0, steady median):\n" + _table(("phase", "work", "time", "achieved", "of peak"), rows)
+    return "Roofline (rank 0, steady median):\n" + table(("phase", "work", "time", "achieved", "of peak"), rows)
 
 
 def comm_table(data: dict[str, Any]) -> str:
@@ -141,7 +133,7 @@ def comm_table(data: dict[str, Any]) -> str:
     compression = data.get("compression") or "none"
     return (
         f"Gradient all-reduce per step ({n} ranks, compression {compression}, rank 0, steady median):\n"
-        + _table(("bucket", "bytes", "time", "algbw", "busbw"), rows)
+        + table(("bucket", "bytes", "time", "algbw", "busbw"), rows)
         + f"\n{len(layout)} bucket(s){rebuilt}, {total:,} bytes reduced per step "
         f"({data['param_bytes']:,} bytes of gradients); each rank sends 2(n-1)/n x S = {ring * total:,.0f} bytes "
         f"in a ring all-reduce.\ncommunication {fmt_ms(busy)} per step, of which {fmt_ms(exposed)} exposed "
@@ -222,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lit_ddp.report", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="a run's log directory (it holds phases.json / comm.json)")
     parser.add_argument("--no-plot", action="store_true", help="tables only")
+    forecast.add_arguments(parser)
     args = parser.parse_args(argv)
     if not args.run_dir.is_dir():
         parser.error(f"{args.run_dir} is not a directory")
@@ -239,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
             print("no picture: matplotlib is missing (pip install 'lit_ddp[plot]')", file=sys.stderr)
             return 1
         print(f"wrote {out}")
+    if args.forecast:
+        try:
+            print(forecast.run(args, args.run_dir))
+        except forecast.ForecastError as err:
+            parser.error(str(err))
     return 0
 
 

@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from lit_ddp import _lightning, lifecycle
 from lit_ddp.checkpointing import AtomicCheckpointIO
+from lit_ddp.rendezvous import init_loopback_process_group
 
 
 class LitDDPStrategy(DDPStrategy):
@@ -117,7 +118,7 @@ class LitDDPStrategy(DDPStrategy):
             # Lightning's own init (env://) then sees the group initialized and skips it.
             self.set_world_ranks()
             backend = self._backend_choice or ("nccl" if self.root_device.type == "cuda" else "gloo")
-            lifecycle.init_loopback_process_group(
+            init_loopback_process_group(
                 backend, env.global_rank(), env.world_size(), env.main_port, timedelta(seconds=self.timeout_s),
                 self.root_device,
             )  # fmt: skip

@@ -1,0 +1,36 @@
+"""The rendezvous of a one-machine run, on loopback only (torch alone: the all-reduce probe's ranks use it too).
+
+python -m lit_ddp.fit --devices 2        # the rank-0 store listens on 127.0.0.1:<port>, nowhere else
+"""
+
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def init_loopback_process_group(
+    backend: str, rank: int, world_size: int, port: int, timeout: timedelta, device: torch.device
+) -> None:
+    """The process group of a one-machine run, its rendezvous store listening on 127.0.0.1 only.
+
+    Through ``env://`` the rank-0 TCPStore listens on every interface, and torch's SECURITY.md warns that its
+    distributed features accept connections from anywhere.
+    """
+    listen_fd = None
+    if rank == 0:
+        server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+        listen_fd = server.detach()  # the store owns the descriptor from here on
+    store = dist.TCPStore(
+        "127.0.0.1", port, world_size, is_master=rank == 0, timeout=timeout, master_listen_fd=listen_fd
+    )
+    # device_id binds the NCCL communicator to this rank's GPU up front (no "using the device under current
+    # context" guess in barrier()); gloo takes none.
+    device_id = device if device.type == "cuda" else None
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
+    )

@@ -1,0 +1,17 @@
+"""Text tables and times as the tool prints them (report, forecast)."""
+
+from collections.abc import Sequence
+
+
+def fmt_ms(value: float) -> str:
+    """Milliseconds, or seconds from 1000 ms on."""
+    return f"{value:.2f} ms" if value < 1000 else f"{value / 1000:.2f} s"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Columns padded to their widest cell; the first left-aligned, the rest right-aligned."""
+    cells = [[str(c) for c in row] for row in [header, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+             for row in cells]  # fmt: skip
+    return "\n".join(line.rstrip() for line in lines)

@@ -52,7 +52,7 @@ def test_loss_nan_check_and_sync_check_share_one_all_gather_per_step(make_traine
     ranks = run(make_trainer, tmp_path, [LossMonitor(every_n_steps=1), SyncCheck(every_n_steps=1)])
     for rank in ranks:
         assert rank["steps"] == 5  # counted steps 1..5
-        assert rank["counts"] == {**dict.fromkeys(COLLECTIVES, 0), "all_gather": 5}, rank["counts"]
+        assert rank["counts"] == {**dict.fromkeys(COLLECTIVES, 0), "all_gather_into_tensor": 5}, rank["counts"]
         assert rank["collectives"] == 6  # steps 0..5
 
 
@@ -61,7 +61,7 @@ def test_nothing_due_means_no_collective(make_trainer, tmp_path):
     ranks = run(make_trainer, tmp_path, quiet)
     for rank in ranks:
         # Only the sync check after the last step gathers; no SIGTERM check is due before step 100.
-        assert rank["counts"] == {**dict.fromkeys(COLLECTIVES, 0), "all_gather": 1}, rank["counts"]
+        assert rank["counts"] == {**dict.fromkeys(COLLECTIVES, 0), "all_gather_into_tensor": 1}, rank["counts"]
 
 
 def test_bad_argument_is_refused():

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from jsonargparse.typing import PositiveInt
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor
@@ -106,7 +107,10 @@ class StepSync(Callback):
                 return
             row = torch.cat([torch.tensor([float(self._sigterm)], dtype=torch.float64, device=self._device)] +
                             [slot.values for slot in slots.values()])  # fmt: skip
-            gathered = trainer.strategy.all_gather(row).reshape(trainer.world_size, -1).cpu()  # the host read
+            # torch's collective directly: Lightning's all_gather goes through an autograd Function and a stack.
+            gathered = row.new_empty(trainer.world_size * row.numel())
+            dist.all_gather_into_tensor(gathered, row)
+            gathered = gathered.reshape(trainer.world_size, -1).cpu()  # the host read
             self.collectives += 1
             sigterm = bool(gathered[:, 0].any())
             start = 1

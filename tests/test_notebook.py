@@ -1,5 +1,6 @@
 """The lab notebook runs top to bottom on a fresh copy, and the committed copy shows its plots."""
 
+import re
 import shutil
 
 import pytest
@@ -17,7 +18,7 @@ def test_committed_notebook_keeps_its_plots():
     images = [
         o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if "image/png" in o.get("data", {})
     ]
-    assert len(images) >= 3  # loss curve, phase picture, bucket experiment
+    assert len(images) >= 4  # loss curve, phase picture, bucket experiment, scaling forecast
 
 
 @pytest.mark.slow  # over a minute: it runs the CLI several times
@@ -39,3 +40,4 @@ def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     assert "weights in sync across 2 ranks after step 4" in outputs
     assert "exit code 1" in outputs and "SyncError: weights out of sync" in outputs
     assert "bucket_cap_mb=4: 4 bucket(s)" in outputs
+    assert re.search(r"^512\s+64\s+", outputs, re.M), "the forecast's 512-rank row"

@@ -19,7 +19,7 @@ class FakeTrainer(SimpleNamespace):
     def __init__(self, model, log_dir):
         strategy = SimpleNamespace(root_device=torch.device("cpu"), all_gather=lambda t: t.unsqueeze(0), model=model)
         super().__init__(strategy=strategy, is_global_zero=True, logger=None, global_step=0, world_size=1,
-                         log_dir=str(log_dir), callbacks=[], progress_bar_callback=None,
+                         log_dir=str(log_dir), callbacks=[], progress_bar_callback=None, precision="32-true",
                          optimizers=[torch.optim.Adam(model.parameters())])  # fmt: skip
 
 

@@ -43,7 +43,7 @@ class LossMonitor(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._sync = StepSync.attach(trainer)
+        self._sync = StepSync.attach(trainer, self)
 
     @override
     def on_train_batch_end(

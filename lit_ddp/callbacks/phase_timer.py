@@ -27,6 +27,7 @@ roofline: FLOPs counted once by ``torch.utils.flop_counter`` on the real batch, 
 real state (``lit_ddp.roofline``).
 """
 
+import math
 from dataclasses import astuple, dataclass
 from typing import Any, Optional
 
@@ -240,12 +241,14 @@ class PhaseTimer(Callback):
             "ms": [list(astuple(self._phases[s])) for s in steps],
             "offsets_ms": [self._offsets[s] for s in steps],
         }
-        if self._busy:  # every rank profiled the same steps
-            columns["busy_ms"] = self._busy
+        if self._recorder is not None:
+            # The same shape on every rank, whatever each rank's profile held: a step whose markers were not all
+            # found is NaN (a rank deciding alone whether to gather would leave the others waiting).
+            rows = [*self._busy, *[[float("nan")] * 5] * len(self._profiled)][: len(self._profiled)]
+            columns["busy_ms"] = rows
         gathered = gather(trainer, columns)
         device = trainer.strategy.root_device
-        param = next((p for p in pl_module.parameters() if p.requires_grad), None)
-        peak = roofline.peak_for(_device_name(device), param.dtype if param is not None else torch.float32)
+        peak = roofline.peak_for(_device_name(device), _compute_dtype(trainer, pl_module))
         flops = self._flops or roofline.StepFlops(0, 0)
         return {
             "clock": self._clock.name,
@@ -258,7 +261,7 @@ class PhaseTimer(Callback):
             # [rank][step][boundary]: ms from the step's start to each of BOUNDARIES[1:] and the step's end
             "offsets_ms": gathered["offsets_ms"],
             "boundaries": [*BOUNDARIES[1:], "end"],
-            **({"busy_ms": gathered["busy_ms"]} if "busy_ms" in gathered else {}),
+            **({"busy_ms": _complete_rows(gathered["busy_ms"])} if "busy_ms" in gathered else {}),
             "roofline": {
                 "rows_per_rank": self._rows,
                 "forward_flop": flops.forward,
@@ -292,6 +295,24 @@ def _busy_per_step(marks: list[tuple[str, float]], kernels: list[tuple[float, fl
         step = union_ms(kernels, at["start"], end)
         steps.append([*phases, step - sum(phases), step])
     return steps
+
+
+def _complete_rows(per_rank: list[list[list[float]]]) -> list[list[list[float]]]:
+    """Drops the NaN padding: the profiled steps measured on every rank."""
+    keep = [i for i in range(len(per_rank[0])) if not any(math.isnan(rank[i][-1]) for rank in per_rank)]
+    return [[rank[i] for i in keep] for rank in per_rank] if keep else []
+
+
+def _compute_dtype(trainer: Trainer, pl_module: LightningModule) -> torch.dtype:
+    """The dtype the matmuls run in: the Trainer's precision (``bf16-mixed``, ``16-true``, ...), else the
+    parameters'."""
+    precision = str(trainer.precision)
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    param = next((p for p in pl_module.parameters() if p.requires_grad), None)
+    return param.dtype if param is not None else torch.float32
 
 
 def _rows(batch: Any) -> int:

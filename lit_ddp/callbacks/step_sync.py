@@ -57,14 +57,21 @@ class StepSync(Callback):
         self.collectives = 0  # how many per-step collectives ran (for tests and benchmarks)
 
     @staticmethod
-    def attach(trainer: Trainer) -> "StepSync":
-        """The Trainer's StepSync, added to its callbacks if it has none (call from a callback's ``setup``)."""
-        for callback in trainer.callbacks:
-            if isinstance(callback, StepSync):
-                return callback
-        sync = StepSync()
-        trainer.callbacks.append(sync)  # Lightning iterates trainer.callbacks afresh for every hook
-        sync.setup(trainer, trainer.lightning_module, "fit")
+    def attach(trainer: Trainer, caller: Callback) -> "StepSync":
+        """The Trainer's StepSync, added to its callbacks if it has none; call from ``caller``'s ``setup``.
+
+        The StepSync's batch end must come after the callers', which ``put`` into it there: one listed before
+        ``caller`` is moved right after it (so it stays before callbacks that come later, a checkpoint say).
+        """
+        callbacks = trainer.callbacks  # Lightning iterates trainer.callbacks afresh for every hook
+        sync = next((c for c in callbacks if isinstance(c, StepSync)), None)
+        if sync is None:
+            sync = StepSync()
+            callbacks.append(sync)
+            sync.setup(trainer, trainer.lightning_module, "fit")
+        elif caller in callbacks and callbacks.index(sync) < callbacks.index(caller):
+            callbacks.remove(sync)
+            callbacks.insert(callbacks.index(caller) + 1, sync)
         return sync
 
     def put(self, key: str, values: list[float] | Tensor, on_result: Callable[[Tensor], None]) -> None:
@@ -109,7 +116,8 @@ class StepSync(Callback):
                             [slot.values for slot in slots.values()])  # fmt: skip
             # torch's collective directly: Lightning's all_gather goes through an autograd Function and a stack.
             gathered = row.new_empty(trainer.world_size * row.numel())
-            dist.all_gather_into_tensor(gathered, row)
+            # torch 2.13 deprecates all_gather_into_tensor for all_gather_single (same arguments); older has the first.
+            getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(gathered, row)
             gathered = gathered.reshape(trainer.world_size, -1).cpu()  # the host read
             self.collectives += 1
             sigterm = bool(gathered[:, 0].any())

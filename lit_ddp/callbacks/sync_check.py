@@ -97,7 +97,7 @@ class SyncCheck(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._sync = StepSync.attach(trainer)
+        self._sync = StepSync.attach(trainer, self)
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:

@@ -70,12 +70,8 @@ class LastCheckpoint(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
         if not self.every_n_steps:
             return
-        if trainer.global_step % self.every_n_steps == 0 or _stopped_by_sigterm(trainer):
+        if trainer.global_step % self.every_n_steps == 0 or StepSync.stopped(trainer):
             trainer.save_checkpoint(self.path(trainer))
-
-
-def _stopped_by_sigterm(trainer: Trainer) -> bool:
-    return any(isinstance(c, StepSync) and c.stopped_by_sigterm for c in trainer.callbacks)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

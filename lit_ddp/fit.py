@@ -130,7 +130,7 @@ def cli_main(args: Optional[list[str]] = None) -> LitDDPCLI:
     with lifecycle.launcher_forwards_sigterm(cli.trainer.strategy):
         cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path, weights_only=True)
     lifecycle.teardown_process_group()
-    if any(isinstance(c, StepSync) and c.stopped_by_sigterm for c in cli.trainer.callbacks):
+    if StepSync.stopped(cli.trainer):
         raise SIGTERMException()  # this process trained: its ranks stopped together after a SIGTERM
     return cli
 

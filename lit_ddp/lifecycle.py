@@ -69,13 +69,13 @@ class ExitedRank(NamedTuple):
     code: int
 
 
-def stop_launched_ranks(strategy, first_rank: int, wait_s: float = 1.0) -> list[ExitedRank]:
+def stop_launched_ranks(strategy, first_rank: int, wait_s: float = 1.0) -> None:
     """On a failure in rank 0 of the ``ddp`` launcher: name the launched ranks that exited with an error, then
     kill the rest. Lightning kills them only on KeyboardInterrupt, so a hung rank would outlive rank 0, whose
     own error is often just "connection reset by peer". Waits up to ``wait_s`` for a dead rank to be reaped."""
     procs = _lightning.launched_ranks(strategy)
     if not procs:
-        return []
+        return
     deadline = time.monotonic() + wait_s
     while True:
         exited = [ExitedRank(first_rank + i, p.poll()) for i, p in enumerate(procs)]
@@ -86,7 +86,6 @@ def stop_launched_ranks(strategy, first_rank: int, wait_s: float = 1.0) -> list[
     for dead in exited:
         print(f"{PROG}: rank {dead.rank} exited with code {dead.code}", file=sys.stderr)
     strategy.launcher.kill(signal.SIGKILL)
-    return exited
 
 
 @contextmanager

@@ -82,12 +82,16 @@ class StepSync(Callback):
         row = values.detach().reshape(-1) if isinstance(values, Tensor) else torch.tensor(values)
         self._slots[key] = _Slot(row.to(device=device, dtype=torch.float64), on_result)
 
+    @staticmethod
+    def stopped(trainer: Trainer) -> bool:
+        """Whether the Trainer's StepSync stopped training for a SIGTERM (False when it has none)."""
+        return any(isinstance(c, StepSync) and c.stopped_by_sigterm for c in trainer.callbacks)
+
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if getattr(self, "_set_up", False):
-            return
-        self._set_up = True
+        # Idempotent: `attach` calls it for a StepSync it adds, and Lightning then calls it again.
         self._device = trainer.strategy.root_device
+        self._sigterm = self.stopped_by_sigterm = False
 
         def notify(signum, frame) -> None:
             launcher = trainer.strategy.launcher

@@ -27,6 +27,9 @@ NOISY_WARNINGS = (
     ".*Total length of .* across ranks is zero.*",
     ".*The number of training batches .* is smaller than the logging interval.*",
     ".*Checkpoint directory .* exists and is not empty.*",
+    # Only with an explicit `--trainer.accelerator cpu` on a GPU machine (auto takes the GPU): the user's choice,
+    # and the device map says where each rank runs.
+    ".*GPU available but not used.*",
     # The ddp_fork parent loads rank 0's final weights from the temporary file rank 0 wrote for it.
     ".*`weights_only` was not set, defaulting to `False`.*",
     # `cli_main` always passes the (expanded) argv as `args`.

@@ -11,6 +11,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lit_ddp import FixedBatchDataModule, LinearRegression, report
 from lit_ddp.callbacks import PhaseTimer
+from lit_ddp.callbacks.clock import HostClock
 
 
 class FakeTrainer(SimpleNamespace):
@@ -27,9 +28,9 @@ def drive_one_step(timer, trainer, model, clock):
     """The hooks in Lightning's order, with the clock set before each; returns the boundary times."""
     batch = (torch.zeros(4, 8), torch.zeros(4, 8))
     opt = trainer.optimizers[0]
-    t0 = clock.now
-    clock.now = t0 + 0.000
     timer.on_train_batch_start(trainer, model, batch, 0)
+    t0 = clock.now  # after the hook: whatever it cost (starting a profiler) is before the step
+    timer._on_forward_start(model, (batch,))  # the forward pre-hook, at once (Lightning's batch work: none here)
     clock.now = t0 + 0.010  # forward: 10 ms
     timer.on_before_zero_grad(trainer, model, opt)
     clock.now = t0 + 0.011  # zero_grad: 1 ms -> other
@@ -67,6 +68,49 @@ def test_every_boundary_with_a_patched_clock(monkeypatch, tmp_path, caplog):
     assert "Step 0\n forward : 10.00 ms\n backward: 20.00 ms\n update  : 5.00 ms" in caplog.text
     assert "Step 1\n" not in caplog.text  # print_steps=1
     assert "Phase times (perf_counter: host time), 1 rank(s)" in caplog.text
+
+
+class HostClockAsCuda(HostClock):
+    name = "cuda_event"  # so that PhaseTimer records kernels; the marks stay on the patched host clock
+
+
+def test_profiler_start_and_stop_are_in_no_step(monkeypatch, tmp_path):
+    """Kernel recording (CUDA only) starts before the first profiled step and stops after the last; CUPTI's
+    start-up and the trace's parsing can take a second, which must land in no step's time. A stand-in recorder
+    costs 1 s at start and at stop, and reports one 2 ms kernel at the start of each phase."""
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr("lit_ddp.callbacks.clock.perf_counter", lambda: clock.now)
+
+    class Recorder:
+        def __init__(self, device):
+            self.active, self.marks = False, []
+
+        def start(self):
+            self.active = True
+            clock.now += 1.0
+
+        def mark(self, name):
+            self.marks.append((name, clock.now * 1e3))
+
+        def stop(self):
+            self.active = False
+            clock.now += 1.0
+            starts = [t for name, t in self.marks if name in ("forward_start", "backward_start", "update_start")]
+            return self.marks, [(t, t + 2.0) for t in starts]
+
+    monkeypatch.setattr("lit_ddp.callbacks.phase_timer.clock_for", lambda device: HostClockAsCuda())
+    monkeypatch.setattr("lit_ddp.callbacks.phase_timer.KernelRecorder", Recorder)
+    model = LinearRegression(dim=8)
+    trainer = FakeTrainer(model, tmp_path)
+    timer = PhaseTimer(kernel_steps=2)
+    timer.on_train_start(trainer, model)
+    for _ in range(6):
+        drive_one_step(timer, trainer, model, clock)
+    timer.on_train_end(trainer, model)
+    data = json.loads((tmp_path / "phases.json").read_text())
+    assert data["steps"] == [0, 1, 2, 3, 4, 5]
+    assert [step for *_, step in data["ms"][0]] == pytest.approx([100.0] * 6, abs=1e-6)
+    assert data["busy_ms"] == [[[2.0, 2.0, 2.0, 0.0, 6.0]] * 2]  # steps 2 and 3, each phase's kernel
 
 
 def test_update_ends_at_batch_end_without_the_post_hook(monkeypatch, tmp_path):

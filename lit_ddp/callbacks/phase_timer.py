@@ -137,15 +137,25 @@ class PhaseTimer(Callback):
                 rank_zero_warn(f"PhaseTimer: no roofline, counting FLOPs failed: {type(err).__name__}: {err}")
             self._marks = {}  # the count's forward went through the forward pre-hook
         step = trainer.global_step
-        if self._recorder is not None and step == self._profiled.start:
-            self._recorder.start()
-        mark = self._mark("start")
+        mark = self._mark("start")  # ends the step that ran (while profiling, its marker closes the kernel window)
         self._close_step(mark)
-        if self._recorder is not None and self._recorder.active and step not in self._profiled:
-            self._busy = _busy_per_step(*self._recorder.stop())
+        if self._toggle_recorder(step):
+            mark = self._mark("start")  # the profiler's start-up or stop is in neither step
         self._step = step
         self._marks = {"start": mark}
         self._resolve(trainer, block=False)
+
+    def _toggle_recorder(self, step: int) -> bool:
+        """Starts kernel recording at the first profiled step, stops it after the last; True if it did either."""
+        if self._recorder is None:
+            return False
+        if not self._recorder.active and step == self._profiled.start:
+            self._recorder.start()
+            return True
+        if self._recorder.active and step not in self._profiled:
+            self._busy = _busy_per_step(*self._recorder.stop())
+            return True
+        return False
 
     def _mark(self, boundary: str) -> Any:
         if self._recorder is not None and self._recorder.active:

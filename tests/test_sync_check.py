@@ -26,13 +26,18 @@ def perturb_rank1_hook(state, bucket):
     return allreduce_hook(state, bucket).then(nudge)
 
 
-def test_fingerprints_see_a_single_bit():
-    t = torch.randn(1000)
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))],
+)
+def test_fingerprints_see_a_single_bit(device):
+    t = torch.randn(1000, device=device)
     flipped = t.clone()
     flipped.view(torch.int32)[123] ^= 1  # the lowest mantissa bit of one element
     assert torch.equal(fingerprints([t]), fingerprints([t.clone()]))
     assert not torch.equal(fingerprints([t]), fingerprints([flipped]))
-    assert not torch.equal(fingerprints([torch.zeros(3)]), fingerprints([-torch.zeros(3)]))
+    zeros = torch.zeros(3, device=device)
+    assert not torch.equal(fingerprints([zeros]), fingerprints([-zeros]))
 
 
 def test_bad_arguments_are_refused():

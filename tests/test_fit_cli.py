@@ -1,5 +1,6 @@
 """``python -m lit_ddp.fit`` as a user runs it: the real ``ddp`` launcher in a subprocess, and ``cli_main``."""
 
+import os
 import re
 import sys
 
@@ -13,26 +14,40 @@ CPU = ("--trainer.accelerator", "cpu")  # for build_cli and main(): the subproce
 SMALL = ("--devices", "2", "--model.dim", "64")
 
 
-def test_default_run_prints_the_notes_output_and_nothing_else(tmp_path):
-    first = run_fit("--devices", "2", cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
-    lines = first.stdout.splitlines()
-    assert len(lines) == 10, first.stdout  # the map (header + 2 ranks), 5 steps, the sync verdict, Done
+# A sitecustomize that tells torch it has one GPU, inherited by the ranks through PYTHONPATH: a GPU machine, as far
+# as Lightning can tell without using the GPU.
+ONE_FAKE_GPU = "import torch\ntorch.cuda.is_available = lambda: True\ntorch.cuda.device_count = lambda: 1\n"
+
+
+def assert_notes_output(result, version: int) -> list[float]:
+    """The default run's whole output: the device map, the 5 step lines, the sync verdict, the Done line; no
+    banner, no warning. Returns the losses."""
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert len(lines) == 10, result.stdout  # the map (header + 2 ranks), 5 steps, the sync verdict, Done
     assert lines[0].split()[:3] == ["rank", "local", "node"]  # the device map, printed once
     assert [line.split()[0] for line in lines[1:3]] == ["0", "1"]
     assert step_numbers("\n".join(lines[3:8])) == [0, 1, 2, 3, 4]
-    losses = step_losses(first.stdout)
+    losses = step_losses(result.stdout)
     assert all(a > b for a, b in zip(losses, losses[1:], strict=False)), losses
     assert lines[8] == "weights in sync across 2 ranks after step 4: max |diff| = 0 (1,049,600 parameters)"
     assert re.fullmatch(r"Done: 5 steps on 2 ranks, backend gloo, device cpu, wall [0-9.]+ s, "
-                        r"logs in runs/mini_train/version_0", lines[9])  # fmt: skip
+                        rf"logs in runs/mini_train/version_{version}", lines[9])  # fmt: skip
     for banner in ("GPU available", "TPU available", "Seed set to", "Tip:", "Initializing distributed"):
-        assert banner not in first.stdout + first.stderr, banner
-    assert "Traceback" not in first.stderr
-    # The same command again: a new run directory, not a clash with the first run's config.yaml.
-    second = run_fit("--devices", "2", cwd=tmp_path)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert step_losses(second.stdout) == losses
+        assert banner not in result.stdout + result.stderr, banner
+    assert not re.search("warn|Traceback", result.stderr, re.I), result.stderr
+    return losses
+
+
+def test_default_run_prints_the_notes_output_and_nothing_else(tmp_path):
+    losses = assert_notes_output(run_fit("--devices", "2", cwd=tmp_path), version=0)
+    # Again where torch reports a GPU (--trainer.accelerator cpu on a GPU machine): the same output, in a new run
+    # directory rather than a clash with the first run's config.yaml.
+    fake = tmp_path / "one_fake_gpu"
+    fake.mkdir()
+    (fake / "sitecustomize.py").write_text(ONE_FAKE_GPU)
+    second = run_fit("--devices", "2", cwd=tmp_path, env={"PYTHONPATH": f"{fake}{os.pathsep}{ROOT}"})
+    assert assert_notes_output(second, version=1) == losses
     runs = sorted(p.name for p in (tmp_path / "runs" / "mini_train").iterdir())
     assert runs == ["version_0", "version_1"]
     assert (tmp_path / "runs" / "mini_train" / "version_1" / "config.yaml").is_file()

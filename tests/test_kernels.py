@@ -2,8 +2,9 @@
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
-from lit_ddp.callbacks.kernels import KernelRecorder, union_ms
+from lit_ddp.callbacks.kernels import MARK_PREFIX, KernelRecorder, marker_ops, trace_events, union_ms
 from lit_ddp.callbacks.phase_timer import _busy_per_step
 
 
@@ -29,6 +30,23 @@ def test_busy_per_step_splits_kernels_into_phases():
     assert len(steps) == 2
     assert steps[0] == pytest.approx([1.0, 4.0, 0.5, 1.0, 6.5])
     assert steps[1] == pytest.approx([2.0, 0.0, 0.0, 0.0, 2.0])
+
+
+def test_markers_are_found_in_a_real_trace():
+    """The CPU half of the marker lookup, on a real kineto trace (a CPU one here): each marker's fill_ op, by
+    the correlation id its kernel links to on a GPU; other fill_ ops are not markers."""
+    marker = torch.zeros(1)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i, name in enumerate(["start", "forward_start"], 1):
+            with record_function(f"{MARK_PREFIX}{i}:{name}"):
+                marker.fill_(i)
+            torch.ones(3).fill_(2)
+    events = trace_events(prof)
+    found = marker_ops(events)
+    fills = {e.correlation_id: e for e in events if e.name == "aten::fill_"}
+    assert sorted(found.values()) == ["1:start", "2:forward_start"]
+    assert set(found) < set(fills) and len(fills) >= 4
+    assert all(e.end_ms >= e.start_ms >= 0 for e in events)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

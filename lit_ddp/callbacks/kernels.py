@@ -13,13 +13,58 @@ window between its two markers.
 
 import math
 from collections.abc import Iterable
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 MARK_PREFIX = "lit_ddp::mark::"
+
+
+class TraceEvent(NamedTuple):
+    """One event of a torch.profiler trace, as kineto recorded it; times in ms from the trace's start."""
+
+    name: str
+    device_type: DeviceType
+    start_ms: float
+    end_ms: float
+    thread: int
+    correlation_id: int  # a CPU op's id
+    linked_correlation_id: int  # a kernel's (or runtime call's): the id of the CPU op that launched it
+    is_user_annotation: bool  # a record_function range (on the GPU timeline: from its first kernel to its last)
+
+
+def trace_events(prof: profile) -> list[TraceEvent]:
+    """The raw kineto events of a stopped ``profile``, without torch's parsing into ``FunctionEvent``s (slow, and
+    torch 2.11's ``FunctionEvent`` has no ``linked_correlation_id``)."""
+    result = prof.profiler.kineto_results
+    t0 = result.trace_start_ns()
+    return [
+        TraceEvent(e.name(), e.device_type(), (e.start_ns() - t0) / 1e6, (e.end_ns() - t0) / 1e6,
+                   e.start_thread_id(), e.correlation_id(), e.linked_correlation_id(), e.is_user_annotation())
+        for e in result.events()
+    ]  # fmt: skip
+
+
+def is_gpu_work(event: TraceEvent) -> bool:
+    """Kernels, memcpy and memset; GPU user annotations (record_function ranges drawn on the GPU timeline) span
+    the gaps between kernels: they are not work, and torch's own device totals leave them out too."""
+    return event.device_type == DeviceType.CUDA and not event.is_user_annotation
+
+
+def marker_ops(events: list[TraceEvent]) -> dict[int, str]:
+    """Correlation id of each marker's ``fill_`` -> the marker's label (``"7:forward_end"``): the ``aten::fill_``
+    op inside each ``lit_ddp::mark::`` range of the CPU timeline, on the same thread."""
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    fills = [e for e in cpu if e.name == "aten::fill_"]
+    found: dict[int, str] = {}
+    for mark in (e for e in cpu if e.name.startswith(MARK_PREFIX)):
+        for op in fills:
+            if op.thread == mark.thread and mark.start_ms <= op.start_ms and op.end_ms <= mark.end_ms:
+                found[op.correlation_id] = mark.name[len(MARK_PREFIX) :]
+                break
+    return found
 
 
 def union_ms(intervals: Iterable[tuple[float, float]], start: float = -math.inf, end: float = math.inf) -> float:
@@ -65,29 +110,15 @@ class KernelRecorder:
         (start ms, end ms), on the profiler's clock."""
         assert self._profile is not None, "start() first"
         self._profile.__exit__(None, None, None)
-        events = self._profile.events()
+        events = trace_events(self._profile)
         self._profile = None
-        # A marker's record_function range holds the fill_ op; the fill_ op's correlation id links the kernel.
-        ranges = [
-            (e.name[len(MARK_PREFIX) :], e.time_range, e.thread) for e in events if e.name.startswith(MARK_PREFIX)
-        ]
-        ops = [e for e in events if e.device_type == DeviceType.CPU and e.name == "aten::fill_"]
-        marker_ops: dict[int, str] = {}
-        for label, span, thread in ranges:
-            for op in ops:
-                if op.thread == thread and span.start <= op.time_range.start and op.time_range.end <= span.end:
-                    marker_ops[op.id] = label
-                    break
+        labels = marker_ops(events)
         marks, kernels = [], []
-        for e in events:
-            # GPU user annotations (record_function ranges drawn on the GPU timeline) span the gaps between
-            # kernels: they are not work. torch's own device totals leave them out too.
-            if e.device_type != DeviceType.CUDA or e.is_user_annotation:
-                continue
-            interval = (e.time_range.start / 1e3, e.time_range.end / 1e3)
-            label = marker_ops.get(e.linked_correlation_id)
+        for e in filter(is_gpu_work, events):
+            label = labels.get(e.linked_correlation_id)
             if label is None:
-                kernels.append(interval)
+                kernels.append((e.start_ms, e.end_ms))
             else:
-                marks.append((int(label.split(":")[0]), label.split(":", 1)[1], interval[0]))
+                number, name = label.split(":", 1)
+                marks.append((int(number), name, e.start_ms))
         return [(name, t) for _, name, t in sorted(marks)], kernels

@@ -74,43 +74,67 @@ class HostClockAsCuda(HostClock):
     name = "cuda_event"  # so that PhaseTimer records kernels; the marks stay on the patched host clock
 
 
-def test_profiler_start_and_stop_are_in_no_step(monkeypatch, tmp_path):
-    """Kernel recording (CUDA only) starts before the first profiled step and stops after the last; CUPTI's
-    start-up and the trace's parsing can take a second, which must land in no step's time. A stand-in recorder
-    costs 1 s at start and at stop, and reports one 2 ms kernel at the start of each phase."""
+class StandInRecorder:
+    """KernelRecorder's interface on the patched host clock (no GPU here): starting and stopping cost 1 s, as
+    CUPTI's start-up and the trace's parsing can; each phase holds one 2 ms "kernel" from its start."""
+
+    def __init__(self, clock):
+        self.clock, self.active, self.closed, self.marks = clock, False, False, []
+
+    def start(self):
+        self.active = True
+        self.clock.now += 1.0
+
+    def mark(self, name):
+        self.marks.append((name, self.clock.now * 1e3))
+
+    def stop(self):
+        self.active = False
+        self.clock.now += 1.0
+        starts = [t for name, t in self.marks if name in ("forward_start", "backward_start", "update_start")]
+        return self.marks, [(t, t + 2.0) for t in starts]
+
+    def close(self):
+        self.active, self.closed = False, True
+
+
+@pytest.fixture
+def stand_in_gpu(monkeypatch):
+    """A patched host clock that PhaseTimer takes for CUDA events, and the recorder it then builds."""
     clock = SimpleNamespace(now=0.0)
     monkeypatch.setattr("lit_ddp.callbacks.clock.perf_counter", lambda: clock.now)
-
-    class Recorder:
-        def __init__(self, device):
-            self.active, self.marks = False, []
-
-        def start(self):
-            self.active = True
-            clock.now += 1.0
-
-        def mark(self, name):
-            self.marks.append((name, clock.now * 1e3))
-
-        def stop(self):
-            self.active = False
-            clock.now += 1.0
-            starts = [t for name, t in self.marks if name in ("forward_start", "backward_start", "update_start")]
-            return self.marks, [(t, t + 2.0) for t in starts]
-
     monkeypatch.setattr("lit_ddp.callbacks.phase_timer.clock_for", lambda device: HostClockAsCuda())
-    monkeypatch.setattr("lit_ddp.callbacks.phase_timer.KernelRecorder", Recorder)
+    monkeypatch.setattr("lit_ddp.callbacks.phase_timer.KernelRecorder", lambda device: StandInRecorder(clock))
+    return clock
+
+
+def test_profiler_start_and_stop_are_in_no_step(stand_in_gpu, tmp_path):
+    """Kernel recording (CUDA only) starts before the first profiled step and stops after the last; its cost
+    must land in no step's time."""
     model = LinearRegression(dim=8)
     trainer = FakeTrainer(model, tmp_path)
     timer = PhaseTimer(kernel_steps=2)
     timer.on_train_start(trainer, model)
     for _ in range(6):
-        drive_one_step(timer, trainer, model, clock)
+        drive_one_step(timer, trainer, model, stand_in_gpu)
     timer.on_train_end(trainer, model)
     data = json.loads((tmp_path / "phases.json").read_text())
     assert data["steps"] == [0, 1, 2, 3, 4, 5]
     assert [step for *_, step in data["ms"][0]] == pytest.approx([100.0] * 6, abs=1e-6)
     assert data["busy_ms"] == [[[2.0, 2.0, 2.0, 0.0, 6.0]] * 2]  # steps 2 and 3, each phase's kernel
+
+
+def test_a_failed_fit_leaves_no_profiler_and_no_hook(stand_in_gpu, tmp_path):
+    model = LinearRegression(dim=8)
+    trainer = FakeTrainer(model, tmp_path)
+    timer = PhaseTimer(kernel_steps=3)
+    timer.on_train_start(trainer, model)
+    for _ in range(3):
+        drive_one_step(timer, trainer, model, stand_in_gpu)
+    assert timer._recorder.active and model._forward_pre_hooks
+    timer.on_exception(trainer, model, RuntimeError("a rank failed"))
+    assert timer._recorder.closed and not timer._recorder.active
+    assert not model._forward_pre_hooks and not trainer.optimizers[0]._optimizer_step_post_hooks
 
 
 def test_update_ends_at_batch_end_without_the_post_hook(monkeypatch, tmp_path):

@@ -105,6 +105,12 @@ class KernelRecorder:
         with record_function(f"{MARK_PREFIX}{self._count}:{name}"):
             self._marker.fill_(self._count)
 
+    def close(self) -> None:
+        """Ends profiling and drops the trace (a failed fit)."""
+        if self._profile is not None:
+            self._profile.__exit__(None, None, None)
+            self._profile = None
+
     def stop(self) -> tuple[list[tuple[str, float]], list[tuple[float, float]]]:
         """Ends profiling; returns the marks as (name, GPU time ms) in order, and every other kernel as
         (start ms, end ms), on the profiler's clock."""

@@ -208,14 +208,25 @@ class PhaseTimer(Callback):
         self._close_step(self._mark("start"))
         if self._recorder is not None and self._recorder.active:
             self._busy = _busy_per_step(*self._recorder.stop())
-        for handle in self._handles:
-            handle.remove()
+        self._remove_hooks()
         self._resolve(trainer, block=True)
         data = self._summary(trainer, pl_module)
         if data is None:
             return
         write_json(trainer, self.filename, data)
         say(trainer, report.phase_table(data))
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """A failed fit leaves no profiler running and no hook behind: the next fit in this process needs neither."""
+        if self._recorder is not None:
+            self._recorder.close()
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def _resolve(self, trainer: Trainer, block: bool) -> None:
         """Turns marks into milliseconds, oldest first, as far as they have completed."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lit_ddp import roofline
-from tests.helpers import assert_same_checkpoint, run_fit, step_losses
+from tests.helpers import ROOT, assert_same_checkpoint, run_fit, step_losses
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -34,8 +34,8 @@ def test_main_job_on_one_gpu_prints_the_cpu_losses_and_no_warning(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_profile_config_times_with_cuda_events_and_reports_gpu_busy_time(tmp_path):
-    result = run_fit("--config", "configs/mini_train_profile.yaml", *ONE_GPU, cwd=tmp_path, accelerator="gpu",
-                     timeout=150)  # fmt: skip
+    config = str(ROOT / "configs" / "mini_train_profile.yaml")
+    result = run_fit("--config", config, *ONE_GPU, cwd=tmp_path, accelerator="gpu", timeout=150)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "Phase times (cuda_event: device time between the marks, idle gaps included), 1 rank(s)" in out, out

@@ -8,12 +8,12 @@ Prints one report and writes the same text to OUT, section by section (a run cut
 Without a CUDA device it exits 2 with one line, before anything else; it exits 1 when a section crashed (the
 traceback is in the report) and 0 otherwise: a missed target is a finding, listed in the verdicts at the end.
 
-Sections (``--sections``, comma-separated; the header always comes first):
+Sections (``--sections``, comma-separated, all but ``tests`` by default; the header always comes first):
 
 tests    ``pytest -k "cuda or gpu"`` (slow ones included) in a child process: how many tests ran, passed,
          failed, were skipped and why. Zero tests run is reported as such, never as a pass.
 syncs    host syncs per steady step and their call sites, from ``torch.cuda.set_sync_debug_mode("warn")`` over
-         steps 3..12 of an in-process 1-GPU fit: with the tool's per-step work off (target 0), and with
+         steps 11..20 of an in-process 1-GPU fit: with the tool's per-step work off (target 0), and with
          LossMonitor printing every step (1 expected: StepSync's host read), which shows that the counter works.
 busy     PhaseTimer's GPU-busy time against torch.profiler's own figures for the same steps (within 5%?).
 events   PhaseTimer's CUDA-event phase times against a plain loop timed with ``synchronize()``.
@@ -37,6 +37,7 @@ import math
 import os
 import platform
 import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -72,6 +73,9 @@ from lit_ddp.strategy import LitDDPStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("tests", "syncs", "busy", "events", "scaling")
+# The tests take minutes of the budget (each `python -m lit_ddp.fit` they start pays the ~13 s start-up): a GPU
+# session runs pytest itself, or asks for them with --sections tests,...
+DEFAULT_SECTIONS = SECTIONS[1:]
 PHASES = ("forward", "backward", "update")
 DIM, BATCH = 4096, 32  # the profile config's model (configs/mini_train_profile.yaml), the notes' batch
 SCALING_SHAPES = [(dim, batch) for dim in (1024, 4096, 8192) for batch in (32, 1024)]
@@ -96,18 +100,21 @@ for argv in json.loads(sys.argv[1]):
 class Budget:
     """Step counts and time limits; ``--quick`` roughly halves the steps."""
 
-    sync_first: int = 3  # the first counted step: after step 0 (Adam's state), 1 (DDP's bucket rebuild) and 2
+    # The first counted step: after DDP's first 10 iterations, at whose forward its reducer waits for the previous
+    # step's CUDA events (runtime stats, reducer.cpp should_collect_runtime_stats; again every 100th), a
+    # cudaEventSynchronize that set_sync_debug_mode does not see.
+    sync_first: int = 11
     sync_steps: int = 10
     fit_steps: int = 30  # the profiled fit shared by the busy and events sections
     loop_steps: int = 30
     loop_warmup: int = 3
     scaling_steps: int = 40
     scaling_warmup: int = 5
-    tests_timeout_s: int = 150
+    tests_timeout_s: int = 300
     reference_timeout_s: int = 180
 
 
-QUICK = Budget(sync_steps=5, fit_steps=16, loop_steps=16, scaling_steps=20, scaling_warmup=4, tests_timeout_s=120)
+QUICK = Budget(sync_steps=5, fit_steps=16, loop_steps=16, scaling_steps=20, scaling_warmup=4, tests_timeout_s=240)
 
 
 @dataclass
@@ -186,18 +193,6 @@ def parse_pytest(stdout: str) -> PytestSummary:
     return PytestSummary(counts, outcomes, final.strip("= "))
 
 
-def union_ms(intervals: Iterable[tuple[float, float]], start: float = -math.inf, end: float = math.inf) -> float:
-    """Length of the union of ``(start, end)`` intervals, clipped to ``[start, end]``."""
-    total, cur_start, cur_end = 0.0, 0.0, None
-    for s, e in sorted((max(s, start), min(e, end)) for s, e in intervals if e > start and s < end):
-        if cur_end is None or s > cur_end:
-            total += 0.0 if cur_end is None else cur_end - cur_start
-            cur_start, cur_end = s, e
-        else:
-            cur_end = max(cur_end, e)
-    return total + (0.0 if cur_end is None else cur_end - cur_start)
-
-
 def sum_ms(intervals: Iterable[tuple[float, float]], start: float = -math.inf, end: float = math.inf) -> float:
     """Sum of the intervals' lengths inside ``[start, end]``: overlapping time counts twice, unlike ``union_ms``."""
     return sum(max(0.0, min(e, end) - max(s, start)) for s, e in intervals)
@@ -211,41 +206,33 @@ class GpuActivity(NamedTuple):
     annotations: list[tuple[str, float, float]]  # GPU user annotations: record_function ranges on the GPU timeline
 
 
-def gpu_activity(events: Iterable[Any]) -> GpuActivity:
-    """Sorts a profile's ``FunctionEvent``s into kernels, PhaseTimer's markers and GPU user annotations.
+def gpu_activity(events: Iterable[kernels.TraceEvent]) -> GpuActivity:
+    """Sorts a profile's raw events (``kernels.trace_events``) into kernels, PhaseTimer's markers and GPU user
+    annotations.
 
-    A marker is a kernel launched inside a ``lit_ddp::mark::N:boundary`` record_function (its ``fill_``), found
-    through the profiler's own CPU op tree (``cpu_children``) and the kernel's ``linked_correlation_id``, not by
-    the thread and time matching ``KernelRecorder`` does, so that the two can be held against each other.
+    A marker is found through its GPU user annotation: kineto draws each ``lit_ddp::mark::N:boundary``
+    record_function on the GPU timeline over the one kernel launched inside it. This uses neither the correlation
+    ids nor the CPU-side matching that ``KernelRecorder`` uses, so that the two can be held against each other.
     """
     events = list(events)
-    marker_ops: dict[int, str] = {}
-    for event in events:
-        if event.device_type == DeviceType.CPU and event.name.startswith(MARK_PREFIX):
-            label, stack = event.name[len(MARK_PREFIX) :], [event]
-            while stack:
-                op = stack.pop()
-                marker_ops[op.id] = label
-                stack.extend(op.cpu_children)
-    work, markers, annotations = [], [], []
-    for event in events:
-        if event.device_type != DeviceType.CUDA:
-            continue
-        span = (event.time_range.start / 1e3, event.time_range.end / 1e3)  # us -> ms
-        if getattr(event, "is_user_annotation", False) or "annotation" in (getattr(event, "activity_type", "") or ""):
-            annotations.append((event.name, *span))
-        elif event.linked_correlation_id in marker_ops:
-            markers.append((marker_ops[event.linked_correlation_id], *span))
-        else:
-            work.append(span)
-    markers.sort(key=lambda m: int(m[0].split(":", 1)[0]))
-    return GpuActivity(work, markers, annotations)
+    annotations = [(e.name, e.start_ms, e.end_ms) for e in events
+                   if e.device_type == DeviceType.CUDA and e.is_user_annotation]  # fmt: skip
+    markers = sorted((m for m in annotations if m[0].startswith(MARK_PREFIX)),
+                     key=lambda m: int(m[0][len(MARK_PREFIX) :].split(":", 1)[0]))  # fmt: skip
+    work = [
+        (e.start_ms, e.end_ms)
+        for e in filter(kernels.is_gpu_work, events)
+        if not any(s <= e.start_ms and e.end_ms <= t for _, s, t in markers)
+    ]
+    others = [a for a in annotations if not a[0].startswith(MARK_PREFIX)]
+    return GpuActivity(work, [(n[len(MARK_PREFIX) :], s, t) for n, s, t in markers], others)
 
 
 def steady_step_ms(starts: Sequence[Sequence[float]], warmup: int) -> float:
-    """Median step time (ms) over ranks and steps from each rank's step start marks (the last mark ends the last
-    step), the first ``warmup`` steps dropped: ``benchmarks/step_time.py``'s measure."""
-    return median((b - a) * 1e3 for rank in starts for a, b in zip(rank[warmup:], rank[warmup + 1 :], strict=False))
+    """Mean ms per step after the first ``warmup`` steps, from each rank's step start marks (the last one taken
+    after the GPU finished: StepClock synchronizes, the plain loop reads the loss every step), median over ranks.
+    A mean over the span, not a median of differences: steps queued ahead of the GPU start early and finish late."""
+    return median((rank[-1] - rank[warmup]) * 1e3 / (len(rank) - 1 - warmup) for rank in starts)
 
 
 def read_step_starts(out_dir: Path) -> list[list[float]]:
@@ -667,14 +654,23 @@ def tests_section(budget: Budget) -> Section:
     args = ["-q", "-p", "no:cacheprovider", "-m", "slow or not slow", "-k", "cuda or gpu", "-rA"]
     section.lines.append("pytest " + " ".join(a if " " not in a else repr(a) for a in args))
     start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", *args], cwd=ROOT, env=child_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
     try:
-        result = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=ROOT, env=child_env(),
-                                capture_output=True, text=True, timeout=budget.tests_timeout_s)  # fmt: skip
-    except subprocess.TimeoutExpired as err:
-        out = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
-        section.lines += [f"TIMED OUT after {budget.tests_timeout_s} s; output so far:", *out.splitlines()[-30:]]
+        stdout, stderr = proc.communicate(timeout=budget.tests_timeout_s)
+    except subprocess.TimeoutExpired:
+        # SIGINT first: pytest then runs the tests' clean-up, which kills the `python -m lit_ddp.fit` runs they
+        # started in sessions of their own (they would hold the GPU through the next sections).
+        proc.send_signal(signal.SIGINT)
+        try:
+            stdout, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, _ = proc.communicate()
+        section.lines += [f"TIMED OUT after {budget.tests_timeout_s} s; output so far:", *stdout.splitlines()[-30:]]
         section.verdicts.append(f"tests: TIMED OUT after {budget.tests_timeout_s} s")
         return section
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     summary = parse_pytest(result.stdout)
     c = summary.counts
     section.lines.append(
@@ -704,7 +700,8 @@ def syncs_section(budget: Budget) -> Section:
     ``torch.cuda.set_sync_debug_mode("warn")`` makes every synchronizing CUDA call torch knows of (a blocking
     copy to the host: ``.item()``, ``.cpu()``, ``.tolist()``; a stream or device synchronize) emit a
     UserWarning, attributed to the Python line that called into torch. ``SyncCounter`` turns it on for steps
-    3..12 only (after warm-up: step 0 allocates Adam's state, step 1 rebuilds DDP's buckets) and sorts the
+    11..20 only (after warm-up, and after DDP's first 10 iterations, which wait for the previous step's events
+    at forward start for its runtime stats, unseen by the debug mode: ``Budget.sync_first``) and sorts the
     warnings by step. Limits: the mode is process-wide, but a warning reaches Python only on a thread that runs
     Python; autograd collects its worker threads' warnings and replays them on the calling thread when backward
     ends, so a sync inside backward (DDP's hooks) is counted but shows at the ``backward()`` call, not where it
@@ -749,25 +746,25 @@ def busy_rows(timer_ms: float, steps: int, measures: list[tuple[str, float]]) ->
 def busy_section(budget: Budget) -> Section:
     """PhaseTimer's GPU-busy time against torch.profiler's own kernel figures, over the same steps.
 
-    What is comparable: PhaseTimer's busy "step" column is the union of kernel intervals between its "start"
-    marker kernels (steps 2-4), its own marker kernels excluded. The reference is computed from the *same*
-    profile (PhaseTimer's own profiler, kept by ``profiled_fit``), independently of ``KernelRecorder``: markers
-    found through the profiler's op tree, then (a) the union of the other kernels' intervals between the first
-    and the last marker: the same quantity, so the two must agree within 5%, else PhaseTimer's bookkeeping is
-    wrong; (b) the plain sum of their durations in that window, above the union only where streams overlap
-    (NCCL next to compute; on one GPU nothing should); (c) ``key_averages()``'s total device time of the whole
-    profile, markers taken out (what the profiler's table prints). GPU user annotations (record_function ranges
-    such as ``DistributedDataParallel.forward`` or ``Optimizer.step#Adam.step`` drawn on the GPU timeline, gaps
-    included) are not work: when PhaseTimer's figure matches the union *with* them, it counts them as busy.
-    Two profilers cannot run at once, so the independent measurement is (d): a second, otherwise identical fit
-    without PhaseTimer's markers, with our own profiler from the start of step 2 to the start of step 5. It
-    differs from the first by run-to-run variation, so it is reported, not held to 5%.
+    What is comparable: PhaseTimer's busy "step" column is the union of kernel intervals between its "start" marker
+    kernels (steps 2-4), its own marker kernels excluded. The reference is computed from the *same* profile
+    (PhaseTimer's own profiler, kept by ``profiled_fit``), independently of ``KernelRecorder``: markers found
+    through their GPU user annotations (``gpu_activity``), then (a) the union of the other kernels' intervals
+    between the first and the last marker: the same quantity, so the two must agree within 5%, else PhaseTimer's
+    bookkeeping is wrong; (b) the plain sum of their durations in that window, above the union only where streams
+    overlap (NCCL next to compute; on one GPU nothing should); (c) ``key_averages()``'s total device time of the
+    whole profile, markers taken out (what the profiler's table prints). GPU user annotations (record_function
+    ranges such as ``DistributedDataParallel.forward`` or ``Optimizer.step#Adam.step`` drawn on the GPU timeline,
+    gaps included) are not work: when PhaseTimer's figure matches the union *with* them, it counts them as busy. Two
+    profilers cannot run at once, so the independent measurement is (d): a second, otherwise identical fit without
+    PhaseTimer's markers, with our own profiler from the start of step 2 to the start of step 5. It differs from the
+    first by run-to-run variation, so it is reported, not held to 5%.
     """
     first, last = FIRST_PROFILED_STEP, FIRST_PROFILED_STEP + KERNEL_STEPS - 1
     section = Section(f"3. GPU-busy time, PhaseTimer against torch.profiler (steps {first}-{last}, dim {DIM})")
     run = profiled_fit(budget.fit_steps)
-    busy = run.phases.get("busy_ms", [[]])[0]
-    gpu = gpu_activity(run.profile.events()) if run.profile is not None else GpuActivity([], [], [])
+    busy = (run.phases.get("busy_ms") or [[]])[0]  # [] when no profiled step was complete
+    gpu = gpu_activity(kernels.trace_events(run.profile)) if run.profile is not None else GpuActivity([], [], [])
     if not busy or len(gpu.markers) < 2:
         section.lines.append(f"busy_ms: {len(busy)} steps; marker kernels in its profile: {len(gpu.markers)}")
         section.verdicts.append("busy: NOT MEASURED (no busy_ms from PhaseTimer, or no marker kernels in its profile)")
@@ -775,8 +772,8 @@ def busy_section(budget: Budget) -> Section:
     timer_ms = sum(step[4] for step in busy)
     (first_label, w0, _), (last_label, w1, _) = gpu.markers[0], gpu.markers[-1]
     markers_ms = sum(end - start for _, start, end in gpu.markers)
-    kernel_union = union_ms(gpu.kernels, w0, w1)
-    with_annotations = union_ms(gpu.kernels + [(s, e) for _, s, e in gpu.annotations], w0, w1)
+    kernel_union = kernels.union_ms(gpu.kernels, w0, w1)
+    with_annotations = kernels.union_ms(gpu.kernels + [(s, e) for _, s, e in gpu.annotations], w0, w1)
     second = independent_profile_ms()
     measures = [
         ("(a) same profile: union of kernel intervals, first to last step marker", kernel_union),
@@ -830,7 +827,7 @@ def events_section(budget: Budget) -> Section:
     run = profiled_fit(budget.fit_steps)
     first_steady = FIRST_PROFILED_STEP + KERNEL_STEPS + 1
     steady = [row for step, row in zip(run.phases["steps"], run.phases["ms"][0], strict=True) if step >= first_steady]
-    busy = run.phases.get("busy_ms", [[]])[0]
+    busy = (run.phases.get("busy_ms") or [[]])[0]
     events = [median(row[i] for row in steady) for i in range(3)]
     busy_medians = [median(row[i] for row in busy) for i in range(3)]
     synced = synchronized_phases(budget.loop_steps, budget.loop_warmup)
@@ -856,13 +853,14 @@ def scaling_section(budget: Budget) -> Section:
 
     The plain loop is ``lit_ddp.reference`` (prints the loss every step, as the notes do: it has no flag to stop
     printing) with torch's default Adam and with ``--fused``; the port runs its default config (``python -m
-    lit_ddp.fit --devices 1``) and ``configs/fast.yaml`` (fused Adam, no printing). Both mark the wall clock at
-    the top of every step (the reference with ``--timings``, the port with ``benchmarks.step_clock``); a step is
-    the difference of consecutive marks, the first steps are dropped, the figure is the median, so start-up is
-    never in it. So that 24 runs fit the budget, none pays a start-up of its own: the port runs in this process
-    through ``cli_main`` (the command's code), the plain loop in one child process that calls
-    ``lit_ddp.reference.main`` for each configuration in turn. Overhead = port default / plain default - 1 and
-    port fast / plain --fused - 1. Rows are ordered by the plain loop's step time, so "from ... on" reads down.
+    lit_ddp.fit --devices 1``) and ``configs/fast.yaml`` (fused Adam, no printing). Both mark the wall clock at the
+    top of every step (the reference with ``--timings``, the port with ``benchmarks.step_clock``) and once after the
+    GPU finished; the figure is the span from the first counted step to that last mark over the steps in it, so
+    start-up is never in it, nor the steps a run that reads nothing back queues ahead of the GPU. So that 24 runs
+    fit the budget, none pays a start-up of its own: the port runs in this process through ``cli_main`` (the
+    command's code), the plain loop in one child process that calls ``lit_ddp.reference.main`` for each
+    configuration in turn. Overhead = port default / plain default - 1 and port fast / plain --fused - 1. Rows are
+    ordered by the plain loop's step time, so "from ... on" reads down.
     """
     steps, warmup = budget.scaling_steps, budget.scaling_warmup
     section = Section(f"5. ms per step on one GPU, the port against the plain loop ({steps} steps, {warmup} dropped)")
@@ -926,7 +924,8 @@ def section_list(value: str) -> tuple[str, ...]:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python benchmarks/gpu_check.py", description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="the report is also written here")
-    parser.add_argument("--sections", type=section_list, default=SECTIONS, help=f"some of {','.join(SECTIONS)}")
+    parser.add_argument("--sections", type=section_list, default=DEFAULT_SECTIONS,
+                        help=f"some of {','.join(SECTIONS)} (default: {','.join(DEFAULT_SECTIONS)})")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="fewer steps (about half)")
     return parser.parse_args(argv)
 

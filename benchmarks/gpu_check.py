@@ -814,8 +814,8 @@ def events_rows(events: list[float], busy: list[float], synced: list[float]) -> 
 def events_section(budget: Budget) -> Section:
     """CUDA-event phase times against a synchronized measurement of the same region.
 
-    PhaseTimer's event medians come from the steady steps of ``profiled_fit`` after its profiled ones (step 6
-    on: step 5 carries the profiler's post-processing), its GPU-busy medians from the profiled steps. The
+    PhaseTimer's event medians come from the steps of ``profiled_fit`` after its profiled ones (step 5 on; the
+    profiler's stop falls between steps), its GPU-busy medians from the profiled steps. The
     synchronized loop runs the same model, batch and optimizer with ``torch.cuda.synchronize()`` +
     ``perf_counter`` around forward, backward and update. The two clocks measure different things when the GPU
     waits for Python: an event pair spans everything between its records, idle gaps between tiny host-bound
@@ -825,7 +825,7 @@ def events_section(budget: Budget) -> Section:
     """
     section = Section(f"4. CUDA events against a synchronized loop (dim {DIM}, batch {BATCH}, medians)")
     run = profiled_fit(budget.fit_steps)
-    first_steady = FIRST_PROFILED_STEP + KERNEL_STEPS + 1
+    first_steady = FIRST_PROFILED_STEP + KERNEL_STEPS
     steady = [row for step, row in zip(run.phases["steps"], run.phases["ms"][0], strict=True) if step >= first_steady]
     busy = (run.phases.get("busy_ms") or [[]])[0]
     events = [median(row[i] for row in steady) for i in range(3)]

@@ -27,6 +27,19 @@ def _steady(steps: list) -> list:
     return steps[1:] if len(steps) > 1 else steps
 
 
+def _steady_indices(data: dict[str, Any]) -> list[int]:
+    """Rows of ``phases.json`` to summarise: after step 0, without the steps PhaseTimer profiled for GPU-busy time
+    (the profiler slows every kernel launch) as long as others remain."""
+    steps = data.get("steps") or list(range(len(data["ms"][0])))
+    indices = _steady(list(range(len(steps))))
+    profiled = set(data.get("profiled_steps", ()))
+    return [i for i in indices if steps[i] not in profiled] or indices
+
+
+def _steady_rows(data: dict[str, Any], rank: int) -> list:
+    return [data["ms"][rank][i] for i in _steady_indices(data)]
+
+
 def format_step(step: int, forward: float, backward: float, update: float) -> str:
     """The notes' per-step format (``mini_train_profile.py``), times in ms."""
     return f"Step {step}\n forward : {forward:.2f} ms\n backward: {backward:.2f} ms\n update  : {update:.2f} ms"
@@ -38,8 +51,8 @@ def phase_table(data: dict[str, Any]) -> str:
     rows = []
     for p, phase in enumerate(PHASES):
         warmup = ms[0][0][p]
-        pooled = [step[p] for rank in ms for step in _steady(rank)]
-        per_rank = [statistics.median(step[p] for step in _steady(rank)) for rank in ms]
+        pooled = [step[p] for rank in range(len(ms)) for step in _steady_rows(data, rank)]
+        per_rank = [statistics.median(step[p] for step in _steady_rows(data, rank)) for rank in range(len(ms))]
         slowest = max(range(len(per_rank)), key=per_rank.__getitem__)
         rows.append((phase, fmt_ms(warmup), fmt_ms(statistics.median(pooled)), fmt_ms(min(pooled)), fmt_ms(max(pooled)),
                      f"rank {slowest}: {fmt_ms(per_rank[slowest])}"))  # fmt: skip
@@ -48,9 +61,14 @@ def phase_table(data: dict[str, Any]) -> str:
     if busy:
         header.append("GPU busy (rank 0)")
         rows = [(*row, fmt_ms(statistics.median(step[p] for step in busy[0]))) for p, row in enumerate(rows)]
-    n_steady = len(_steady(ms[0]))
+    n_steady = len(_steady_indices(data))
     clock = data["clock"] + CLOCKS.get(data["clock"], "")
-    title = f"Phase times ({clock}), {len(ms)} rank(s), step 0 = warm-up, then {n_steady} steady step(s):"
+    title = f"Phase times ({clock}), {len(ms)} rank(s), step 0 = warm-up, then {n_steady} steady step(s)"
+    if n_steady < len(_steady(ms[0])):
+        first, last = data["profiled_steps"][0], data["profiled_steps"][-1]
+        which = f"step {first}" if first == last else f"steps {first}-{last}"
+        title += f" ({which} ran under the profiler for the GPU-busy column, left out of the others)"
+    title += ":"
     text = title + "\n" + table(tuple(header), rows)
     if data.get("roofline"):
         text += "\n" + roofline_table(data)
@@ -72,7 +90,7 @@ HINTS = {
 
 def verdict(data: dict[str, Any]) -> str:
     """One line: what bounds the step, and what would help."""
-    steps = [step[PHASES.index("step")] for step in _steady(data["ms"][0])]
+    steps = [step[PHASES.index("step")] for step in _steady_rows(data, 0)]
     step_ms = statistics.median(steps)
     busy = data.get("busy_ms")
     if busy:
@@ -85,7 +103,7 @@ def verdict(data: dict[str, Any]) -> str:
     if data["clock"] == "cuda_event":
         return "Verdict: unknown: GPU-busy time was not measured (PhaseTimer(kernel_steps=0))"
     shares = {
-        p: statistics.median(step[i] for step in _steady(data["ms"][0])) / step_ms for i, p in enumerate(PHASES[:4])
+        p: statistics.median(step[i] for step in _steady_rows(data, 0)) / step_ms for i, p in enumerate(PHASES[:4])
     }
     top = max(shares, key=shares.get)
     return f"Verdict: a CPU run (no device to idle): {top} is {shares[top]:.0%} of the step; {HINTS[top]} would help"
@@ -93,8 +111,8 @@ def verdict(data: dict[str, Any]) -> str:
 
 def roofline_table(data: dict[str, Any]) -> str:
     """Achieved FLOP/s of forward and backward, achieved bytes/s of the update, and fractions of peak."""
-    r, ms = data["roofline"], data["ms"]
-    med = {p: statistics.median(step[i] for step in _steady(ms[0])) for i, p in enumerate(PHASES)}
+    r = data["roofline"]
+    med = {p: statistics.median(step[i] for step in _steady_rows(data, 0)) for i, p in enumerate(PHASES)}
     rows = []
     for phase, work, unit, peak in (
         ("forward", r["forward_flop"], "GFLOP/s", r.get("peak_tflops")),
@@ -169,7 +187,7 @@ def plot(phases: dict[str, Any], comm: dict[str, Any] | None, out: Path) -> Path
 
 def _timeline(ax, phases: dict[str, Any], comm: dict[str, Any] | None, colors: dict[str, str]) -> None:
     """One steady step per rank (the step whose rank-0 time is the median), ms from the step's start."""
-    steady = _steady(list(range(len(phases["steps"]))))
+    steady = _steady_indices(phases)
     by_time = sorted(steady, key=lambda i: phases["ms"][0][i][PHASES.index("step")])
     index = by_time[len(by_time) // 2]
     at = {name: i for i, name in enumerate(phases["boundaries"])}

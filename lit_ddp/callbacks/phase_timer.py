@@ -283,6 +283,7 @@ class PhaseTimer(Callback):
             "offsets_ms": gathered["offsets_ms"],
             "boundaries": [*BOUNDARIES[1:], "end"],
             **({"busy_ms": _complete_rows(gathered["busy_ms"])} if "busy_ms" in gathered else {}),
+            **({"profiled_steps": list(self._profiled)} if self._recorder is not None else {}),
             "roofline": {
                 "rows_per_rank": self._rows,
                 "forward_flop": flops.forward,

@@ -30,8 +30,8 @@ class TraceEvent(NamedTuple):
     start_ms: float
     end_ms: float
     thread: int
-    correlation_id: int  # a CPU op's id
-    linked_correlation_id: int  # a kernel's (or runtime call's): the id of the CPU op that launched it
+    correlation_id: int  # of a CPU op: its id, which the kernels it launched link to
+    linked_correlation_id: int  # of a kernel (or runtime call): the correlation id of the CPU op that launched it
     is_user_annotation: bool  # a record_function range (on the GPU timeline: from its first kernel to its last)
 
 
@@ -106,7 +106,7 @@ class KernelRecorder:
             self._marker.fill_(self._count)
 
     def close(self) -> None:
-        """Ends profiling and drops the trace (a failed fit)."""
+        """Ends profiling; the trace is dropped (a failed fit), or read by ``stop``."""
         if self._profile is not None:
             self._profile.__exit__(None, None, None)
             self._profile = None
@@ -115,9 +115,9 @@ class KernelRecorder:
         """Ends profiling; returns the marks as (name, GPU time ms) in order, and every other kernel as
         (start ms, end ms), on the profiler's clock."""
         assert self._profile is not None, "start() first"
-        self._profile.__exit__(None, None, None)
-        events = trace_events(self._profile)
-        self._profile = None
+        prof = self._profile
+        self.close()
+        events = trace_events(prof)
         labels = marker_ops(events)
         marks, kernels = [], []
         for e in filter(is_gpu_work, events):

@@ -153,9 +153,12 @@ class PhaseTimer(Callback):
             self._recorder.start()
             return True
         if self._recorder.active and step not in self._profiled:
-            self._busy = _busy_per_step(*self._recorder.stop())
+            self._stop_recorder()
             return True
         return False
+
+    def _stop_recorder(self) -> None:
+        self._busy = _busy_per_step(*self._recorder.stop())
 
     def _mark(self, boundary: str) -> Any:
         if self._recorder is not None and self._recorder.active:
@@ -207,7 +210,7 @@ class PhaseTimer(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close_step(self._mark("start"))
         if self._recorder is not None and self._recorder.active:
-            self._busy = _busy_per_step(*self._recorder.stop())
+            self._stop_recorder()
         self._remove_hooks()
         self._resolve(trainer, block=True)
         data = self._summary(trainer, pl_module)

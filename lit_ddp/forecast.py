@@ -274,6 +274,9 @@ def load_run(run_dir: Path) -> Measured:
     steady = [i for i, sizes in enumerate(comm["bucket_bytes_per_step"]) if i >= 1 and sizes == layout]
     phase_index = {step: i for i, step in enumerate(phases["steps"])}
     steady = [i for i in steady if comm["steps"][i] in phase_index]
+    # Steps PhaseTimer profiled for GPU-busy time ran slower (the profiler slows every launch): out, if others remain.
+    profiled = set(phases.get("profiled_steps", ()))
+    steady = [i for i in steady if comm["steps"][i] not in profiled] or steady
     if not steady:
         raise ForecastError(f"{run_dir}: no steady step (index >= 1) with the final bucket layout: run more steps")
     col = {p: phases["phases"].index(p) for p in ("forward", "backward", "update", "other", "step")}

@@ -30,10 +30,20 @@ def _steady(steps: list) -> list:
 def _steady_indices(data: dict[str, Any]) -> list[int]:
     """Rows of ``phases.json`` to summarise: after step 0, without the steps PhaseTimer profiled for GPU-busy time
     (the profiler slows every kernel launch) as long as others remain."""
-    steps = data.get("steps") or list(range(len(data["ms"][0])))
+    steps = _steps(data)
     indices = _steady(list(range(len(steps))))
     profiled = set(data.get("profiled_steps", ()))
     return [i for i in indices if steps[i] not in profiled] or indices
+
+
+def _steps(data: dict[str, Any]) -> list[int]:
+    return data.get("steps") or list(range(len(data["ms"][0])))
+
+
+def _profiled_steps_run(data: dict[str, Any]) -> list[int]:
+    """The steps PhaseTimer profiled for GPU-busy time that the run reached."""
+    steps = set(_steps(data))
+    return [s for s in data.get("profiled_steps", ()) if s in steps]
 
 
 def _steady_rows(data: dict[str, Any], rank: int) -> list:
@@ -65,9 +75,10 @@ def phase_table(data: dict[str, Any]) -> str:
     clock = data["clock"] + CLOCKS.get(data["clock"], "")
     title = f"Phase times ({clock}), {len(ms)} rank(s), step 0 = warm-up, then {n_steady} steady step(s)"
     if n_steady < len(_steady(ms[0])):
-        first, last = data["profiled_steps"][0], data["profiled_steps"][-1]
-        which = f"step {first}" if first == last else f"steps {first}-{last}"
-        title += f" ({which} ran under the profiler for the GPU-busy column, left out of the others)"
+        profiled = _profiled_steps_run(data)
+        which = f"step {profiled[0]}" if len(profiled) == 1 else f"steps {profiled[0]}-{profiled[-1]}"
+        why = "for the GPU-busy column" if busy else "without completing a GPU-busy measurement"
+        title += f" ({which} ran under the profiler {why}, left out of the others)"
     title += ":"
     text = title + "\n" + table(tuple(header), rows)
     if data.get("roofline"):
@@ -101,7 +112,8 @@ def verdict(data: dict[str, Any]) -> str:
         return (f"Verdict: host-bound: the GPU was busy {share:.0%} of the step; larger batches, fewer kernel "
                 "launches (fused Adam, CUDA graphs) or less per-step Python would help")  # fmt: skip
     if data["clock"] == "cuda_event":
-        return "Verdict: unknown: GPU-busy time was not measured (PhaseTimer(kernel_steps=0))"
+        why = "no profiled step completed on every rank" if "profiled_steps" in data else "PhaseTimer(kernel_steps=0)"
+        return f"Verdict: unknown: GPU-busy time was not measured ({why})"
     shares = {
         p: statistics.median(step[i] for step in _steady_rows(data, 0)) / step_ms for i, p in enumerate(PHASES[:4])
     }

@@ -182,6 +182,19 @@ def test_load_run(tmp_path):
 
 
 @pytest.mark.timeout(10)
+def test_load_run_leaves_out_the_steps_phase_timer_profiled(tmp_path):
+    run_dir = write_run(tmp_path)
+    phases = json.loads((run_dir / "phases.json").read_text())
+    phases["profiled_steps"] = [3]  # rank 0's slow step (forward 4, backward 12) ran under the profiler
+    (run_dir / "phases.json").write_text(json.dumps(phases))
+    run = forecast.load_run(run_dir)
+    assert (run.n_steps, run.forward_ms, run.backward_ms) == (2, 4, 10.5)  # steps 2 and 4: rank 0 (3, 5), (10, 11)
+    phases["profiled_steps"] = [2, 3, 4]  # nothing else: all steady steps, as before
+    (run_dir / "phases.json").write_text(json.dumps(phases))
+    assert forecast.load_run(run_dir).n_steps == 3
+
+
+@pytest.mark.timeout(10)
 def test_load_run_clamps_a_negative_tail(tmp_path):
     run_dir = write_run(tmp_path)
     comm = json.loads((run_dir / "comm.json").read_text())

@@ -121,13 +121,24 @@ def test_profiler_start_and_stop_are_in_no_step(stand_in_gpu, tmp_path):
     data = json.loads((tmp_path / "phases.json").read_text())
     assert data["steps"] == [0, 1, 2, 3, 4, 5]
     assert [step for *_, step in data["ms"][0]] == pytest.approx([100.0] * 6, abs=1e-6)
-    assert data["busy_ms"] == [[[2.0, 2.0, 2.0, 0.0, 6.0]] * 2]  # steps 2 and 3, each phase's kernel
+    (busy,) = data["busy_ms"]  # one rank
+    assert [v for step in busy for v in step] == pytest.approx([2.0, 2.0, 2.0, 0.0, 6.0] * 2)  # steps 2, 3
     assert data["profiled_steps"] == [2, 3]
     table = report.phase_table(data)
     assert ("then 3 steady step(s) (steps 2-3 ran under the profiler for the GPU-busy column, left out of the "
             "others):") in table  # fmt: skip
     assert table.endswith("Verdict: host-bound: the GPU was busy 6% of the step; larger batches, fewer kernel "
                           "launches (fused Adam, CUDA graphs) or less per-step Python would help")  # fmt: skip
+
+
+def test_a_profile_that_measured_nothing_says_so():
+    data = {"clock": "cuda_event", "steps": [0, 1, 2, 3], "ms": [[[1.0, 2.0, 1.0, 1.0, 5.0]] * 4],
+            "profiled_steps": [2, 3, 4], "busy_ms": []}  # fmt: skip
+    table = report.phase_table(data)
+    assert ("then 1 steady step(s) (steps 2-3 ran under the profiler without completing a GPU-busy measurement, "
+            "left out of the others):") in table  # fmt: skip
+    assert "GPU busy" not in table
+    assert table.endswith("Verdict: unknown: GPU-busy time was not measured (no profiled step completed on every rank)")
 
 
 def test_a_failed_fit_leaves_no_profiler_and_no_hook(stand_in_gpu, tmp_path):

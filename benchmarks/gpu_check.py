@@ -114,7 +114,7 @@ class Budget:
     reference_timeout_s: int = 180
 
 
-QUICK = Budget(sync_steps=5, fit_steps=16, loop_steps=16, scaling_steps=20, scaling_warmup=4, tests_timeout_s=240)
+QUICK = Budget(sync_steps=5, fit_steps=20, loop_steps=16, scaling_steps=20, scaling_warmup=4, tests_timeout_s=240)
 
 
 @dataclass
@@ -229,10 +229,10 @@ def gpu_activity(events: Iterable[kernels.TraceEvent]) -> GpuActivity:
 
 
 def steady_step_ms(starts: Sequence[Sequence[float]], warmup: int) -> float:
-    """Mean ms per step after the first ``warmup`` steps, from each rank's step start marks (the last one taken
-    after the GPU finished: StepClock synchronizes, the plain loop reads the loss every step), median over ranks.
-    A mean over the span, not a median of differences: steps queued ahead of the GPU start early and finish late."""
-    return median((rank[-1] - rank[warmup]) * 1e3 / (len(rank) - 1 - warmup) for rank in starts)
+    """Median step time (ms) over ranks and steps from each rank's step start marks (the last mark ends the last
+    step), the first ``warmup`` steps dropped: ``benchmarks/step_time.py``'s measure. On a GPU every mark comes
+    after the GPU finished the step before (the plain loop reads the loss, ``StepClock`` synchronizes)."""
+    return median((b - a) * 1e3 for rank in starts for a, b in zip(rank[warmup:], rank[warmup + 1 :], strict=False))
 
 
 def read_step_starts(out_dir: Path) -> list[list[float]]:
@@ -688,7 +688,7 @@ def tests_section(budget: Budget) -> Section:
         section.verdicts.append(f"tests: FAILED ({summary.line}, exit {result.returncode})")
     else:
         section.verdicts.append(f"tests: OK, {c.get('passed', 0)} passed ({summary.line})")
-    cuda_skips = [what for outcome, what in summary.outcomes if outcome == "SKIPPED" and "CUDA" in what]
+    cuda_skips = [what for outcome, what in summary.outcomes if outcome == "SKIPPED" and "needs a CUDA GPU" in what]
     if cuda_skips:
         section.verdicts.append(f"tests: {len(cuda_skips)} test(s) skipped for want of CUDA on a CUDA machine")
     return section
@@ -814,8 +814,8 @@ def events_rows(events: list[float], busy: list[float], synced: list[float]) -> 
 def events_section(budget: Budget) -> Section:
     """CUDA-event phase times against a synchronized measurement of the same region.
 
-    PhaseTimer's event medians come from the steps of ``profiled_fit`` after its profiled ones (step 5 on; the
-    profiler's stop falls between steps), its GPU-busy medians from the profiled steps. The
+    PhaseTimer's event medians come from the steps of ``profiled_fit`` after its profiled ones and after DDP's
+    first 10 iterations (step 11 on: ``Budget.sync_first``), its GPU-busy medians from the profiled steps. The
     synchronized loop runs the same model, batch and optimizer with ``torch.cuda.synchronize()`` +
     ``perf_counter`` around forward, backward and update. The two clocks measure different things when the GPU
     waits for Python: an event pair spans everything between its records, idle gaps between tiny host-bound
@@ -825,7 +825,7 @@ def events_section(budget: Budget) -> Section:
     """
     section = Section(f"4. CUDA events against a synchronized loop (dim {DIM}, batch {BATCH}, medians)")
     run = profiled_fit(budget.fit_steps)
-    first_steady = FIRST_PROFILED_STEP + KERNEL_STEPS
+    first_steady = max(FIRST_PROFILED_STEP + KERNEL_STEPS, Budget.sync_first)  # after DDP's first 10 iterations
     steady = [row for step, row in zip(run.phases["steps"], run.phases["ms"][0], strict=True) if step >= first_steady]
     busy = (run.phases.get("busy_ms") or [[]])[0]
     events = [median(row[i] for row in steady) for i in range(3)]
@@ -854,9 +854,10 @@ def scaling_section(budget: Budget) -> Section:
     The plain loop is ``lit_ddp.reference`` (prints the loss every step, as the notes do: it has no flag to stop
     printing) with torch's default Adam and with ``--fused``; the port runs its default config (``python -m
     lit_ddp.fit --devices 1``) and ``configs/fast.yaml`` (fused Adam, no printing). Both mark the wall clock at the
-    top of every step (the reference with ``--timings``, the port with ``benchmarks.step_clock``) and once after the
-    GPU finished; the figure is the span from the first counted step to that last mark over the steps in it, so
-    start-up is never in it, nor the steps a run that reads nothing back queues ahead of the GPU. So that 24 runs
+    top of every step and once at the end (the reference with ``--timings``, after its per-step ``.item()``; the
+    port with ``benchmarks.step_clock``, after a ``synchronize()``, so fast.yaml, which reads nothing back, waits
+    for the GPU once per step as the plain loop does); a step is the difference of consecutive marks, the first
+    steps are dropped, the figure is the median, so start-up is never in it. So that 24 runs
     fit the budget, none pays a start-up of its own: the port runs in this process through ``cli_main`` (the
     command's code), the plain loop in one child process that calls ``lit_ddp.reference.main`` for each
     configuration in turn. Overhead = port default / plain default - 1 and port fast / plain --fused - 1. Rows are

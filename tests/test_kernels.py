@@ -50,7 +50,7 @@ def test_markers_are_found_in_a_real_trace():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_recorder_finds_its_markers_and_the_kernels_between_them():
+def test_cuda_recorder_finds_its_markers_and_the_kernels_between_them():
     recorder = KernelRecorder(torch.device("cuda"))
     a = torch.randn(2048, 2048, device="cuda")
     torch.cuda.synchronize()

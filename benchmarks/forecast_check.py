@@ -39,7 +39,11 @@ TARGET = 0.15  # the issue's target: the step within 15%
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 def _start(args: list[str], log: Path) -> tuple[subprocess.Popen, Path]:

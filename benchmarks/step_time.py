@@ -33,11 +33,15 @@ ROOT = Path(__file__).resolve().parents[1]
 STEP_CLOCK = "benchmarks.step_clock.StepClock"
 
 
+def child_env() -> dict[str, str]:
+    """This environment with the repository first on PYTHONPATH (what was there stays after it)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+
+
 def run(cmd: list[str], out_dir: Path) -> dict:
     """Runs one command; returns its steady per-step ms, time to first step (s) and peak RSS (MB)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     start = time.time()
-    result = subprocess.run(cmd, cwd=out_dir, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(cmd, cwd=out_dir, env=child_env(), capture_output=True, text=True, timeout=600)
     if result.returncode != 0:
         sys.exit(f"benchmark run failed ({' '.join(cmd)}):\n{result.stderr[-3000:]}")
     ranks = [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
@@ -112,7 +116,7 @@ FEATURES = {  # each on top of the bare port
 def wall_s(cmd: list[str], cwd: Path) -> float:
     """Seconds from starting ``cmd`` to its exit."""
     start = time.perf_counter()
-    result = subprocess.run(cmd, cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, timeout=600)
+    result = subprocess.run(cmd, cwd=cwd, env=child_env(), capture_output=True, timeout=600)
     if result.returncode != 0:
         sys.exit(f"benchmark run failed ({' '.join(cmd)}):\n{result.stderr.decode()[-3000:]}")
     return time.perf_counter() - start

@@ -82,6 +82,12 @@ def fit_command(*args: str, launcher: tuple[str, ...] = (), accelerator: str | N
     return [*launcher, "-m", *fit] if launcher else fit
 
 
+def pythonpath(*first: Path) -> str:
+    """``first``, then the repository root, then the PYTHONPATH this process was given (where packages that are
+    not installed may live, e.g. wheels unpacked on a GPU machine)."""
+    return os.pathsep.join(str(p) for p in (*first, ROOT, os.environ.get("PYTHONPATH")) if p)
+
+
 def _popen(module_args: list[str], cwd: Path, env: dict | None) -> tuple[subprocess.Popen, str]:
     tag = uuid.uuid4().hex
     proc = subprocess.Popen(
@@ -91,7 +97,7 @@ def _popen(module_args: list[str], cwd: Path, env: dict | None) -> tuple[subproc
         stderr=subprocess.PIPE,
         # Unbuffered: a rank's stdout is a pipe here, block-buffered otherwise, and its lines would arrive
         # only at exit (or never, when it is killed).
-        env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", _TAG: tag, **(env or {})},
+        env={**os.environ, "PYTHONPATH": pythonpath(), "PYTHONUNBUFFERED": "1", _TAG: tag, **(env or {})},
         start_new_session=True,
     )
     return proc, tag

@@ -1,6 +1,5 @@
 """``python -m lit_ddp.fit`` as a user runs it: the real ``ddp`` launcher in a subprocess, and ``cli_main``."""
 
-import os
 import re
 import sys
 
@@ -8,7 +7,7 @@ import pytest
 import yaml
 
 from lit_ddp.fit import build_cli, main
-from tests.helpers import ROOT, STEP_LINE, run_fit, run_main, step_losses, step_numbers
+from tests.helpers import ROOT, STEP_LINE, pythonpath, run_fit, run_main, step_losses, step_numbers
 
 CPU = ("--trainer.accelerator", "cpu")  # for build_cli and main(): the subprocess helpers add it themselves
 SMALL = ("--devices", "2", "--model.dim", "64")
@@ -46,7 +45,7 @@ def test_default_run_prints_the_notes_output_and_nothing_else(tmp_path):
     fake = tmp_path / "one_fake_gpu"
     fake.mkdir()
     (fake / "sitecustomize.py").write_text(ONE_FAKE_GPU)
-    second = run_fit("--devices", "2", cwd=tmp_path, env={"PYTHONPATH": f"{fake}{os.pathsep}{ROOT}"})
+    second = run_fit("--devices", "2", cwd=tmp_path, env={"PYTHONPATH": pythonpath(fake)})
     assert assert_notes_output(second, version=1) == losses
     runs = sorted(p.name for p in (tmp_path / "runs" / "mini_train").iterdir())
     assert runs == ["version_0", "version_1"]

@@ -108,15 +108,21 @@ def stand_in_gpu(monkeypatch):
     return clock
 
 
+def drive_steps(clock, tmp_path, kernel_steps: int, steps: int):
+    """A PhaseTimer(kernel_steps) on the fake trainer, driven through ``steps`` steps; (timer, trainer, model)."""
+    model = LinearRegression(dim=8)
+    trainer = FakeTrainer(model, tmp_path)
+    timer = PhaseTimer(kernel_steps=kernel_steps)
+    timer.on_train_start(trainer, model)
+    for _ in range(steps):
+        drive_one_step(timer, trainer, model, clock)
+    return timer, trainer, model
+
+
 def test_profiler_start_and_stop_are_in_no_step(stand_in_gpu, tmp_path):
     """Kernel recording (CUDA only) starts before the first profiled step and stops after the last; its cost
     must land in no step's time."""
-    model = LinearRegression(dim=8)
-    trainer = FakeTrainer(model, tmp_path)
-    timer = PhaseTimer(kernel_steps=2)
-    timer.on_train_start(trainer, model)
-    for _ in range(6):
-        drive_one_step(timer, trainer, model, stand_in_gpu)
+    timer, trainer, model = drive_steps(stand_in_gpu, tmp_path, kernel_steps=2, steps=6)
     timer.on_train_end(trainer, model)
     data = json.loads((tmp_path / "phases.json").read_text())
     assert data["steps"] == [0, 1, 2, 3, 4, 5]
@@ -142,12 +148,7 @@ def test_a_profile_that_measured_nothing_says_so():
 
 
 def test_a_failed_fit_leaves_no_profiler_and_no_hook(stand_in_gpu, tmp_path):
-    model = LinearRegression(dim=8)
-    trainer = FakeTrainer(model, tmp_path)
-    timer = PhaseTimer(kernel_steps=3)
-    timer.on_train_start(trainer, model)
-    for _ in range(3):
-        drive_one_step(timer, trainer, model, stand_in_gpu)
+    timer, trainer, model = drive_steps(stand_in_gpu, tmp_path, kernel_steps=3, steps=3)
     assert timer._recorder.active and model._forward_pre_hooks
     timer.on_exception(trainer, model, RuntimeError("a rank failed"))
     assert timer._recorder.closed and not timer._recorder.active

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
-from tests.helpers import fast_trainer
+from tests.trainers import fast_trainer
 
 # Loggers that `lit_ddp.console.setup` (run by an in-process `main()`) points at the stdout of its time, a
 # capsys buffer that is closed after its test.

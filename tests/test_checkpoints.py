@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from lit_ddp.checkpointing import AtomicCheckpointIO
-from tests.helpers import assert_same_checkpoint, run_fit, run_main
+from tests.runner import run_fit, run_main
+from tests.trainers import assert_same_checkpoint
 
 CPU = ("--trainer.accelerator", "cpu")
 

@@ -6,7 +6,8 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lit_ddp import FixedBatchDataModule, LinearRegression, report
 from lit_ddp.callbacks import CommMonitor, PhaseTimer
-from tests.helpers import ROOT, profile, run_fit
+from tests.runner import ROOT, run_fit
+from tests.trainers import profile
 
 
 def test_real_run_bytes_are_exact(make_trainer, tmp_path):

@@ -2,7 +2,7 @@
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp.callbacks import DeviceMap
-from tests.helpers import RecordLogs
+from tests.recorders import RecordLogs
 
 
 def test_rank_0_prints_every_rank_once_and_warns_about_a_pitfall(make_trainer, tmp_path, monkeypatch):

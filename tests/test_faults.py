@@ -12,7 +12,7 @@ import time
 import pytest
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
-from tests.helpers import Running, run_fit, start_fit, start_long_run
+from tests.runner import Running, run_fit, start_fit, start_long_run
 
 
 def alive(pid: int) -> bool:

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from lit_ddp.fit import build_cli, main
-from tests.helpers import ROOT, STEP_LINE, pythonpath, run_fit, run_main, step_losses, step_numbers
+from tests.runner import ROOT, STEP_LINE, pythonpath, run_fit, run_main, step_losses, step_numbers
 
 CPU = ("--trainer.accelerator", "cpu")  # for build_cli and main(): the subprocess helpers add it themselves
 SMALL = ("--devices", "2", "--model.dim", "64")

@@ -9,7 +9,7 @@ import pytest
 
 from lit_ddp import forecast
 from lit_ddp.forecast import Bucket, ForecastError, Link, Measured, ProbePoint, Topology
-from tests.helpers import ROOT, run_module
+from tests.runner import ROOT, run_module
 
 # 1 GB/s = 1e6 bytes per ms: the numbers below are chosen so that the ms come out round.
 SLOW = Link("slow", busbw_gbps=1.0, hop_latency_us=0.0, source="test")

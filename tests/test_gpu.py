@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from lit_ddp import roofline
-from tests.helpers import ROOT, assert_same_checkpoint, run_fit, step_losses
+from tests.runner import ROOT, run_fit, step_losses
+from tests.trainers import assert_same_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -9,7 +9,7 @@ import torch
 from torch.autograd import DeviceType
 
 from lit_ddp.callbacks.kernels import MARK_PREFIX, TraceEvent
-from tests.helpers import ROOT
+from tests.runner import ROOT
 
 
 def event(name: str, start: float, end: float, device=DeviceType.CUDA, annotation=False) -> TraceEvent:

@@ -7,7 +7,8 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 
 from lit_ddp.fit import build_cli
 from lit_ddp.placement import problems, this_rank
-from tests.helpers import STEP_LINE, TORCHRUN, assert_same_checkpoint, free_port, run_fit, start_fit, start_long_run
+from tests.runner import STEP_LINE, TORCHRUN, free_port, run_fit, start_fit, start_long_run
+from tests.trainers import assert_same_checkpoint
 
 SLURM_RANK_3_OF_4 = {
     "SLURM_JOB_ID": "1234",

@@ -12,7 +12,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp.callbacks import LossMonitor
 from tests.faults import NaNOnRank
-from tests.helpers import STEP_LINE, run_main, step_losses, step_numbers
+from tests.runner import STEP_LINE, run_main, step_losses, step_numbers
 
 RANK_ZERO_LOGGER = "lightning.pytorch.utilities.rank_zero"  # where rank_zero_info goes
 

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.runner import ROOT
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from tests.helpers import run_module
+from tests.runner import run_module
 
 SCRIPT = """
 import torch

@@ -10,7 +10,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp.callbacks import LossMonitor
-from tests.helpers import TORCHRUN, run_module, step_losses
+from tests.runner import TORCHRUN, run_module, step_losses
 
 DIM, STEPS = 64, 6
 

@@ -3,7 +3,7 @@
 import pytest
 
 from lit_ddp import report
-from tests.helpers import profile
+from tests.trainers import profile
 
 
 def test_report_reprints_the_tables_and_draws_the_picture(make_trainer, tmp_path, capsys):

@@ -11,7 +11,9 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp.callbacks import SyncCheck
 from lit_ddp.callbacks.sync_check import fingerprints
-from tests.helpers import RecordLogs, fast_trainer, run_fit
+from tests.recorders import RecordLogs
+from tests.runner import run_fit
+from tests.trainers import fast_trainer
 
 
 def perturb_rank1_hook(state, bucket):

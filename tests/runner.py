@@ -1,9 +1,6 @@
-"""What several test files share: a fast CPU Trainer, running commands in a subprocess (to completion, or in the
-background until a sign of training), the step-line format, free ports, bitwise checkpoint comparison, a
-profiled 2-rank run, and recording what a ``ddp_spawn`` rank logs."""
+"""Running commands in a subprocess for the tests: to completion or in the background until a sign of training,
+every process they start killed afterwards; the step-line format; free ports; ``main()`` in this process."""
 
-import json
-import logging
 import os
 import re
 import signal
@@ -18,11 +15,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import torch
-from lightning.pytorch import Callback, Trainer
-from lightning.pytorch.loggers import CSVLogger
-
-from lit_ddp.strategy import LitDDPStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,32 +26,6 @@ TORCHRUN = ("torch.distributed.run",)
 # Marks every process a test starts, and everything those start (launched ranks, torchrun's workers in
 # their own sessions), so that clean-up finds them all.
 _TAG = "LIT_DDP_TEST_RUN"
-
-
-def fast_trainer(root_dir: Path, devices=2, max_steps=5, callbacks=(), logger=False, enable_checkpointing=False,
-                 max_epochs=None, spawn=True, **strategy_kwargs) -> Trainer:  # fmt: skip
-    """CPU, ``ddp_spawn``, a few steps, quiet, logger and checkpointing off unless asked; ``strategy_kwargs`` go to
-    ``LitDDPStrategy``. ``spawn=False``: one rank in this process (Lightning's single-device strategy), whose logs
-    ``caplog`` sees."""
-    if spawn:
-        strategy_kwargs.setdefault("timeout_s", 30)
-        strategy = LitDDPStrategy(start_method="spawn", **strategy_kwargs)
-    else:
-        assert devices == 1 and not strategy_kwargs, "spawn=False runs one rank, with no DDP options"
-        strategy = "auto"
-    return Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=max_steps,
-        max_epochs=max_epochs,
-        callbacks=list(callbacks),
-        logger=logger,
-        enable_checkpointing=enable_checkpointing,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root_dir,
-    )
 
 
 def step_numbers(stdout: str) -> list[int]:
@@ -269,73 +235,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def assert_same_checkpoint(a: Path, b: Path, global_step: int) -> None:
-    """Both checkpoints are at ``global_step`` and bitwise equal: every weight and Adam's whole state."""
-    ca, cb = (torch.load(path, weights_only=True) for path in (a, b))
-    assert ca["global_step"] == cb["global_step"] == global_step
-    assert ca["state_dict"].keys() == cb["state_dict"].keys()
-    for key, value in ca["state_dict"].items():
-        assert torch.equal(value, cb["state_dict"][key]), key
-    sa, sb = ca["optimizer_states"][0]["state"], cb["optimizer_states"][0]["state"]
-    assert sa.keys() == sb.keys() and sa, "no Adam state to compare"
-    for index in sa:
-        for key in ("step", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(sa[index][key], sb[index][key]), f"optimizer state {index}.{key}"
-
-
-class RecordLogs(Callback):
-    """Appends what Lightning's logging (``rank_zero_info``) and ``warnings`` (``rank_zero_warn``) say during
-    fit to ``<out_dir>/rank<r>.log``, from every rank: the test process cannot see a ``ddp_spawn`` worker's
-    logs or warnings."""
-
-    def __init__(self, out_dir: Path) -> None:
-        self.out_dir = Path(out_dir)
-
-    def setup(self, trainer, pl_module, stage):
-        handler = logging.FileHandler(self.out_dir / f"rank{trainer.global_rank}.log")
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logging.captureWarnings(True)  # warnings -> the "py.warnings" logger
-        for name in ("lightning.pytorch", "py.warnings"):
-            logging.getLogger(name).addHandler(handler)
-
-    @staticmethod
-    def read(out_dir: Path, rank: int) -> str:
-        return (Path(out_dir) / f"rank{rank}.log").read_text()
-
-
-class RecordDDPBuckets(Callback):
-    """Writes DDP's own bucket sizes (its logging data) from rank 0."""
-
-    def __init__(self, out):
-        self.out = out
-
-    def on_train_end(self, trainer, pl_module):
-        if trainer.is_global_zero:
-            data = trainer.strategy.model._get_ddp_logging_data()
-            sizes = {k: [int(v) for v in str(data[k]).split(",")] for k in ("bucket_sizes", "rebuilt_bucket_sizes")
-                     if k in data}  # fmt: skip
-            self.out.write_text(json.dumps(sizes))
-
-
-def profile(make_trainer, tmp_path, dim, num_layers=1, compression=None, steps=4, **strategy_kwargs):
-    """A 2-rank ``ddp_spawn`` run with PhaseTimer and CommMonitor; returns its phases and comm records, DDP's own
-    bucket sizes and the log directory."""
-    from lit_ddp import FixedBatchDataModule, LinearRegression, report
-    from lit_ddp.callbacks import CommMonitor, PhaseTimer
-
-    log_dir = tmp_path / "run" / "version_0"
-    trainer = make_trainer(
-        max_steps=steps,
-        callbacks=[PhaseTimer(), CommMonitor(compression=compression), RecordDDPBuckets(tmp_path / "ddp.json")],
-        logger=CSVLogger(tmp_path, name="run", version=0),
-        **strategy_kwargs,
-    )
-    trainer.fit(LinearRegression(dim=dim, num_layers=num_layers), FixedBatchDataModule(dim=dim, batch_size=8))
-    phases, comm = report.load(log_dir)
-    ddp = json.loads((tmp_path / "ddp.json").read_text())
-    return phases, comm, ddp, log_dir
 
 
 def run_main(monkeypatch, capsys, *args: str) -> subprocess.CompletedProcess:

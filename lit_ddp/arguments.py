@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from lit_ddp.lifecycle import UsageError
+from lit_ddp.errors import UsageError
 
 
 def expand_shorthands(args: list[str]) -> list[str]:

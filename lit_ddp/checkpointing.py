@@ -18,8 +18,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lit_ddp.callbacks.step_sync import StepSync
-from lit_ddp.lifecycle import UsageError
+from lit_ddp.errors import UsageError
 
 
 def checkpoint_dir(trainer_config: Any) -> Path:
@@ -43,13 +42,15 @@ def _get(config: Any, key: str) -> Any:
 
 
 class LastCheckpoint(Callback):
-    """Writes ``<dirpath>/last.ckpt`` every ``every_n_steps`` steps and when training is stopped by SIGTERM.
+    """Writes ``<dirpath>/last.ckpt`` every ``every_n_steps`` steps and at the step where training is told to stop
+    (a SIGTERM).
 
     Lightning's ``ModelCheckpoint`` versions an existing ``last.ckpt`` to ``last-v1.ckpt`` on a re-run, and its
     ``OnExceptionCheckpoint`` saves on *any* exception (a NaN loss or a sync error would be checkpointed) and
     never in ranks that ``ddp_spawn``/``ddp_fork`` started (their exceptions skip ``on_exception``). This one
-    overwrites ``last.ckpt`` and saves at the end of the step at which ``StepSync`` stops every rank for a
-    SIGTERM; so place it after ``StepSync`` (``python -m lit_ddp.fit`` does).
+    overwrites ``last.ckpt`` and saves at the end of the step at which training is told to stop
+    (``trainer.should_stop``: ``StepSync`` sets it on every rank at one step for a SIGTERM); so place it after
+    ``StepSync`` (``python -m lit_ddp.fit`` does).
 
     Args:
         every_n_steps: Save every n optimizer steps (and on SIGTERM); 0 never saves.
@@ -70,7 +71,7 @@ class LastCheckpoint(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
         if not self.every_n_steps:
             return
-        if trainer.global_step % self.every_n_steps == 0 or StepSync.stopped(trainer):
+        if trainer.global_step % self.every_n_steps == 0 or trainer.should_stop:
             trainer.save_checkpoint(self.path(trainer))
 
 

@@ -20,7 +20,6 @@ from typing import Optional
 from jsonargparse import ArgumentError
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import lit_ddp
 from lit_ddp import console, lifecycle
@@ -28,7 +27,7 @@ from lit_ddp.arguments import check_devices, expand_shorthands
 from lit_ddp.callbacks import DeviceMap, LossMonitor, RunSummary, StepSync, SyncCheck
 from lit_ddp.checkpointing import LastCheckpoint, checkpoint_dir, resume_path
 from lit_ddp.data import FixedBatchDataModule
-from lit_ddp.lifecycle import UsageError
+from lit_ddp.errors import Ending, UsageError
 from lit_ddp.module import LinearRegression
 
 
@@ -118,8 +117,8 @@ def _one_line(err: BaseException) -> str:
     return " ".join(line.strip() for line in str(err).splitlines() if line.strip())
 
 
-def cli_main(args: Optional[list[str]] = None) -> LitDDPCLI:
-    """Parses ``args`` (``sys.argv[1:]`` when ``None``), builds the Trainer and runs ``fit``."""
+def cli_main(args: Optional[list[str]] = None) -> Ending:
+    """Parses ``args`` (``sys.argv[1:]`` when ``None``), builds the Trainer and runs ``fit``; how it ended."""
     console.setup()
     cli = build_cli(sys.argv[1:] if args is None else list(args))
     hparams = {**cli.model.hparams, **cli.datamodule.hparams}
@@ -127,12 +126,11 @@ def cli_main(args: Optional[list[str]] = None) -> LitDDPCLI:
         if isinstance(callback, RunSummary):
             callback.measure_from(lit_ddp.STARTED)
     ckpt_path = resume_path(cli.config.ckpt_path, Path(cli.config.checkpoint.dirpath), hparams)
-    with lifecycle.launcher_forwards_sigterm(cli.trainer.strategy):
+    with lifecycle.launcher_forwards_sigterm(cli.trainer.strategy) as forwarded:
         cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path, weights_only=True)
     lifecycle.teardown_process_group()
-    if StepSync.stopped(cli.trainer):
-        raise SIGTERMException()  # this process trained: its ranks stopped together after a SIGTERM
-    return cli
+    # A launching parent's ranks trained in children (their StepSync is not this one); elsewhere this process did.
+    return Ending.SIGTERM if forwarded else StepSync.ending_of(cli.trainer)
 
 
 def main() -> None:

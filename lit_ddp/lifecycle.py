@@ -1,11 +1,9 @@
 """A run's life around ``trainer.fit``: who launched a rank, dying with the launcher, naming a dead rank,
-tearing the process group down, and the exit codes of ``python -m lit_ddp.fit``
-(SIGTERM itself travels with the step's collective: ``lit_ddp.callbacks.step_sync``).
+SIGTERM in a parent that only launches, tearing the process group down, and turning how the run ended into
+the exit code and the one line a user reads (the codes: ``lit_ddp.errors``). SIGTERM in a training process
+travels with the step's collective: ``lit_ddp.callbacks.step_sync``.
 
     python -m lit_ddp.fit --devices 2      # then: kill -TERM <pid>  -> every rank stops at one step, exit 143
-
-Exit codes: 0 done; 1 a rank failed (``SyncError``, ``NonFiniteLossError``, any other error); 2 bad input,
-reported in one line before any rank starts; 143 (128 + SIGTERM) stopped by SIGTERM.
 """
 
 import contextlib
@@ -25,15 +23,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from lit_ddp import _lightning
-from lit_ddp.callbacks import NonFiniteLossError, SyncError
+from lit_ddp.errors import AGREED_ERRORS, EXIT_FAILED, EXIT_USAGE, PROG, Ending, UsageError
 
-PROG = "lit-ddp-fit"
 # The launcher's pid, written into the environment the ranks it starts inherit (see mark_launcher).
 LAUNCHER_PID_ENV = "LIT_DDP_LAUNCHER_PID"
-
-
-class UsageError(Exception):
-    """Bad command line, config or checkpoint: one line on stderr and exit 2, before any rank is started."""
 
 
 def mark_launcher(strategy) -> None:
@@ -89,15 +82,15 @@ def stop_launched_ranks(strategy, first_rank: int, wait_s: float = 1.0) -> None:
 
 
 @contextmanager
-def launcher_forwards_sigterm(strategy) -> Iterator[None]:
+def launcher_forwards_sigterm(strategy) -> Iterator[list[int]]:
     """Around ``fit`` in a process that only launches ranks and waits (``ddp_fork``/``ddp_spawn``): SIGTERM is
-    passed on to the ranks, which stop together at a step boundary and save ``last.ckpt``, and ``fit`` then
-    ends in ``SIGTERMException`` here too. Elsewhere (the ``ddp`` launcher's rank 0, torchrun) the process trains
-    itself and Lightning's signal handling, through ``StepSync``, applies."""
-    if not _lightning.trains_in_children(strategy):
-        yield
-        return
+    passed on to the ranks, which stop together at a step boundary and save ``last.ckpt``; yields the list of
+    signals forwarded (empty: none), by which the caller knows the run ended by SIGTERM. Elsewhere (the ``ddp``
+    launcher's rank 0, torchrun) the process trains itself and ``StepSync`` handles SIGTERM."""
     received: list[int] = []
+    if not _lightning.trains_in_children(strategy):
+        yield received
+        return
 
     def forward(signum, frame) -> None:
         received.append(signum)
@@ -109,11 +102,9 @@ def launcher_forwards_sigterm(strategy) -> Iterator[None]:
     sys.stdout.flush()  # a fork copies unflushed buffers into every rank
     sys.stderr.flush()
     try:
-        yield
+        yield received
     finally:
         signal.signal(signal.SIGTERM, previous)
-    if received:
-        raise SIGTERMException()
 
 
 def teardown_process_group() -> None:
@@ -125,35 +116,33 @@ def teardown_process_group() -> None:
         dist.destroy_process_group()
 
 
-def exit_code(run: Callable[[], object]) -> int:
-    """Runs ``run`` and turns its outcome into the exit code and the one line a user reads."""
+def exit_code(run: Callable[[], Ending]) -> int:
+    """Runs ``run`` and turns how it ended into the exit code and the one line a user reads."""
     try:
-        run()
+        ending = run()
     except UsageError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except SIGTERMException:
-        # Lightning's SIGTERMException subclasses SystemExit with no code, i.e. exit 0: a preempted job would
-        # look like a finished one. 128 + SIGTERM is what a shell reports for a terminated process.
-        if rank_zero_only.rank == 0:
-            print(f"{PROG}: stopped by SIGTERM", file=sys.stderr)
-        return 143
-    except (SyncError, NonFiniteLossError) as err:
-        # Raised on every rank at the same step; one report is enough.
+        # Lightning's own SIGTERM path (a Trainer without StepSync): a SystemExit with no code, i.e. exit 0.
+        ending = Ending.SIGTERM
+    except AGREED_ERRORS as err:
         if rank_zero_only.rank == 0:
             print(f"{PROG}: {type(err).__name__}: {err}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     except ProcessRaisedException as err:  # a rank that ddp_fork/ddp_spawn started raised; err.msg: its traceback
         kind, _, message = err.msg.strip().splitlines()[-1].partition(": ")
         name = kind.rpartition(".")[2]
-        if name in (SyncError.__name__, NonFiniteLossError.__name__):
-            print(f"{PROG}: {name}: {message}", file=sys.stderr)
-        else:
+        if name not in {e.__name__ for e in AGREED_ERRORS}:
             print(err.msg.strip(), file=sys.stderr)
             print(f"{PROG}: rank {err.error_index} exited with code 1: {name}: {message}", file=sys.stderr)
-        return 1
+        else:
+            print(f"{PROG}: {name}: {message}", file=sys.stderr)
+        return EXIT_FAILED
     except ProcessExitedException as err:  # ... or died
         how = f"signal {err.signal_name}" if err.signal_name else f"code {err.exit_code}"
         print(f"{PROG}: rank {err.error_index} exited with {how}", file=sys.stderr)
-        return 1
-    return 0
+        return EXIT_FAILED
+    if ending is Ending.SIGTERM and rank_zero_only.rank == 0:
+        print(f"{PROG}: stopped by SIGTERM", file=sys.stderr)
+    return int(ending)

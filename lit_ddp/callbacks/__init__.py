@@ -3,11 +3,12 @@ timing, communication accounting, sync checks."""
 
 from lit_ddp.callbacks.comm_monitor import CommMonitor
 from lit_ddp.callbacks.device_map import DeviceMap
-from lit_ddp.callbacks.loss_monitor import LossMonitor, NonFiniteLossError
+from lit_ddp.callbacks.loss_monitor import LossMonitor
 from lit_ddp.callbacks.phase_timer import PhaseTimer
 from lit_ddp.callbacks.run_summary import RunSummary
 from lit_ddp.callbacks.step_sync import StepSync
-from lit_ddp.callbacks.sync_check import SyncCheck, SyncError
+from lit_ddp.callbacks.sync_check import SyncCheck
+from lit_ddp.errors import NonFiniteLossError, SyncError
 
 __all__ = [
     "CommMonitor",

@@ -19,10 +19,7 @@ from typing_extensions import override
 
 from lit_ddp.callbacks.results import is_last_step, say
 from lit_ddp.callbacks.step_sync import StepSync
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss became NaN or Inf on at least one rank; raised on every rank at the same step."""
+from lit_ddp.errors import NonFiniteLossError
 
 
 class LossMonitor(Callback):

@@ -12,10 +12,11 @@ SIGTERM: Lightning 2.6 broadcasts its SIGTERM flag from rank 0 at the top of eve
 host (lightning#21487), and broadcasts from inside its signal handler too, which can interleave with the main
 thread's collectives and hang. StepSync replaces both (through ``lit_ddp._lightning``): the handler only sets a
 flag (and forwards the signal to the ranks Lightning launched), the flag rides in the step's row, and when any
-rank has it every rank sets ``trainer.should_stop`` at the same step and ``stopped_by_sigterm``: training ends
-after that step as if finished (``LastCheckpoint`` saves it), and the caller decides the exit
-(``python -m lit_ddp.fit`` exits 143). Lightning's own path raises ``SIGTERMException`` (a ``SystemExit``)
-inside the ranks instead, which leaves a ``ddp_fork``/``ddp_spawn`` parent waiting forever for rank 0's result.
+rank has it every rank sets ``trainer.should_stop`` at the same step and its ``ending`` to ``Ending.SIGTERM``:
+training ends after that step as if finished (``LastCheckpoint`` saves it), and the caller maps the ending to
+an exit (``lit_ddp.lifecycle``: ``python -m lit_ddp.fit`` exits 143). Lightning's own path raises
+``SIGTERMException`` (a ``SystemExit``) inside the ranks instead, which leaves a ``ddp_fork``/``ddp_spawn``
+parent waiting forever for rank 0's result. These two files are SIGTERM's whole story.
 
 The callbacks that need it find or add the one StepSync of a Trainer (``StepSync.attach``).
 """
@@ -31,6 +32,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_ddp import _lightning
+from lit_ddp.errors import Ending
 
 
 @dataclass
@@ -53,7 +55,7 @@ class StepSync(Callback):
         self.sigterm_every_n_steps = sigterm_every_n_steps
         self._slots: dict[str, _Slot] = {}
         self._sigterm = False
-        self.stopped_by_sigterm = False
+        self.ending = Ending.FINISHED  # how this fit ended, when it did not raise
         self.collectives = 0  # how many per-step collectives ran (for tests and benchmarks)
 
     @staticmethod
@@ -83,15 +85,15 @@ class StepSync(Callback):
         self._slots[key] = _Slot(row.to(device=device, dtype=torch.float64), on_result)
 
     @staticmethod
-    def stopped(trainer: Trainer) -> bool:
-        """Whether the Trainer's StepSync stopped training for a SIGTERM (False when it has none)."""
-        return any(isinstance(c, StepSync) and c.stopped_by_sigterm for c in trainer.callbacks)
+    def ending_of(trainer: Trainer) -> Ending:
+        """How the Trainer's StepSync saw training end (``FINISHED`` when it has none)."""
+        return next((c.ending for c in trainer.callbacks if isinstance(c, StepSync)), Ending.FINISHED)
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # Idempotent: `attach` calls it for a StepSync it adds, and Lightning then calls it again.
         self._device = trainer.strategy.root_device
-        self._sigterm = self.stopped_by_sigterm = False
+        self._sigterm, self.ending = False, Ending.FINISHED
 
         def notify(signum, frame) -> None:
             launcher = trainer.strategy.launcher
@@ -131,5 +133,5 @@ class StepSync(Callback):
                 slot.on_result(gathered[:, start : start + width])
                 start += width
         if sigterm:  # the same decision on every rank, at the same step
-            self.stopped_by_sigterm = True
+            self.ending = Ending.SIGTERM
             trainer.should_stop = True

@@ -25,12 +25,9 @@ from typing_extensions import override
 
 from lit_ddp.callbacks.results import is_last_step, say
 from lit_ddp.callbacks.step_sync import StepSync
+from lit_ddp.errors import SyncError
 
 MAX_REPORTED = 5  # offending tensors gathered and named in one report
-
-
-class SyncError(RuntimeError):
-    """Ranks hold different parameters or gradients; raised on every rank at once."""
 
 
 def fingerprints(tensors: list[Tensor]) -> Tensor:

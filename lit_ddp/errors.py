@@ -1,0 +1,39 @@
+"""The tool's exceptions, how a run can end, and the exit codes of ``python -m lit_ddp.fit``: the ground floor,
+importing nothing of the tool, so every other module may use it.
+
+    python -m lit_ddp.fit --devices 0      # UsageError: one line on stderr, exit 2, no rank started
+
+Exit codes: 0 done; 1 a rank failed (``SyncError``, ``NonFiniteLossError``, any other error); 2 bad input,
+reported in one line before any rank starts; 143 (128 + SIGTERM) stopped by SIGTERM.
+"""
+
+import enum
+
+PROG = "lit-ddp-fit"
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+class Ending(enum.IntEnum):
+    """How training ended when it did not raise; the value is the exit code."""
+
+    FINISHED = 0
+    # 128 + SIGTERM, what a shell reports for a terminated process: a preempted job must not look finished.
+    SIGTERM = 143
+
+
+class UsageError(Exception):
+    """Bad command line, config or checkpoint: one line on stderr and exit 2, before any rank is started."""
+
+
+class SyncError(RuntimeError):
+    """Ranks hold different parameters or gradients; raised on every rank at once."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or Inf on at least one rank; raised on every rank at the same step."""
+
+
+# Raised on every rank at the same step, so one report (rank 0's) is enough.
+AGREED_ERRORS = (SyncError, NonFiniteLossError)

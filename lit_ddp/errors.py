@@ -35,5 +35,13 @@ class NonFiniteLossError(RuntimeError):
     """The loss became NaN or Inf on at least one rank; raised on every rank at the same step."""
 
 
+class RecordError(ValueError):
+    """A run record (``phases.json``, ``comm.json``) that cannot be read: one line naming the file and why."""
+
+
+class ForecastError(ValueError):
+    """An input the forecast cannot use (missing file or field, impossible topology); one line for the user."""
+
+
 # Raised on every rank at the same step, so one report (rank 0's) is enough.
 AGREED_ERRORS = (SyncError, NonFiniteLossError)

@@ -46,71 +46,20 @@ cast buckets for fp16/bf16 compression.
 """
 
 import argparse
-import json
-import math
 import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from lit_ddp.analysis import comm_summary, phase_summary
+from lit_ddp.errors import ForecastError, RecordError
+from lit_ddp.links import GB, LINK_NAMES, Topology, allreduce_ms, check_ranks, topology
+from lit_ddp.record import PHASES
+from lit_ddp.record import load_run as load_record
 from lit_ddp.tables import fmt_ms, table
 
-GB = 1e6  # bytes per ms in one GB/s: times are ms, sizes bytes
 MIB = 1024**2
-
-
-class ForecastError(ValueError):
-    """An input the forecast cannot use (missing file or field, impossible topology); one line for the user."""
-
-
-@dataclass(frozen=True)
-class Link:
-    """One kind of link: per-GPU bus bandwidth and the latency of one ring step.
-
-    Args:
-        name: The spec name (``nvlink``, ``ib400``, ...).
-        busbw_gbps: nccl-tests' busbw at large sizes, GB/s per GPU.
-        hop_latency_us: Latency of one step of a ring (or one tree level), microseconds.
-        source: The published figure (or measurement) the numbers come from.
-        node_only: The link joins the GPUs of one node only (NVLink), so it cannot be the inter-node link.
-    """
-
-    name: str
-    busbw_gbps: float
-    hop_latency_us: float
-    source: str
-    node_only: bool = False
-
-
-# Hop latency for every preset: NCCL's own cost model (src/graph/tuning.cc, hwLat[...][Ring][Simple]): 3.4 us for
-# NVLink and 14 us for the network (one NET class for IB and RoCE). Simple is NCCL's protocol for MB-sized buckets.
-PRESETS = {
-    "nvlink": Link("nvlink", 450.0, 3.4, node_only=True, source=(
-        "NVLink 4 on H100/H200 SXM: 900 GB/s bidirectional = 450 GB/s per direction per GPU (NVIDIA datasheets); "
-        "nccl-tests all_reduce_perf on 8x H100 SXM: busbw 460-480 GB/s at large sizes, with NVLS "
-        "(docs.alayanew.com, 'NCCL-tests in practice'); 3.4 us: NCCL tuning.cc hwLat[NVLINK][Ring][Simple]")),
-    "ib400": Link("ib400", 45.0, 14.0, source=(
-        "InfiniBand NDR, one 400 Gb/s ConnectX-7 per GPU = 50 GB/s line rate; nccl-tests busbw 40-50 GB/s over IB "
-        "NDR without NVLink, 400-450 GB/s for 8x H100 nodes with NVLink + NDR (Saturn Cloud, 'Validating "
-        "multi-node GPU clusters with NCCL tests'); 14 us: NCCL tuning.cc hwLat[NET][Ring][Simple]")),
-    "roce200": Link("roce200", 22.5, 14.0, source=(
-        "RoCE v2 at 200 Gb/s per GPU = 25 GB/s line rate, at the 90% of line rate IB NDR reaches (45 of 50 GB/s); "
-        "14 us: NCCL tuning.cc hwLat[NET][Ring][Simple]")),
-    "roce100": Link("roce100", 11.25, 14.0, source=(
-        "RoCE v2 / Ethernet at 100 Gb/s per GPU = 12.5 GB/s line rate, at 90% as roce200; "
-        "14 us: NCCL tuning.cc hwLat[NET][Ring][Simple]")),
-}  # fmt: skip
-LINK_NAMES = (*PRESETS, "measured")
-
-
-@dataclass(frozen=True)
-class Topology:
-    """Where the ranks sit: ``gpus_per_node`` GPUs joined by ``intra``, nodes joined by ``inter``."""
-
-    intra: Link
-    inter: Link
-    gpus_per_node: int
 
 
 @dataclass(frozen=True)
@@ -151,35 +100,6 @@ class Forecast:
     comm_ms: float  # sum of the all-reduce times: busy, hidden or not
 
 
-@dataclass(frozen=True)
-class ProbePoint:
-    """One size of an all-reduce probe (``lit_ddp.allreduce_probe``)."""
-
-    nbytes: int
-    ms: float
-    algbw_gbps: float
-    busbw_gbps: float
-
-
-def ring_ms(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-reduce of ``nbytes`` on ``n`` ranks: 2(n-1) steps, each rank sends 2(n-1)/n x S."""
-    if n == 1:
-        return 0.0
-    return 2 * (n - 1) * link.hop_latency_us / 1e3 + 2 * (n - 1) / n * nbytes / (link.busbw_gbps * GB)
-
-
-def allreduce_ms(nbytes: float, ranks: int, topo: Topology) -> float:
-    """T(S, N): a ring inside one node, NCCL's hierarchical form across nodes (see the module docstring)."""
-    g = topo.gpus_per_node
-    if ranks <= g:
-        return ring_ms(nbytes, ranks, topo.intra)
-    m = ranks // g
-    latency = 2 * (g - 1) * topo.intra.hop_latency_us + 2 * math.ceil(math.log2(m)) * topo.inter.hop_latency_us
-    intra = 2 * (g - 1) / g * nbytes / (topo.intra.busbw_gbps * GB)
-    inter = 2 * (m - 1) / m * (nbytes / g) / (topo.inter.busbw_gbps * GB)
-    return latency / 1e3 + max(intra, inter)
-
-
 def simulate(run: Measured, ranks: int, topo: Topology, buckets: Sequence[Bucket] | None = None) -> Forecast:
     """The step at ``ranks`` ranks; ``buckets`` replaces the measured ones for what-ifs."""
     buckets = run.buckets if buckets is None else buckets
@@ -215,122 +135,44 @@ def rebucket(buckets: Sequence[Bucket], cap_bytes: float) -> tuple[Bucket, ...]:
     return tuple(merged)
 
 
-def fit_probe(points: Sequence[ProbePoint], world_size: int, name: str = "measured", source: str = "") -> Link:
-    """Fits t = A + B x S to a probe, weighting relative error (sizes span 1 KiB .. 100 MB, and a plain least
-    squares fit would ignore the small, latency-bound ones), then reads the ring's terms off it:
-    A = 2(n-1) a, B = 2(n-1)/n / busbw."""
-    if world_size < 2:
-        raise ForecastError(f"a probe needs >= 2 ranks to measure a link, got world_size={world_size!r}")
-    pts = [(p.nbytes, p.ms) for p in points if p.ms > 0]
-    if len({s for s, _ in pts}) < 2:
-        raise ForecastError(f"a fit needs >= 2 sizes with a positive time, got {[(p.nbytes, p.ms) for p in points]}")
-    weighted = [(1 / t**2, s, t) for s, t in pts]
-    sw = sum(w for w, _, _ in weighted)
-    sx, sy = sum(w * s for w, s, _ in weighted), sum(w * t for w, _, t in weighted)
-    sxx, sxy = sum(w * s * s for w, s, _ in weighted), sum(w * s * t for w, s, t in weighted)
-    slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
-    intercept = (sy - slope * sx) / sw
-    if intercept < 0:  # noise at the small sizes; a link has no negative latency
-        intercept, slope = 0.0, sxy / sxx
-    if slope <= 0:
-        raise ForecastError(f"the probe's times do not grow with size (slope {slope!r} ms/byte): no bandwidth to fit")
-    ring = 2 * (world_size - 1)
-    return Link(name, busbw_gbps=ring / world_size / slope / GB, hop_latency_us=intercept / ring * 1e3, source=source)
-
-
-def load_probe(path: Path) -> Link:
-    """The ``measured`` link: a fit to an ``allreduce_probe`` JSON."""
-    record = _read_json(path)
-    try:
-        points = [ProbePoint(**row) for row in record["rows"]]
-        n = record["world_size"]
-    except (KeyError, TypeError) as e:
-        raise ForecastError(f"{path} is not an allreduce_probe JSON ({e!r})") from None
-    sizes = f"{min(p.nbytes for p in points):,}..{max(p.nbytes for p in points):,} bytes"
-    return fit_probe(
-        points, n, source=f"fit to {path}: {record.get('backend')}, {n} ranks, {len(points)} sizes {sizes}"
-    )
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise ForecastError(f"no {path.name} at {path}")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ForecastError(f"{path} is not JSON: {e}") from None
-
-
 def load_run(run_dir: Path) -> Measured:
-    """Reads ``phases.json`` and ``comm.json`` into the model's inputs (see the module docstring)."""
-    phases, comm = _read_json(run_dir / "phases.json"), _read_json(run_dir / "comm.json")
-    if "ready_ms" not in comm:
-        raise ForecastError(f"{run_dir / 'comm.json'} has no ready_ms (when each bucket was ready): "
-                            "re-run with a CommMonitor that records it")  # fmt: skip
-    if phases["world_size"] != comm["world_size"]:
-        raise ForecastError(f"phases.json has world_size {phases['world_size']}, comm.json {comm['world_size']}")
-    layout = comm["bucket_bytes"]
-    # Step index 0 is warm-up, and ran on DDP's construction-time buckets.
-    steady = [i for i, sizes in enumerate(comm["bucket_bytes_per_step"]) if i >= 1 and sizes == layout]
-    phase_index = {step: i for i, step in enumerate(phases["steps"])}
-    steady = [i for i in steady if comm["steps"][i] in phase_index]
-    # Steps PhaseTimer profiled for GPU-busy time ran slower (the profiler slows every launch): out, if others remain.
-    profiled = set(phases.get("profiled_steps", ()))
-    steady = [i for i in steady if comm["steps"][i] not in profiled] or steady
-    if not steady:
-        raise ForecastError(f"{run_dir}: no steady step (index >= 1) with the final bucket layout: run more steps")
-    col = {p: phases["phases"].index(p) for p in ("forward", "backward", "update", "other", "step")}
+    """Reads the run's ``phases.json`` and ``comm.json`` (``lit_ddp.record``) into the model's inputs: per rank
+    the steady medians (see the module docstring), then the slowest rank."""
+    try:
+        phases, comm = load_record(run_dir)
+    except RecordError as err:
+        raise ForecastError(str(err)) from err
+    for name, found in (("phases.json", phases), ("comm.json", comm)):
+        if found is None:
+            raise ForecastError(f"no {name} in {run_dir}: the forecast needs a run with PhaseTimer and CommMonitor")
+    if phases.meta.world_size != comm.meta.world_size:
+        raise ForecastError(f"phases.json has world_size {phases.meta.world_size}, comm.json {comm.meta.world_size}")
+    if not comm_summary(comm, 0, "total_ms").count:
+        raise ForecastError(f"{run_dir}: no step with DDP's final bucket layout: run more steps")
     per_rank = []
-    for r in range(comm["world_size"]):
-        rows = [phases["ms"][r][phase_index[comm["steps"][i]]] for i in steady]
-        ready = [comm["ready_ms"][r][i] for i in steady]
-        tails = [row[col["backward"]] - max(rd) - comm["exposed_ms"][r][i]
-                 for row, rd, i in zip(rows, ready, steady, strict=True)]  # fmt: skip
-        med = {p: statistics.median(row[c] for row in rows) for p, c in col.items()}
-        med["tail"] = statistics.median(tails)
-        med["exposed"] = statistics.median(comm["exposed_ms"][r][i] for i in steady)
-        med["comm"] = statistics.median(sum(comm["ms"][r][i]) for i in steady)
-        med["ready"] = [statistics.median(rd[b] for rd in ready) for b in range(len(layout))]
+    for r in range(comm.meta.world_size):
+        med = {p: phase_summary(phases, r, p).median for p in PHASES}
+        for name in ("exposed_ms", "total_ms"):
+            med[name] = comm_summary(comm, r, name).median
+        med["ready"] = [comm_summary(comm, r, f"bucket{b}.ready_ms").median for b in range(len(comm.layout))]
+        # The tail joins the two records step by step: over the steady steps both kept.
+        kept = {row.step: row for row in phases.steady_rows(r)}
+        tails = [kept[b.step].ms.backward - max(b.ready_ms) - b.exposed_ms
+                 for b in comm.ranks[r].rows if b.step in kept and b.bytes == comm.layout]  # fmt: skip
+        med["tail"] = statistics.median(tails) if tails else 0.0
         per_rank.append(med)
 
     def slowest(key: str) -> float:  # every all-reduce waits for the slowest rank
         return max(m[key] for m in per_rank)
 
-    buckets = tuple(Bucket(nbytes, max(m["ready"][b] for m in per_rank)) for b, nbytes in enumerate(layout))
+    buckets = tuple(Bucket(nbytes, max(m["ready"][b] for m in per_rank)) for b, nbytes in enumerate(comm.layout))
     return Measured(
         forward_ms=slowest("forward"), update_ms=slowest("update"), other_ms=slowest("other"),
-        tail_ms=max(0.0, slowest("tail")), buckets=buckets, world_size=comm["world_size"],
-        rows_per_rank=(phases.get("roofline") or {}).get("rows_per_rank"), compression=comm.get("compression"),
-        backward_ms=slowest("backward"), exposed_ms=slowest("exposed"), comm_ms=slowest("comm"),
-        step_ms=slowest("step"), n_steps=len(steady),
+        tail_ms=max(0.0, slowest("tail")), buckets=buckets, world_size=comm.meta.world_size,
+        rows_per_rank=phases.roofline.rows_per_rank if phases.roofline else None, compression=comm.compression,
+        backward_ms=slowest("backward"), exposed_ms=slowest("exposed_ms"), comm_ms=slowest("total_ms"),
+        step_ms=slowest("step"), n_steps=comm_summary(comm, 0, "total_ms").count,
     )  # fmt: skip
-
-
-def topology(spec: tuple[str, str | None], gpus_per_node: int, probe: Path | None) -> Topology:
-    """``("nvlink", "ib400")`` -> links; one name alone means every hop uses that link."""
-
-    def link(name: str) -> Link:
-        if name != "measured":
-            return PRESETS[name]
-        if probe is None:
-            raise ForecastError("--link measured needs a probe: --probe probe.json "
-                                "(python -m lit_ddp.allreduce_probe --out probe.json)")  # fmt: skip
-        return load_probe(probe)
-
-    intra = link(spec[0])
-    inter = link(spec[1]) if spec[1] else intra
-    if spec[1] and inter.node_only:
-        raise ForecastError(f"{inter.name} joins the GPUs of one node: it cannot link nodes (try nvlink+ib400)")
-    return Topology(intra, inter, gpus_per_node)
-
-
-def _check_ranks(ranks: int, topo: Topology, spec: str) -> None:
-    g = topo.gpus_per_node
-    if ranks > g and topo.inter.node_only:
-        raise ForecastError(f"--link {spec} reaches {g} GPUs (one node); {ranks} ranks need an inter-node link, "
-                            f"e.g. --link {spec}+ib400")  # fmt: skip
-    if ranks > g and ranks % g:
-        raise ForecastError(f"{ranks} ranks do not fill whole nodes of --gpus-per-node {g}")
 
 
 def what_ifs(run: Measured, caps_mib: Sequence[float]) -> list[tuple[str, Measured, tuple[Bucket, ...]]]:
@@ -497,7 +339,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> str:
     topo = topology(args.link, args.gpus_per_node, probe if "measured" in args.link else None)
     ranks = sorted({1, *(args.forecast or [])})
     for n in ranks:
-        _check_ranks(n, topo, spec)
+        check_ranks(n, topo, spec)
     measured = load_run(run_dir)
     text = report(measured, topo, ranks, args.what_if_bucket_mb, str(run_dir))
     if not getattr(args, "no_plot", False):

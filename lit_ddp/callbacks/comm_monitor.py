@@ -17,9 +17,9 @@ is done by then) to the end of the last all-reduce. Earlier buckets overlap with
 compute; that part is hidden.
 """
 
-import math
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, Optional
 
 import torch
@@ -29,10 +29,12 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from typing_extensions import override
 
-from lit_ddp import _lightning, report
+from lit_ddp import _lightning, analysis
 from lit_ddp.callbacks.clock import HostClock, clock_for
 from lit_ddp.callbacks.kernels import union_ms
-from lit_ddp.callbacks.results import gather, say, write_json
+from lit_ddp.callbacks.phase_timer import PhaseTimer
+from lit_ddp.callbacks.results import gather_to_zero, log_metrics, meta, say
+from lit_ddp.record import CommRecord, RankComm, StepBuckets, Summary, Window, is_steady, save
 
 COMPRESSION_WRAPPERS = {
     "fp16": default_hooks.fp16_compress_wrapper,
@@ -69,7 +71,11 @@ class CommMonitor(Callback):
         self._step = 0
         self._backward_start: Any = None
         self._lock: Optional[threading.Lock] = None  # made in setup: ddp_spawn pickles callbacks, locks don't
-        self._timings: list[BucketTiming] = []
+        self._timings: list[BucketTiming] = []  # appended by the futures' callbacks, taken by _collect
+        self._pending: dict[int, list[BucketTiming]] = {}  # steps whose marks are not resolved yet
+        self._window = Window()
+        self._summaries: dict[tuple[int, ...], dict[str, Summary]] = {}  # per bucket layout
+        self._profiled: Optional[range] = None
         self._hook: Any = None
 
     @staticmethod
@@ -82,6 +88,8 @@ class CommMonitor(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
         reason = self.unsupported(trainer)
         if reason:
             raise MisconfigurationException(reason)
@@ -99,7 +107,8 @@ class CommMonitor(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         state, hook = self._hook
         trainer.strategy.model.register_comm_hook(state, hook)
-        self._timings = []
+        self._timings, self._pending, self._summaries, self._profiled = [], {}, {}, None
+        self._window = Window()
 
     def _timed(self, hook):
         def timed(state, bucket):
@@ -123,6 +132,7 @@ class CommMonitor(Callback):
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._step = trainer.global_step
+        self._collect(trainer, block=False)
 
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
@@ -130,64 +140,67 @@ class CommMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        data = self._summary(trainer, pl_module)
-        if data is None:
+        self._collect(trainer, block=True)
+        log_dir = trainer.log_dir  # a broadcast: every rank asks
+        rows = [row for _, row in self._window.items()]
+        final = tuple(rows[-1].bytes) if rows else ()
+        ranks = gather_to_zero(trainer, RankComm(trainer.global_rank, rows, self._summaries.get(final, {})))
+        if ranks is None or not rows:
             return
-        write_json(trainer, self.filename, data)
-        say(trainer, report.comm_table(data))
-        if trainer.is_global_zero and trainer.logger is not None:
-            for i, step in enumerate(data["steps"]):
-                trainer.logger.log_metrics(
-                    {
-                        "comm/bytes": float(sum(data["bucket_bytes_per_step"][i])),
-                        "comm/busy_ms": data["busy_ms"][0][i],
-                        "comm/exposed_ms": data["exposed_ms"][0][i],
-                        "comm/max_bucket_ms": max(data["ms"][0][i]),
-                    },
-                    step=step,
-                )
+        record = CommRecord(
+            meta=meta(trainer, self._clock.name),
+            ranks=ranks,
+            layout=list(final),
+            param_bytes=sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad),
+            compression=self.compression,
+            first_layout=rows[0].bytes,
+            profiled_steps=list(self._profiled or ()),
+        )
+        if log_dir is not None:
+            save(record, Path(log_dir) / self.filename)
+        say(trainer, analysis.comm_table(record))
 
-    def per_step(self) -> dict[int, list[BucketTiming]]:
-        """This rank's buckets per step, in bucket order, every mark completed."""
-        timings = sorted(self._timings, key=lambda t: (t.step, t.index))
-        if timings:
-            self._clock.wait(timings[-1].end)
-        steps: dict[int, list[BucketTiming]] = {}
+    def _collect(self, trainer: Trainer, block: bool) -> None:
+        """Turns the buckets of finished steps into the record's rows and summaries, oldest first, as far as
+        their marks have completed (``block``: all, waiting for them)."""
+        with self._lock:
+            timings, self._timings = self._timings, []
         for timing in timings:
-            steps.setdefault(timing.step, []).append(timing)
-        return steps
+            self._pending.setdefault(timing.step, []).append(timing)
+        for step in sorted(self._pending):
+            buckets = sorted(self._pending[step], key=lambda t: t.index)
+            if not block and (step >= self._step or not all(self._clock.ready(b.end) for b in buckets)):
+                return  # the step still running, or marks still on their way
+            if block:
+                for bucket in buckets:
+                    self._clock.wait(bucket.end)
+            del self._pending[step]
+            self._add(trainer, step, buckets)
 
-    def _summary(self, trainer: Trainer, pl_module: LightningModule) -> Optional[dict[str, Any]]:
-        steps = self.per_step()
-        if not steps:
-            return None
-        # DDP's first step runs on its construction-time buckets, then it rebuilds them in the order gradients
-        # became ready; so layouts can differ between steps (never between ranks). Pad to the widest.
-        order = sorted(steps)
-        width = max(len(b) for b in steps.values())
+    def _add(self, trainer: Trainer, step: int, buckets: list[BucketTiming]) -> None:
         ms = self._clock.elapsed_ms
-        nan = float("nan")
-        durations, ready, busy, exposed = [], [], [], []
-        for s in order:
-            buckets = steps[s]
-            pad = [nan] * (width - len(buckets))
-            durations.append([ms(b.start, b.end) for b in buckets] + pad)
-            ready.append(
-                [ms(b.backward_start, b.start) if b.backward_start is not None else 0.0 for b in buckets] + pad
-            )
-            spans = [(ms(buckets[0].start, b.start), ms(buckets[0].start, b.end)) for b in buckets]
-            busy.append(union_ms(spans))
-            exposed.append(max(end for _, end in spans) - max(start for start, _ in spans))
-        gathered = gather(trainer, {"ms": durations, "ready_ms": ready, "busy_ms": busy, "exposed_ms": exposed})
-        for name in ("ms", "ready_ms"):  # drop the padding of steps with fewer buckets
-            gathered[name] = [[[t for t in row if not math.isnan(t)] for row in rank] for rank in gathered[name]]
-        return {
-            "clock": self._clock.name,
-            "world_size": trainer.world_size,
-            "compression": self.compression,
-            "steps": order,
-            "bucket_bytes_per_step": [[b.nbytes for b in steps[s]] for s in order],
-            "bucket_bytes": [b.nbytes for b in steps[order[-1]]],  # the final layout
-            "param_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad),
-            **gathered,
-        }
+        spans = [(ms(buckets[0].start, b.start), ms(buckets[0].start, b.end)) for b in buckets]
+        row = StepBuckets(
+            step=step,
+            bytes=[b.nbytes for b in buckets],
+            ms=[ms(b.start, b.end) for b in buckets],
+            ready_ms=[ms(b.backward_start, b.start) if b.backward_start is not None else 0.0 for b in buckets],
+            busy_ms=union_ms(spans),
+            exposed_ms=max(end for _, end in spans) - max(start for start, _ in spans),
+        )
+        self._window.add(step, row)
+        if self._profiled is None:  # PhaseTimer's on_train_start has run by the first step's end, wherever listed
+            self._profiled = next((c.profiled_steps for c in trainer.callbacks if isinstance(c, PhaseTimer)), range(0))
+            self._window.profiled = set(self._profiled)
+        if is_steady(step, self._profiled):
+            # DDP's first step runs on its construction-time buckets, then it rebuilds them in the order gradients
+            # became ready: a summary belongs to one layout (the same on every rank).
+            summaries = self._summaries.setdefault(tuple(row.bytes), {})
+            figures = {"busy_ms": row.busy_ms, "exposed_ms": row.exposed_ms, "total_ms": sum(row.ms)}
+            for b, (t, ready) in enumerate(zip(row.ms, row.ready_ms, strict=True)):
+                figures[f"bucket{b}.ms"], figures[f"bucket{b}.ready_ms"] = t, ready
+            for name, value in figures.items():
+                summaries.setdefault(name, Summary()).add(value)
+        metrics = {"comm/bytes": float(sum(row.bytes)), "comm/busy_ms": row.busy_ms,
+                   "comm/exposed_ms": row.exposed_ms, "comm/max_bucket_ms": max(row.ms)}  # fmt: skip
+        log_metrics(trainer, metrics, step=step)

@@ -6,13 +6,12 @@ The rules (two ranks on one GPU, ``CUDA_VISIBLE_DEVICES`` and ``device_ids`` mix
 ``LOCAL_RANK``) live in ``lit_ddp.placement`` and are tested on hand-made maps there.
 """
 
-import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_ddp import placement
-from lit_ddp.callbacks.results import say
+from lit_ddp.callbacks.results import gather_to_zero, say
 
 
 class DeviceMap(Callback):
@@ -24,11 +23,8 @@ class DeviceMap(Callback):
         row = placement.this_rank(
             trainer.global_rank, trainer.local_rank, trainer.node_rank, trainer.strategy.root_device
         )
-        rows: list = [row]
-        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-            rows = [None] * trainer.world_size
-            dist.all_gather_object(rows, row)  # small dicts of strings, once per fit
-        say(trainer, placement.format_table(rows))
-        if trainer.is_global_zero:
+        rows = gather_to_zero(trainer, row)  # small dicts of strings, once per fit
+        if rows is not None:
+            say(trainer, placement.format_table(rows))
             for problem in placement.problems(rows):
                 rank_zero_warn(f"device map: {problem}")

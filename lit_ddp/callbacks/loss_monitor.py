@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
-from lit_ddp.callbacks.results import is_last_step, say
+from lit_ddp.callbacks.results import is_last_step, log_metrics, say
 from lit_ddp.callbacks.step_sync import StepSync
 from lit_ddp.errors import NonFiniteLossError
 
@@ -63,7 +63,6 @@ class LossMonitor(Callback):
                 )
             if due:
                 say(trainer, f"Step {step}, Loss {global_mean:.4f}")
-                if trainer.is_global_zero and trainer.logger is not None:
-                    trainer.logger.log_metrics({"train/loss": global_mean}, step=step)
+                log_metrics(trainer, {"train/loss": global_mean}, step=step)
 
         self._sync.put("loss", row, report)

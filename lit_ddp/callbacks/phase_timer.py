@@ -20,15 +20,16 @@ then the update)::
                                                order of the callbacks
 
 ``other`` is the step minus the three phases, so the phases add up to the step. On CUDA the marks are CUDA
-events resolved without blocking once they complete (see ``clock.py``); on CPU, ``perf_counter``. Per-rank
-timings are all-gathered once, at the end of training, written to ``phases.json`` in the run's log dir,
-logged as ``time/{forward,backward,update,other,step}_ms`` and summarised by rank 0 in one table, with a
-roofline: FLOPs counted once by ``torch.utils.flop_counter`` on the real batch, the optimizer's bytes from its
-real state (``lit_ddp.roofline``).
+events resolved without blocking once they complete (see ``clock.py``); on CPU, ``perf_counter``. Each rank keeps
+a bounded window of steps and running summaries (``lit_ddp.record``); they go to rank 0 once, at the end of
+training, are written to ``phases.json`` (a ``PhaseRecord``) in the run's log dir and summarised by rank 0 in
+one table (``lit_ddp.analysis``); every step is logged as ``time/{forward,backward,update,other,step}_ms`` to
+every logger. With a roofline: FLOPs counted once by ``torch.utils.flop_counter`` on the real batch, the
+optimizer's bytes from its real state (``lit_ddp.roofline``).
 """
 
-import math
-from dataclasses import astuple, dataclass
+from dataclasses import astuple
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -37,24 +38,27 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_ddp import report, roofline
+from lit_ddp import analysis, roofline
 from lit_ddp.callbacks.clock import HostClock, clock_for
 from lit_ddp.callbacks.kernels import KernelRecorder, union_ms
-from lit_ddp.callbacks.results import gather, say, write_json
+from lit_ddp.callbacks.results import gather_to_zero, log_metrics, meta, say
+from lit_ddp.record import (
+    BOUNDARIES,
+    PHASES,
+    PhaseRecord,
+    RankPhases,
+    Roofline,
+    StepPhases,
+    StepRow,
+    Summary,
+    Window,
+    is_steady,
+    save,
+)
 
 FIRST_PROFILED_STEP = 2  # after the warm-up step and one more (allocator, DDP's bucket rebuild)
-BOUNDARIES = ("start", "forward_start", "forward_end", "backward_start", "backward_end", "update_start", "update_end")
-
-
-@dataclass(frozen=True)
-class StepPhases:
-    """One step's phases on one rank, in milliseconds; ``other`` = ``step`` minus the three phases."""
-
-    forward: float
-    backward: float
-    update: float
-    other: float
-    step: float
+MARKS = ("start", *BOUNDARIES[:-1])  # what a step marks; its end is the next step's start
+METRICS = tuple(f"time/{phase}_ms" for phase in PHASES)
 
 
 class PhaseTimer(Callback):
@@ -92,13 +96,14 @@ class PhaseTimer(Callback):
         self.filename = filename
         self.kernel_steps = kernel_steps
         self._recorder: Optional[KernelRecorder] = None
-        self._busy: list[list[float]] = []  # per profiled step: GPU-busy ms of forward, backward, update, other, step
+        self._busy: list[StepRow] = []  # per profiled step: GPU-busy ms of each phase
         self._clock: Any = HostClock()
         self._step = -1
         self._marks: dict[str, Any] = {}
         self._pending: list[tuple[int, dict[str, Any]]] = []  # steps whose marks are not resolved yet
-        self._phases: dict[int, StepPhases] = {}
-        self._offsets: dict[int, list[float]] = {}  # step -> each boundary after "start", ms from the start
+        self._window = Window()
+        self._summaries: dict[str, Summary] = {}
+        self.profiled_steps = range(0)
         self._flops: Optional[roofline.StepFlops] = None
         self._counted = False
         self._rows = 0
@@ -107,7 +112,7 @@ class PhaseTimer(Callback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._clock = clock_for(trainer.strategy.root_device)
-        self._pending, self._phases, self._offsets, self._marks = [], {}, {}, {}
+        self._pending, self._marks = [], {}
         self._flops, self._counted = None, False
         self._busy, self._recorder = [], None
         kernel_steps = (
@@ -117,7 +122,8 @@ class PhaseTimer(Callback):
             rank_zero_warn(f"PhaseTimer(kernel_steps={kernel_steps}) measures GPU kernels: off without CUDA")
         elif kernel_steps:
             self._recorder = KernelRecorder(trainer.strategy.root_device)
-        self._profiled = range(FIRST_PROFILED_STEP, FIRST_PROFILED_STEP + kernel_steps)
+        self.profiled_steps = range(FIRST_PROFILED_STEP, FIRST_PROFILED_STEP + kernel_steps)
+        self._window, self._summaries = Window(self.profiled_steps), {phase: Summary() for phase in PHASES}
         # Lightning has no hook where the forward starts (after its own batch handling) nor where the
         # optimizer's step() returns: a forward pre-hook on the model Lightning calls, a step post-hook.
         self._handles = [
@@ -149,16 +155,16 @@ class PhaseTimer(Callback):
         """Starts kernel recording at the first profiled step, stops it after the last; True if it did either."""
         if self._recorder is None:
             return False
-        if not self._recorder.active and step == self._profiled.start:
+        if not self._recorder.active and step == self.profiled_steps.start:
             self._recorder.start()
             return True
-        if self._recorder.active and step not in self._profiled:
+        if self._recorder.active and step not in self.profiled_steps:
             self._stop_recorder()
             return True
         return False
 
     def _stop_recorder(self) -> None:
-        self._busy = _busy_per_step(*self._recorder.stop())
+        self._busy = _busy_per_step(*self._recorder.stop(), self.profiled_steps)
 
     def _mark(self, boundary: str) -> Any:
         if self._recorder is not None and self._recorder.active:
@@ -202,7 +208,7 @@ class PhaseTimer(Callback):
         if not self._marks:
             return
         self._marks.setdefault("forward_start", self._marks["start"])
-        if all(b in self._marks for b in BOUNDARIES):  # a skipped optimizer step has no phases to report
+        if all(b in self._marks for b in MARKS):  # a skipped optimizer step has no phases to report
             self._pending.append((self._step, {**self._marks, "end": end_mark}))
         self._marks = {}
 
@@ -213,11 +219,16 @@ class PhaseTimer(Callback):
             self._stop_recorder()
         self._remove_hooks()
         self._resolve(trainer, block=True)
-        data = self._summary(trainer, pl_module)
-        if data is None:
+        log_dir = trainer.log_dir  # a broadcast: every rank asks
+        ranks = gather_to_zero(trainer, RankPhases(trainer.global_rank, [row for _, row in self._window.items()],
+                                                   self._summaries, self._busy))  # fmt: skip
+        if ranks is None or not ranks[0].rows:
             return
-        write_json(trainer, self.filename, data)
-        say(trainer, report.phase_table(data))
+        record = PhaseRecord(meta(trainer, self._clock.name), ranks, list(self.profiled_steps),
+                             self._roofline(trainer, pl_module))  # fmt: skip
+        if log_dir is not None:
+            save(record, Path(log_dir) / self.filename)
+        say(trainer, analysis.phase_table(record))
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -245,70 +256,42 @@ class PhaseTimer(Callback):
             backward = ms(marks["backward_start"], marks["backward_end"])
             update = ms(marks["update_start"], marks["update_end"])
             total = ms(marks["start"], marks["end"])
-            self._phases[step] = StepPhases(forward, backward, update, total - forward - backward - update, total)
-            self._offsets[step] = [ms(marks["start"], marks[b]) for b in (*BOUNDARIES[1:], "end")]
-            self._publish(trainer, step)
+            phases = StepPhases(forward, backward, update, total - forward - backward - update, total)
+            self._window.add(step, StepRow(step, phases, [ms(marks["start"], marks[b]) for b in BOUNDARIES]))
+            if is_steady(step, self.profiled_steps):
+                for name, value in zip(PHASES, astuple(phases), strict=True):
+                    self._summaries[name].add(value)
+            self._publish(trainer, step, phases)
 
-    def _publish(self, trainer: Trainer, step: int) -> None:
-        phases = self._phases[step]
+    def _publish(self, trainer: Trainer, step: int, phases: StepPhases) -> None:
         if step < self.print_steps:
-            say(trainer, report.format_step(step, phases.forward, phases.backward, phases.update))
-        if trainer.is_global_zero and trainer.logger is not None:
-            names = ("time/forward_ms", "time/backward_ms", "time/update_ms", "time/other_ms", "time/step_ms")
-            trainer.logger.log_metrics(dict(zip(names, astuple(phases), strict=True)), step=step)
+            say(trainer, analysis.format_step(step, phases))
+        log_metrics(trainer, dict(zip(METRICS, astuple(phases), strict=True)), step=step)
 
-    def _summary(self, trainer: Trainer, pl_module: LightningModule) -> Optional[dict[str, Any]]:
-        steps = sorted(self._phases)
-        if not steps:
-            return None
-        columns = {
-            "ms": [list(astuple(self._phases[s])) for s in steps],
-            "offsets_ms": [self._offsets[s] for s in steps],
-        }
-        if self._recorder is not None:
-            # The same shape on every rank, whatever each rank's profile held: a step whose markers were not all
-            # found is NaN (a rank deciding alone whether to gather would leave the others waiting).
-            rows = [*self._busy, *[[float("nan")] * 5] * len(self._profiled)][: len(self._profiled)]
-            columns["busy_ms"] = rows
-        gathered = gather(trainer, columns)
-        device = trainer.strategy.root_device
-        peak = roofline.peak_for(_device_name(device), _compute_dtype(trainer, pl_module))
+    def _roofline(self, trainer: Trainer, pl_module: LightningModule) -> Roofline:
+        peak = roofline.peak_for(_device_name(trainer.strategy.root_device), _compute_dtype(trainer, pl_module))
         flops = self._flops or roofline.StepFlops(0, 0)
-        return {
-            "clock": self._clock.name,
-            "device": str(device),
-            "device_name": _device_name(device),
-            "world_size": trainer.world_size,
-            "phases": list(report.PHASES),
-            "steps": steps,
-            "ms": gathered["ms"],
-            # [rank][step][boundary]: ms from the step's start to each of BOUNDARIES[1:] and the step's end
-            "offsets_ms": gathered["offsets_ms"],
-            "boundaries": [*BOUNDARIES[1:], "end"],
-            **({"busy_ms": _complete_rows(gathered["busy_ms"])} if "busy_ms" in gathered else {}),
-            **({"profiled_steps": list(self._profiled)} if self._recorder is not None else {}),
-            "roofline": {
-                "rows_per_rank": self._rows,
-                "forward_flop": flops.forward,
-                "backward_flop": flops.backward,
-                "update_bytes": roofline.optimizer_update_bytes(trainer.optimizers[0]),
-                "peak_tflops": self.peak_tflops or (peak.tflops if peak else None),
-                "peak_gbps": self.peak_gbps or (peak.gbps if peak else None),
-                "peak_label": "given" if self.peak_tflops or self.peak_gbps else (peak.label if peak else None),
-            },
-        }
+        return Roofline(
+            rows_per_rank=self._rows,
+            forward_flop=flops.forward,
+            backward_flop=flops.backward,
+            update_bytes=roofline.optimizer_update_bytes(trainer.optimizers[0]),
+            peak_tflops=self.peak_tflops or (peak.tflops if peak else None),
+            peak_gbps=self.peak_gbps or (peak.gbps if peak else None),
+            peak_label="given" if self.peak_tflops or self.peak_gbps else (peak.label if peak else None),
+        )
 
 
-def _busy_per_step(marks: list[tuple[str, float]], kernels: list[tuple[float, float]]) -> list[list[float]]:
-    """GPU-busy ms of forward, backward, update, other and the whole step, for each profiled step: the
-    kernels between the step's markers (``kernels.union_ms``). A step runs from one "start" marker to the next."""
+def _busy_per_step(marks: list[tuple[str, float]], kernels: list[tuple[float, float]], steps: range) -> list[StepRow]:
+    """GPU-busy ms of each phase and of the whole step, for each profiled step (the i-th "start" marker opens
+    ``steps[i]``): the kernels between the step's markers (``kernels.union_ms``). A step runs from one "start"
+    marker to the next; a step whose markers were not all found is left out."""
     starts = [i for i, (name, _) in enumerate(marks) if name == "start"]
-    steps = []
-    for first, last in zip(starts, starts[1:], strict=False):
+    rows = []
+    for step, first, last in zip(steps, starts, starts[1:], strict=False):
         at = {name: t for name, t in marks[first:last]}
-        if not all(b in at for b in BOUNDARIES):
+        if not all(b in at for b in MARKS):
             continue
-        end = marks[last][1]
         phases = [
             union_ms(kernels, at[a], at[b])
             for a, b in (
@@ -317,15 +300,9 @@ def _busy_per_step(marks: list[tuple[str, float]], kernels: list[tuple[float, fl
                 ("update_start", "update_end"),
             )
         ]
-        step = union_ms(kernels, at["start"], end)
-        steps.append([*phases, step - sum(phases), step])
-    return steps
-
-
-def _complete_rows(per_rank: list[list[list[float]]]) -> list[list[list[float]]]:
-    """Drops the NaN padding: the profiled steps measured on every rank."""
-    keep = [i for i in range(len(per_rank[0])) if not any(math.isnan(rank[i][-1]) for rank in per_rank)]
-    return [[rank[i] for i in keep] for rank in per_rank] if keep else []
+        total = union_ms(kernels, at["start"], marks[last][1])
+        rows.append(StepRow(step, StepPhases(*phases, total - sum(phases), total), []))
+    return rows
 
 
 def _compute_dtype(trainer: Trainer, pl_module: LightningModule) -> torch.dtype:

@@ -1,15 +1,20 @@
-"""What the callbacks share: speaking on rank 0 the way Lightning's own callbacks do, and the end-of-training
-ending of the timers (all-gather per-rank rows, write a JSON into the run's log dir)."""
+"""What the callbacks share: speaking on rank 0 the way Lightning's own callbacks do, metrics to every logger,
+and the end of training of the timers (every rank's part of the record to rank 0, with the run's
+``lit_ddp.record.RunMeta``)."""
 
-import json
-from pathlib import Path
-from typing import Any, Optional
+from typing import Optional, TypeVar
 
+import lightning
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from tqdm import tqdm
+
+from lit_ddp.record import RunMeta
+
+T = TypeVar("T")
 
 
 def say(trainer: Trainer, text: str) -> None:
@@ -41,26 +46,33 @@ def is_last_step(trainer: Trainer, batch_idx: int) -> bool:
     )
 
 
-def gather(trainer: Trainer, columns: dict[str, list]) -> dict[str, list]:
-    """Every rank's ``columns`` on every rank, as ``{name: [rank][...]}``; each value must have the same shape
-    on every rank (pad with NaN). One small collective per column, at the end of training."""
-    gathered = {}
-    for name, values in columns.items():
-        local = torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device)
-        result = trainer.strategy.all_gather(local)
-        if result.dim() == local.dim():  # world size 1: no leading rank dimension
-            result = result.unsqueeze(0)
-        gathered[name] = result.cpu().tolist()
-    return gathered
+def gather_to_zero(trainer: Trainer, item: T) -> Optional[list[T]]:
+    """Every rank's ``item`` (any picklable object, a record of bounded size) on rank 0, in rank order; None on
+    the other ranks. One collective, at the end of training: nobody but rank 0 needs the whole run."""
+    if trainer.world_size == 1 or not dist.is_initialized():
+        return [item]
+    items: Optional[list] = [None] * trainer.world_size if trainer.is_global_zero else None
+    dist.gather_object(item, items, dst=0)
+    return items
 
 
-def write_json(trainer: Trainer, filename: str, data: dict[str, Any]) -> Optional[Path]:
-    """Writes ``data`` to ``<log_dir>/<filename>`` from rank 0; every rank must call it (``log_dir`` is a
-    broadcast). Returns the path on rank 0 when there is a log dir."""
-    log_dir = trainer.log_dir
-    if log_dir is None or not trainer.is_global_zero:
-        return None
-    path = Path(log_dir) / filename
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data))
-    return path
+def log_metrics(trainer: Trainer, metrics: dict[str, float], step: int) -> None:
+    """Rank 0 gives ``metrics`` to every logger of the Trainer, as Lightning's ``DeviceStatsMonitor`` does."""
+    if trainer.is_global_zero:
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+
+def meta(trainer: Trainer, clock: str) -> RunMeta:
+    """What the run is, for its record."""
+    device = trainer.strategy.root_device
+    return RunMeta(
+        world_size=trainer.world_size,
+        device=str(device),
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        backend=getattr(trainer.strategy, "process_group_backend", None) or "none",
+        clock=clock,
+        precision=str(trainer.precision),
+        torch=torch.__version__,
+        lightning=lightning.__version__,
+    )

@@ -1,0 +1,164 @@
+"""What a run's record says: the phase table, the roofline, the verdict and the all-reduce table, as text.
+
+    python -m lit_ddp.report runs/mini_train_profile/version_0     # prints these from phases.json / comm.json
+
+The callbacks print the same at the end of training. This module reads ``lit_ddp.record`` types only and pulls
+in no command line, so collection (the callbacks) may import it; ``lit_ddp.report`` is the CLI and the picture.
+"""
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import astuple
+
+from lit_ddp.record import PHASES, CommRecord, PhaseRecord, StepPhases, StepRow, Summary
+from lit_ddp.tables import fmt_ms, table
+
+CLOCKS = {  # what each clock's times mean
+    "perf_counter": ": host time",
+    "cuda_event": ": device time between the marks, idle gaps included",
+}
+
+HINTS = {
+    "forward": "a larger batch per rank or fewer, larger ops",
+    "backward": "more overlap of the all-reduce with backward (smaller buckets; see the all-reduce table)",
+    "update": "a fused or foreach optimizer (--model.fused true)",
+    "other": "less per-step Python: callbacks, logging, printing every step",
+}
+
+
+def format_step(step: int, phases: StepPhases) -> str:
+    """The notes' per-step format (``mini_train_profile.py``), times in ms."""
+    return (f"Step {step}\n forward : {phases.forward:.2f} ms\n backward: {phases.backward:.2f} ms\n"
+            f" update  : {phases.update:.2f} ms")  # fmt: skip
+
+
+def _summary(summaries: dict[str, Summary], name: str, fallback: Callable[[], Sequence[float]]) -> Summary:
+    """The record's summary of ``name`` over the steady steps; a run too short to have one (a 1-step run)
+    falls back to the steps it kept."""
+    found = summaries.get(name)
+    return found if found is not None and found.count else Summary.of(fallback())
+
+
+def phase_summary(record: PhaseRecord, rank: int, phase: str) -> Summary:
+    """``phase`` on ``rank`` over the steady steps."""
+    i = PHASES.index(phase)
+    rows = record.ranks[rank].rows
+    return _summary(record.ranks[rank].summaries, phase, lambda: [astuple(r.ms)[i] for r in rows])
+
+
+def _busy_median(rows: list[StepRow], phase: str) -> float:
+    return statistics.median(getattr(r.ms, phase) for r in rows)
+
+
+def phase_table(record: PhaseRecord) -> str:
+    """Per phase: warm-up (step 0, rank 0), median/min/max over steady steps of all ranks, the slowest rank."""
+    n_ranks = len(record.ranks)
+    first = record.ranks[0].row(0)
+    rows = []
+    for phase in PHASES:
+        per_rank = [phase_summary(record, r, phase) for r in range(n_ranks)]
+        pooled = Summary.merged(per_rank)
+        slowest = max(range(n_ranks), key=lambda r: per_rank[r].median)
+        warmup = fmt_ms(getattr(first.ms, phase)) if first else "-"
+        rows.append((phase, warmup, fmt_ms(pooled.median), fmt_ms(pooled.min), fmt_ms(pooled.max),
+                     f"rank {slowest}: {fmt_ms(per_rank[slowest].median)}"))  # fmt: skip
+    header = ["phase", "step 0", "median", "min", "max", "slowest rank (median)"]
+    busy = record.ranks[0].busy_ms  # GPU kernel time inside each phase of the profiled steps
+    if busy:
+        header.append("GPU busy (rank 0)")
+        rows = [(*row, fmt_ms(_busy_median(busy, phase))) for row, phase in zip(rows, PHASES, strict=True)]
+    n_steady = phase_summary(record, 0, "step").count
+    clock = record.meta.clock + CLOCKS.get(record.meta.clock, "")
+    title = f"Phase times ({clock}), {n_ranks} rank(s), step 0 = warm-up, then {n_steady} steady step(s)"
+    profiled = [s for s in record.profiled_steps if record.ranks[0].row(s)]
+    if profiled:
+        which = f"step {profiled[0]}" if len(profiled) == 1 else f"steps {profiled[0]}-{profiled[-1]}"
+        why = "for the GPU-busy column" if busy else "without completing a GPU-busy measurement"
+        title += f" ({which} ran under the profiler {why}, left out of the others)"
+    text = title + ":\n" + table(tuple(header), rows)
+    if record.roofline:
+        text += "\n" + roofline_table(record)
+    return text + "\n" + verdict(record)
+
+
+def verdict(record: PhaseRecord) -> str:
+    """One line: what bounds the step, and what would help."""
+    step_ms = phase_summary(record, 0, "step").median
+    busy = record.ranks[0].busy_ms
+    if busy:
+        share = _busy_median(busy, "step") / step_ms if step_ms else 0.0
+        if share >= 0.8:
+            return (f"Verdict: GPU-bound: the GPU was busy {share:.0%} of the step; lower precision (bf16), "
+                    "fewer FLOPs or faster kernels would help")  # fmt: skip
+        return (f"Verdict: host-bound: the GPU was busy {share:.0%} of the step; larger batches, fewer kernel "
+                "launches (fused Adam, CUDA graphs) or less per-step Python would help")  # fmt: skip
+    if record.meta.clock == "cuda_event":
+        why = "no profiled step completed" if record.profiled_steps else "PhaseTimer(kernel_steps=0)"
+        return f"Verdict: unknown: GPU-busy time was not measured ({why})"
+    shares = {p: phase_summary(record, 0, p).median / step_ms for p in PHASES[:4]}
+    top = max(shares, key=shares.get)
+    return f"Verdict: a CPU run (no device to idle): {top} is {shares[top]:.0%} of the step; {HINTS[top]} would help"
+
+
+def roofline_table(record: PhaseRecord) -> str:
+    """Achieved FLOP/s of forward and backward, achieved bytes/s of the update, and fractions of peak."""
+    r = record.roofline
+    rows = []
+    for phase, work, unit, peak in (
+        ("forward", r.forward_flop, "GFLOP/s", r.peak_tflops),
+        ("backward", r.backward_flop, "GFLOP/s", r.peak_tflops),
+        ("update", r.update_bytes, "GB/s", r.peak_gbps),
+    ):
+        ms = phase_summary(record, 0, phase).median
+        rate = work / (ms / 1e3) / 1e9 if ms > 0 else math.nan
+        peak_rate = peak * 1e3 if (peak and unit == "GFLOP/s") else peak
+        frac = f"{rate / peak_rate:.1%}" if peak_rate else "-"
+        amount = f"{work / 1e9:.3f} GFLOP" if unit == "GFLOP/s" else f"{work / 1e6:.1f} MB"
+        rows.append((phase, amount, fmt_ms(ms), f"{rate:,.1f} {unit}", frac))
+    return "Roofline (rank 0, steady median):\n" + table(("phase", "work", "time", "achieved", "of peak"), rows)
+
+
+def comm_summary(record: CommRecord, rank: int, name: str) -> Summary:
+    """``name`` (``bucket<i>.ms``, ``bucket<i>.ready_ms``, ``busy_ms``, ``exposed_ms``, ``total_ms``) on ``rank``
+    over the steady steps with the final layout."""
+    rows = [r for r in record.ranks[rank].rows if r.bytes == record.layout]
+
+    def kept() -> list[float]:
+        if name == "total_ms":
+            return [sum(r.ms) for r in rows]
+        if name.startswith("bucket"):
+            b, _, field_name = name[len("bucket") :].partition(".")
+            return [getattr(r, field_name)[int(b)] for r in rows]
+        return [getattr(r, name) for r in rows]
+
+    return _summary(record.ranks[rank].summaries, name, kept)
+
+
+def comm_table(record: CommRecord) -> str:
+    """Per bucket: bytes, all-reduce time, algbw and busbw (nccl-tests definitions); per step: totals.
+
+    Buckets are those of the final layout (DDP rebuilds its buckets after the first step), timed over the
+    steady steps that used it.
+    """
+    n = record.meta.world_size
+    ring = 2 * (n - 1) / n
+    rows = []
+    for b, nbytes in enumerate(record.layout):
+        t = comm_summary(record, 0, f"bucket{b}.ms").median
+        algbw = nbytes / (t / 1e3) / 1e9 if t > 0 else math.nan
+        rows.append((b, f"{nbytes:,}", fmt_ms(t), f"{algbw:.2f} GB/s", f"{algbw * ring:.2f} GB/s"))
+    total = sum(record.layout)
+    exposed = comm_summary(record, 0, "exposed_ms").median
+    busy = comm_summary(record, 0, "busy_ms").median
+    first = record.first_layout
+    rebuilt = f" (step 0 ran on DDP's initial {len(first)} bucket(s))" if first and first != record.layout else ""
+    return (
+        f"Gradient all-reduce per step ({n} ranks, compression {record.compression or 'none'}, rank 0, "
+        "steady median):\n"
+        + table(("bucket", "bytes", "time", "algbw", "busbw"), rows)
+        + f"\n{len(record.layout)} bucket(s){rebuilt}, {total:,} bytes reduced per step "
+        f"({record.param_bytes:,} bytes of gradients); each rank sends 2(n-1)/n x S = {ring * total:,.0f} bytes "
+        f"in a ring all-reduce.\ncommunication {fmt_ms(busy)} per step, of which {fmt_ms(exposed)} exposed "
+        f"(not hidden under backward compute)"
+    )

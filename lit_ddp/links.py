@@ -1,0 +1,169 @@
+"""The links a DDP all-reduce runs over, as the scaling forecast models them: presets with their published
+sources, a fit to a measured probe, and the time of one all-reduce of S bytes on N ranks.
+
+    python -m lit_ddp.allreduce_probe --nproc 2 --out probe.json             # measure a link
+    python -m lit_ddp.report RUN --forecast 8,64 --link measured --probe probe.json
+
+The formulas are in ``lit_ddp.forecast``'s docstring (the model of a step).
+"""
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from lit_ddp.errors import ForecastError
+
+GB = 1e6  # bytes per ms in one GB/s: times are ms, sizes bytes
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link: per-GPU bus bandwidth and the latency of one ring step.
+
+    Args:
+        name: The spec name (``nvlink``, ``ib400``, ...).
+        busbw_gbps: nccl-tests' busbw at large sizes, GB/s per GPU.
+        hop_latency_us: Latency of one step of a ring (or one tree level), microseconds.
+        source: The published figure (or measurement) the numbers come from.
+        node_only: The link joins the GPUs of one node only (NVLink), so it cannot be the inter-node link.
+    """
+
+    name: str
+    busbw_gbps: float
+    hop_latency_us: float
+    source: str
+    node_only: bool = False
+
+
+# Hop latency for every preset: NCCL's own cost model (src/graph/tuning.cc, hwLat[...][Ring][Simple]): 3.4 us for
+# NVLink and 14 us for the network (one NET class for IB and RoCE). Simple is NCCL's protocol for MB-sized buckets.
+PRESETS = {
+    "nvlink": Link("nvlink", 450.0, 3.4, node_only=True, source=(
+        "NVLink 4 on H100/H200 SXM: 900 GB/s bidirectional = 450 GB/s per direction per GPU (NVIDIA datasheets); "
+        "nccl-tests all_reduce_perf on 8x H100 SXM: busbw 460-480 GB/s at large sizes, with NVLS "
+        "(docs.alayanew.com, 'NCCL-tests in practice'); 3.4 us: NCCL tuning.cc hwLat[NVLINK][Ring][Simple]")),
+    "ib400": Link("ib400", 45.0, 14.0, source=(
+        "InfiniBand NDR, one 400 Gb/s ConnectX-7 per GPU = 50 GB/s line rate; nccl-tests busbw 40-50 GB/s over IB "
+        "NDR without NVLink, 400-450 GB/s for 8x H100 nodes with NVLink + NDR (Saturn Cloud, 'Validating "
+        "multi-node GPU clusters with NCCL tests'); 14 us: NCCL tuning.cc hwLat[NET][Ring][Simple]")),
+    "roce200": Link("roce200", 22.5, 14.0, source=(
+        "RoCE v2 at 200 Gb/s per GPU = 25 GB/s line rate, at the 90% of line rate IB NDR reaches (45 of 50 GB/s); "
+        "14 us: NCCL tuning.cc hwLat[NET][Ring][Simple]")),
+    "roce100": Link("roce100", 11.25, 14.0, source=(
+        "RoCE v2 / Ethernet at 100 Gb/s per GPU = 12.5 GB/s line rate, at 90% as roce200; "
+        "14 us: NCCL tuning.cc hwLat[NET][Ring][Simple]")),
+}  # fmt: skip
+LINK_NAMES = (*PRESETS, "measured")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where the ranks sit: ``gpus_per_node`` GPUs joined by ``intra``, nodes joined by ``inter``."""
+
+    intra: Link
+    inter: Link
+    gpus_per_node: int
+
+
+@dataclass(frozen=True)
+class ProbePoint:
+    """One size of an all-reduce probe (``lit_ddp.allreduce_probe``)."""
+
+    nbytes: int
+    ms: float
+    algbw_gbps: float
+    busbw_gbps: float
+
+
+def ring_ms(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-reduce of ``nbytes`` on ``n`` ranks: 2(n-1) steps, each rank sends 2(n-1)/n x S."""
+    if n == 1:
+        return 0.0
+    return 2 * (n - 1) * link.hop_latency_us / 1e3 + 2 * (n - 1) / n * nbytes / (link.busbw_gbps * GB)
+
+
+def allreduce_ms(nbytes: float, ranks: int, topo: Topology) -> float:
+    """T(S, N): a ring inside one node, NCCL's hierarchical form across nodes (see the module docstring)."""
+    g = topo.gpus_per_node
+    if ranks <= g:
+        return ring_ms(nbytes, ranks, topo.intra)
+    m = ranks // g
+    latency = 2 * (g - 1) * topo.intra.hop_latency_us + 2 * math.ceil(math.log2(m)) * topo.inter.hop_latency_us
+    intra = 2 * (g - 1) / g * nbytes / (topo.intra.busbw_gbps * GB)
+    inter = 2 * (m - 1) / m * (nbytes / g) / (topo.inter.busbw_gbps * GB)
+    return latency / 1e3 + max(intra, inter)
+
+
+def fit_probe(points: Sequence[ProbePoint], world_size: int, name: str = "measured", source: str = "") -> Link:
+    """Fits t = A + B x S to a probe, weighting relative error (sizes span 1 KiB .. 100 MB, and a plain least
+    squares fit would ignore the small, latency-bound ones), then reads the ring's terms off it:
+    A = 2(n-1) a, B = 2(n-1)/n / busbw."""
+    if world_size < 2:
+        raise ForecastError(f"a probe needs >= 2 ranks to measure a link, got world_size={world_size!r}")
+    pts = [(p.nbytes, p.ms) for p in points if p.ms > 0]
+    if len({s for s, _ in pts}) < 2:
+        raise ForecastError(f"a fit needs >= 2 sizes with a positive time, got {[(p.nbytes, p.ms) for p in points]}")
+    weighted = [(1 / t**2, s, t) for s, t in pts]
+    sw = sum(w for w, _, _ in weighted)
+    sx, sy = sum(w * s for w, s, _ in weighted), sum(w * t for w, _, t in weighted)
+    sxx, sxy = sum(w * s * s for w, s, _ in weighted), sum(w * s * t for w, s, t in weighted)
+    slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    intercept = (sy - slope * sx) / sw
+    if intercept < 0:  # noise at the small sizes; a link has no negative latency
+        intercept, slope = 0.0, sxy / sxx
+    if slope <= 0:
+        raise ForecastError(f"the probe's times do not grow with size (slope {slope!r} ms/byte): no bandwidth to fit")
+    ring = 2 * (world_size - 1)
+    return Link(name, busbw_gbps=ring / world_size / slope / GB, hop_latency_us=intercept / ring * 1e3, source=source)
+
+
+def load_probe(path: Path) -> Link:
+    """The ``measured`` link: a fit to an ``allreduce_probe`` JSON."""
+    record = _read_json(path)
+    try:
+        points = [ProbePoint(**row) for row in record["rows"]]
+        n = record["world_size"]
+    except (KeyError, TypeError) as e:
+        raise ForecastError(f"{path} is not an allreduce_probe JSON ({e!r})") from None
+    sizes = f"{min(p.nbytes for p in points):,}..{max(p.nbytes for p in points):,} bytes"
+    return fit_probe(
+        points, n, source=f"fit to {path}: {record.get('backend')}, {n} ranks, {len(points)} sizes {sizes}"
+    )
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise ForecastError(f"no {path.name} at {path}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ForecastError(f"{path} is not JSON: {e}") from None
+
+
+def topology(spec: tuple[str, str | None], gpus_per_node: int, probe: Path | None) -> Topology:
+    """``("nvlink", "ib400")`` -> links; one name alone means every hop uses that link."""
+
+    def link(name: str) -> Link:
+        if name != "measured":
+            return PRESETS[name]
+        if probe is None:
+            raise ForecastError("--link measured needs a probe: --probe probe.json "
+                                "(python -m lit_ddp.allreduce_probe --out probe.json)")  # fmt: skip
+        return load_probe(probe)
+
+    intra = link(spec[0])
+    inter = link(spec[1]) if spec[1] else intra
+    if spec[1] and inter.node_only:
+        raise ForecastError(f"{inter.name} joins the GPUs of one node: it cannot link nodes (try nvlink+ib400)")
+    return Topology(intra, inter, gpus_per_node)
+
+
+def check_ranks(ranks: int, topo: Topology, spec: str) -> None:
+    g = topo.gpus_per_node
+    if ranks > g and topo.inter.node_only:
+        raise ForecastError(f"--link {spec} reaches {g} GPUs (one node); {ranks} ranks need an inter-node link, "
+                            f"e.g. --link {spec}+ib400")  # fmt: skip
+    if ranks > g and ranks % g:
+        raise ForecastError(f"{ranks} ranks do not fill whole nodes of --gpus-per-node {g}")

@@ -1,0 +1,356 @@
+"""The record of a run, defined once: what the callbacks write into the run's log dir and what the report, the
+forecast, the benchmarks, the notebook and the tests read back, by field name.
+
+    python -m lit_ddp.fit --config configs/mini_train_profile.yaml --devices 2   # writes phases.json, comm.json
+    python -m lit_ddp.report runs/mini_train_profile/version_0                   # reads them
+
+``phases.json`` is a ``PhaseRecord`` (PhaseTimer), ``comm.json`` a ``CommRecord`` (CommMonitor); both carry
+``schema`` (``SCHEMA_VERSION``) and a ``RunMeta``. Times are milliseconds.
+
+Steps. Step 0 is warm-up (the allocator, kernel selection, Adam's state, DDP's bucket rebuild); the steps
+PhaseTimer profiled for GPU-busy time are slowed by the profiler. Every other step is *steady*
+(``is_steady``), and every median, minimum and maximum the tool reports is over the steady steps.
+
+A record that scales with the job. A rank keeps the per-step detail of a bounded window of steps
+(``Window``: the first ``HEAD_STEPS``, the profiled ones and the last ``TAIL_STEPS``), and for all steady steps
+a running ``Summary`` per figure (count, sum, min, max and a quantile sketch whose quantiles are within
+``Summary.RELATIVE_ACCURACY`` of the exact ones). So a record's size does not grow with the number of steps,
+and it is brought to rank 0 only, once, at the end of training.
+"""
+
+import dataclasses
+import json
+import math
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, TypeVar
+
+from lit_ddp.errors import RecordError
+
+SCHEMA_VERSION = 2
+
+PHASES = ("forward", "backward", "update", "other", "step")
+# What PhaseTimer marks within a step, after its start; offsets are ms from the step's start to each.
+BOUNDARIES = ("forward_start", "forward_end", "backward_start", "backward_end", "update_start", "update_end", "end")
+WARMUP_STEPS = 1
+HEAD_STEPS = 10
+TAIL_STEPS = 50
+
+
+def is_steady(step: int, profiled: Iterable[int] = ()) -> bool:
+    """After the warm-up step, and not slowed by the profiler."""
+    return step >= WARMUP_STEPS and step not in profiled
+
+
+class Summary:
+    """count, sum, min, max and quantiles of a stream of floats, in bounded memory.
+
+    The quantile sketch is DDSketch's (Masson et al., VLDB 2019): a value x > 0 falls in bin
+    ``ceil(log(x) / log(gamma))`` with ``gamma = (1 + a) / (1 - a)``, and a bin's representative is within a
+    relative ``a`` of every value in it, so every quantile is within ``a`` of the exact one (negative values
+    mirror, zeros count apart). Bins grow with the log of the value range, not with the count.
+    """
+
+    RELATIVE_ACCURACY = 0.005
+    _GAMMA = (1 + RELATIVE_ACCURACY) / (1 - RELATIVE_ACCURACY)
+    _LOG_GAMMA = math.log(_GAMMA)
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total = 0.0
+        self.min = math.inf
+        self.max = -math.inf
+        self._bins: dict[int, int] = {}  # bin key -> count (see add: even keys positive, odd negative)
+        self._zeros = 0
+
+    def add(self, value: float) -> None:
+        if math.isnan(value):
+            return
+        self.count += 1
+        self.total += value
+        self.min, self.max = min(self.min, value), max(self.max, value)
+        if value == 0:
+            self._zeros += 1
+            return
+        key = math.ceil(math.log(abs(value)) / self._LOG_GAMMA)
+        key = 2 * key if value > 0 else 2 * key + 1  # even: positive, odd: negative
+        self._bins[key] = self._bins.get(key, 0) + 1
+
+    def _value(self, key: int) -> float:
+        k, negative = divmod(key, 2)
+        magnitude = 2 * self._GAMMA**k / (self._GAMMA + 1)  # the bin's centre in relative terms
+        return -magnitude if negative else magnitude
+
+    def quantile(self, q: float) -> float:
+        """The ``q``-quantile (0 <= q <= 1) as a sketch value, clamped to the exact min and max; NaN if empty."""
+        if not self.count:
+            return math.nan
+        values = sorted(((self._value(k), n) for k, n in self._bins.items()), key=lambda vn: vn[0])
+        if self._zeros:
+            values.append((0.0, self._zeros))
+            values.sort(key=lambda vn: vn[0])
+        rank = q * (self.count - 1)
+        seen = 0
+        for value, n in values:
+            seen += n
+            if seen > rank:
+                return min(max(value, self.min), self.max)
+        return self.max
+
+    @property
+    def median(self) -> float:
+        return self.quantile(0.5)
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else math.nan
+
+    def to_json(self) -> dict[str, Any]:
+        return {"count": self.count, "total": self.total, "min": self.min if self.count else None,
+                "max": self.max if self.count else None, "zeros": self._zeros,
+                "bins": [[k, n] for k, n in sorted(self._bins.items())]}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Summary":
+        summary = cls()
+        summary.count, summary.total, summary._zeros = data["count"], data["total"], data["zeros"]
+        if summary.count:
+            summary.min, summary.max = data["min"], data["max"]
+        summary._bins = {int(k): int(n) for k, n in data["bins"]}
+        return summary
+
+    @classmethod
+    def merged(cls, summaries: Iterable["Summary"]) -> "Summary":
+        """One summary of all the values the ``summaries`` saw (the sketch merges exactly: bins add up)."""
+        merged = cls()
+        for s in summaries:
+            merged.count, merged.total, merged._zeros = (
+                merged.count + s.count,
+                merged.total + s.total,
+                merged._zeros + s._zeros,
+            )
+            merged.min, merged.max = min(merged.min, s.min), max(merged.max, s.max)
+            for key, n in s._bins.items():
+                merged._bins[key] = merged._bins.get(key, 0) + n
+        return merged
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> "Summary":
+        summary = cls()
+        for value in values:
+            summary.add(value)
+        return summary
+
+
+T = TypeVar("T")
+
+
+class Window:
+    """The steps whose per-step detail a rank keeps: the first ``HEAD_STEPS``, the ``profiled`` ones, and the
+    last ``TAIL_STEPS`` (older ones are dropped as new ones come)."""
+
+    def __init__(self, profiled: Iterable[int] = ()) -> None:
+        self.profiled = set(profiled)
+        self._kept: dict[int, Any] = {}
+        self._tail: deque[int] = deque()
+
+    def add(self, step: int, item: Any) -> None:
+        self._kept[step] = item
+        if step < HEAD_STEPS or step in self.profiled:
+            return
+        self._tail.append(step)
+        if len(self._tail) > TAIL_STEPS:
+            del self._kept[self._tail.popleft()]
+
+    def items(self) -> Iterator[tuple[int, Any]]:
+        return iter(sorted(self._kept.items()))
+
+
+@dataclass
+class RunMeta:
+    """What the run was: where it ran and with what; ``clock`` names what the times mean."""
+
+    world_size: int
+    device: str
+    device_name: str
+    backend: str
+    clock: str
+    precision: str
+    torch: str
+    lightning: str
+
+
+@dataclass(frozen=True)
+class StepPhases:
+    """One step's phases on one rank, in milliseconds; ``other`` = ``step`` minus the three phases."""
+
+    forward: float
+    backward: float
+    update: float
+    other: float
+    step: float
+
+
+@dataclass
+class StepRow:
+    """One kept step of one rank: its phases and where each boundary fell (ms from the step's start, in
+    ``BOUNDARIES`` order)."""
+
+    step: int
+    ms: StepPhases
+    offsets_ms: list[float]
+
+
+@dataclass
+class RankPhases:
+    """One rank's phases: the kept steps, the GPU-busy time of the profiled steps, and a ``Summary`` per phase
+    over every steady step."""
+
+    rank: int
+    rows: list[StepRow]
+    summaries: dict[str, Summary]
+    busy_ms: list[StepRow] = field(default_factory=list)  # profiled steps; offsets_ms unused (empty)
+
+    def row(self, step: int) -> Optional[StepRow]:
+        return next((r for r in self.rows if r.step == step), None)
+
+
+@dataclass
+class Roofline:
+    """The work of one step on one rank, and the device's peaks (None where unknown)."""
+
+    rows_per_rank: int
+    forward_flop: float
+    backward_flop: float
+    update_bytes: float
+    peak_tflops: Optional[float] = None
+    peak_gbps: Optional[float] = None
+    peak_label: Optional[str] = None
+
+
+@dataclass
+class PhaseRecord:
+    """``phases.json``: PhaseTimer's record of every rank."""
+
+    meta: RunMeta
+    ranks: list[RankPhases]
+    profiled_steps: list[int] = field(default_factory=list)
+    roofline: Optional[Roofline] = None
+    kind: str = "phases"
+
+    @property
+    def steps(self) -> list[int]:
+        """The steps whose detail rank 0 kept."""
+        return [r.step for r in self.ranks[0].rows]
+
+    def steady_rows(self, rank: int = 0) -> list[StepRow]:
+        return [r for r in self.ranks[rank].rows if is_steady(r.step, self.profiled_steps)]
+
+
+@dataclass
+class StepBuckets:
+    """One kept step of one rank's gradient all-reduce: per bucket (in index order) its bytes, its time, and its
+    ready time (ms from backward's start to the hand-over to the comm hook); per step the time communication
+    was busy and how much of it was exposed."""
+
+    step: int
+    bytes: list[int]
+    ms: list[float]
+    ready_ms: list[float]
+    busy_ms: float
+    exposed_ms: float
+
+
+@dataclass
+class RankComm:
+    """One rank's buckets: the kept steps, and over the steady steps with the final layout a ``Summary`` per
+    ``bucket<i>.ms``, ``bucket<i>.ready_ms``, ``busy_ms``, ``exposed_ms`` and ``total_ms``."""
+
+    rank: int
+    rows: list[StepBuckets]
+    summaries: dict[str, Summary]
+
+
+@dataclass
+class CommRecord:
+    """``comm.json``: CommMonitor's record of every rank; ``layout`` is DDP's final bucket layout (bytes)."""
+
+    meta: RunMeta
+    ranks: list[RankComm]
+    layout: list[int]
+    param_bytes: int
+    compression: Optional[str] = None
+    first_layout: list[int] = field(default_factory=list)  # the layout DDP built the model with (step 0's)
+    profiled_steps: list[int] = field(default_factory=list)
+    kind: str = "comm"
+
+
+Record = TypeVar("Record", PhaseRecord, CommRecord)
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, Summary):
+        return value.to_json()
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {k: _to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v) for v in value]
+    return value
+
+
+def save(record: PhaseRecord | CommRecord, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"schema": SCHEMA_VERSION, **_to_json(record)}))
+    return path
+
+
+def _phases_from(data: dict[str, Any]) -> PhaseRecord:
+    def rows(items: list[dict]) -> list[StepRow]:
+        return [StepRow(r["step"], StepPhases(**r["ms"]), r["offsets_ms"]) for r in items]
+
+    ranks = [RankPhases(r["rank"], rows(r["rows"]), _summaries(r["summaries"]), rows(r["busy_ms"]))
+             for r in data["ranks"]]  # fmt: skip
+    roof = Roofline(**data["roofline"]) if data.get("roofline") else None
+    return PhaseRecord(RunMeta(**data["meta"]), ranks, data["profiled_steps"], roof)
+
+
+def _comm_from(data: dict[str, Any]) -> CommRecord:
+    ranks = [RankComm(r["rank"], [StepBuckets(**s) for s in r["rows"]], _summaries(r["summaries"]))
+             for r in data["ranks"]]  # fmt: skip
+    return CommRecord(RunMeta(**data["meta"]), ranks, data["layout"], data["param_bytes"], data["compression"],
+                      data["first_layout"], data["profiled_steps"])  # fmt: skip
+
+
+def _summaries(data: dict[str, Any]) -> dict[str, Summary]:
+    return {name: Summary.from_json(s) for name, s in data.items()}
+
+
+def load(path: Path) -> PhaseRecord | CommRecord:
+    """Reads a record written by any version of the tool: this schema loads, any other is refused in one line.
+
+    Raises:
+        RecordError: Not a record, or one of another schema version.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise RecordError(f"{path}: not a readable run record: {err}") from err
+    version = data.get("schema", 1) if isinstance(data, dict) else None
+    if version != SCHEMA_VERSION:
+        raise RecordError(f"{path}: run record schema {version}; this lit_ddp reads schema {SCHEMA_VERSION} "
+                          "(written by another version of the tool: run the job again)")  # fmt: skip
+    readers = {"phases": _phases_from, "comm": _comm_from}
+    try:
+        return readers[data["kind"]](data)
+    except (KeyError, TypeError) as err:
+        raise RecordError(f"{path}: a damaged run record ({type(err).__name__}: {err})") from err
+
+
+def load_run(run_dir: Path) -> tuple[Optional[PhaseRecord], Optional[CommRecord]]:
+    """The run's ``phases.json`` and ``comm.json``; None for a file the run did not write."""
+    found = [load(run_dir / name) if (run_dir / name).is_file() else None for name in ("phases.json", "comm.json")]
+    return found[0], found[1]  # type: ignore[return-value]

@@ -1,0 +1,398 @@
+"""Where one rank's GPU time went, from a torch.profiler (kineto) Chrome trace alone.
+
+    python -m lit_ddp.trace_report runs/mini_train/version_0      # the report built on this analysis
+    analyze(load("rank0.pt.trace.json.gz"))                      # a RankAnalysis, times in microseconds
+
+Reads the traces torch.profiler and Lightning's ``PyTorchProfiler`` write (``.json``, gzipped or not) with
+``json`` alone, no torch, so any torch version's trace reads anywhere. Rank and world size: ``distributedInfo``,
+else ``rank<N>`` or ``<stage>-<N>-`` in the file name. The figures, over a rank's GPU ops (kernels, memcpy,
+memset, every stream; GPU-side annotations are drawn ranges, not work, and HTA leaves them out too):
+
+span           first op's start to the last op's end (HTA's ``kernel_time``)
+busy, idle     the union of all ops' intervals; idle = span - busy (HTA's ``idle_time``)
+compute        the union of the kernels that are not NCCL's (HTA's ``compute_time``)
+non-compute    busy - compute: only communication or memory ops ran (HTA's ``non_compute_time``)
+communication  the union of NCCL kernels (named ``nccl...Kernel...``, or with ``Collective name`` args)
+overlap        compute and communication at once; ``comm_comp_overlap_pct`` = overlap / communication
+               (HTA's ``comp_comm_overlap_pctg``)
+waits          each idle gap is classed by the op that ends it, by HTA's idle-time rules: host wait if the CPU
+               queued that op after the gap began (the GPU ran out of work), else kernel wait if the gap is
+               under ``KERNEL_WAIT_US`` (launch overhead), else other wait (queued work held back: an event,
+               a peer's collective)
+
+Unlike HTA 0.5.0: the gaps are the whole GPU's, so host + kernel + other wait = idle (HTA splits each
+stream's idle time, and a stream idles while another runs); a kernel is compute whatever its name (HTA also
+calls names holding ``Memcpy`` or ``Sync`` non-compute); kineto's fractional microseconds are kept (HTA
+rounds each op inward, about 1 us less busy time per op; with its rounding this module gives its figures).
+Like HTA, a rank's totals leave out the ops queued in the last of two or more steps (the profiler stops as
+that step ends on the CPU, so its GPU tail can be missing); every step has its own figures.
+
+Steps are ``ProfilerStep#N`` ranges, or the tool's own ``lit_ddp.step#N`` where present. An op belongs to the
+step, phase and bucket whose CPU range holds the CPU call that queued it (by correlation id), not the range
+it ran under: the GPU runs behind the CPU, and backward's tail would go to the optimizer. A phase is the
+innermost range of ``PHASE_PATTERNS`` (``lit_ddp.forward``, ``## forward ##``, Lightning's
+``[Strategy]...training_step``, torch's ``DistributedDataParallel.forward``...); ops of a step in none are
+``other``. Collectives, one per NCCL kernel: bytes = max(in, out) elements x dtype size (nccl-tests' size);
+algbw = bytes / duration, busbw = algbw x nccl-tests' factor for the group size. A gradient all-reduce is
+one queued in a ``lit_ddp.bucket#K`` range or the backward phase (any all-reduce in a step where the trace
+has no phases: DDP syncs buffers by broadcast). Exposed communication of a step: its gradient all-reduces'
+time after its last backward compute kernel ends, the part no compute hides.
+"""
+
+import gzip
+import json
+import math
+import re
+from bisect import bisect_right
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, NamedTuple, Optional
+
+# Range names the tool's PhaseTimer emits through torch.profiler.record_function.
+STEP_PREFIX = "lit_ddp.step#"  # + the global step: one training step
+FORWARD = "lit_ddp.forward"
+BACKWARD = "lit_ddp.backward"
+UPDATE = "lit_ddp.update"
+OTHER = "lit_ddp.other"
+BUCKET_PREFIX = "lit_ddp.bucket#"  # + the bucket's index: the all-reduce of one DDP gradient bucket
+PHASES = ("forward", "backward", "update", "other")
+
+KERNEL_WAIT_US = 30.0  # HTA's default consecutive_kernel_delay
+GRADIENT = "gradient all-reduce"
+
+PHASE_PATTERNS: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(p, re.I), phase) for p, phase in (
+    *((re.escape(name), phase) for name, phase in zip((FORWARD, BACKWARD, UPDATE, OTHER), PHASES, strict=True)),
+    (r"#+ *forward *#+", "forward"), (r"#+ *backward *#+", "backward"), (r"#+ *(optimizer|update) *#+", "update"),
+    (r"(\[pl\]\[profile\])?\[Strategy\]\w+\.training_step", "forward"),  # Lightning's PyTorchProfiler
+    (r"(\[pl\]\[profile\])?\[Strategy\]\w+\.backward", "backward"),
+    (r"(\[pl\]\[profile\])?\[LightningModule\]\w+\.optimizer_step", "update"),  # holds the closure's forward
+    (r"DistributedDataParallel\.forward", "forward"), (r"Optimizer\.step#\w+\.step", "update"),  # torch's own
+))  # fmt: skip
+_STEP = re.compile(r"(ProfilerStep|lit_ddp\.step)#(\d+)")
+_BUCKET = re.compile(re.escape(BUCKET_PREFIX) + r"(\d+)")
+_NCCL = re.compile(r"nccl\w*Kernel")
+_NCCL_OP = re.compile(r"nccl(?:Dev)?Kernel_([A-Za-z]+)")  # ncclKernel_AllReduce_RING_LL_Sum_float
+_RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)|^(?:fit|validate|test|predict)-(\d+)-", re.I)
+_GPU_CATS = {"kernel": "kernel", "gpu_memcpy": "memory", "memcpy": "memory", "gpu_memset": "memory", "memset": "memory"}
+_LAUNCH_CATS = {"cuda_runtime", "cuda_driver", "runtime", "driver"}
+_RANGE_CATS = {"user_annotation", "cpu_op"}  # older torch writes ProfilerStep#N as a cpu_op
+
+# c10's ScalarType names, as ProcessGroupNCCL writes them in a kernel's "dtype" argument.
+DTYPE_BYTES = {"Bool": 1, "Byte": 1, "Char": 1, "QInt8": 1, "QUInt8": 1, "Short": 2, "Half": 2, "BFloat16": 2,
+               "UInt16": 2, "Int": 4, "Float": 4, "QInt32": 4, "UInt32": 4, "ComplexHalf": 4, "Long": 8,
+               "Double": 8, "UInt64": 8, "ComplexFloat": 8, "ComplexDouble": 16}  # fmt: skip
+# nccl-tests' busbw / algbw for n ranks: all_reduce 2(n-1)/n, these (n-1)/n, these 1.
+_RING_ONCE = ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter")
+_DIRECT = ("broadcast", "reduce", "send", "recv", "send_recv")
+
+
+class TraceError(ValueError):
+    """A file that cannot be analysed: not a trace, no rank, or no GPU events (``NoGpuEvents``)."""
+
+
+class NoGpuEvents(TraceError):
+    pass
+
+
+class Interval(NamedTuple):
+    start_us: float
+    end_us: float
+
+
+@dataclass(frozen=True)
+class GpuOp:
+    """One kernel, memcpy or memset; ``launch_us`` is the CPU call that queued it (None when not linked)."""
+
+    name: str
+    kind: str  # "compute", "communication" or "memory"
+    stream: int
+    start_us: float
+    end_us: float
+    launch_us: Optional[float]
+    args: dict[str, Any]
+
+    @property
+    def queued_us(self) -> float:
+        return self.start_us if self.launch_us is None else self.launch_us
+
+
+class Range(NamedTuple):  # a CPU range (record_function, ProfilerStep) whose name says what it holds
+    name: str
+    start_us: float
+    end_us: float
+
+
+@dataclass(frozen=True)
+class Trace:
+    path: Path
+    rank: int
+    world_size: Optional[int]
+    ops: tuple[GpuOp, ...]
+    ranges: tuple[Range, ...]
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """The figures of the module docstring for a set of GPU ops, in microseconds."""
+
+    span_us: float
+    busy_us: float
+    idle_us: float
+    compute_us: float
+    non_compute_us: float
+    communication_us: float
+    overlap_us: float
+    comm_comp_overlap_pct: Optional[float]  # None without communication
+    host_wait_us: float
+    kernel_wait_us: float
+    other_wait_us: float
+
+
+@dataclass(frozen=True)
+class Collective:
+    step: Optional[int]
+    name: str  # all_reduce, broadcast, ... (nccl-tests' names)
+    bytes: Optional[int]  # None where the trace gives no size or an unknown dtype
+    duration_us: float
+    algbw_gbps: Optional[float]
+    busbw_gbps: Optional[float]
+    kind: str  # GRADIENT or "other"
+    group_size: Optional[int]
+    phase: Optional[str]
+    bucket: Optional[int]
+    start_us: float
+
+
+@dataclass(frozen=True)
+class PlacedOp:
+    """A GPU op with the step and phase that queued it (None outside every step; no phase without phase ranges)."""
+
+    op: GpuOp
+    step: Optional[int]
+    phase: Optional[str]
+
+
+@dataclass(frozen=True)
+class StepAnalysis:
+    step: int
+    counted: bool  # in the rank's totals (the last of two or more steps is not)
+    breakdown: Breakdown
+    phases: dict[str, Breakdown]
+    exposed_comm_us: Optional[float]  # None without a backward phase
+
+
+@dataclass(frozen=True)
+class RankAnalysis:
+    path: Path
+    rank: int
+    world_size: Optional[int]
+    total: Breakdown  # over the counted steps' ops (and those queued before the first step)
+    phases: dict[str, Breakdown]  # summed over the counted steps
+    steps: tuple[StepAnalysis, ...]
+    collectives: tuple[Collective, ...]
+    ops: tuple[PlacedOp, ...] = field(repr=False, default=())  # every op, for pictures
+
+
+def load(path: str | Path) -> Trace:
+    """Reads one trace file (JSON, gzipped or not); raises ``TraceError`` for anything that is not a trace."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+        data = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+    except (OSError, EOFError, ValueError) as err:  # unreadable, bad gzip, not JSON (UnicodeError included)
+        raise TraceError(f"{path}: not a trace file ({type(err).__name__}: {err})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
+        raise TraceError(f"{path}: not a trace file (JSON without 'traceEvents')")
+    rank, world_size = _rank_of(path, data.get("distributedInfo"))
+    try:
+        return Trace(path, rank, world_size, *_parse(data["traceEvents"]))
+    except (KeyError, TypeError, ValueError) as err:
+        raise TraceError(f"{path}: a malformed trace event ({type(err).__name__}: {err})") from None
+
+
+def _rank_of(path: Path, info: Any) -> tuple[int, Optional[int]]:
+    if isinstance(info, dict) and isinstance(info.get("rank"), int):
+        world_size = info.get("world_size")
+        return info["rank"], world_size if isinstance(world_size, int) else None
+    found = _RANK_IN_NAME.search(path.name)
+    if found is None:
+        raise TraceError(f"{path}: cannot tell its rank: no distributedInfo in the trace and no 'rank<N>' in "
+                         "its name")  # fmt: skip
+    return int(found.group(1) or found.group(2)), None
+
+
+def _parse(events: list) -> tuple[tuple[GpuOp, ...], tuple[Range, ...]]:
+    launches = {}
+    for e in events:
+        if isinstance(e, dict) and str(e.get("cat", "")).lower() in _LAUNCH_CATS:
+            launches[(e.get("args") or {}).get("correlation")] = float(e["ts"])
+    ops, ranges = [], []
+    for e in events:
+        if not isinstance(e, dict) or e.get("ph") != "X" or "dur" not in e:
+            continue
+        cat, name, start = str(e.get("cat", "")).lower(), str(e.get("name", "")), float(e["ts"])
+        end = start + float(e["dur"])
+        args = e.get("args") or {}
+        if cat in _GPU_CATS:
+            nccl = _NCCL.match(name) is not None or "Collective name" in args
+            kind = "communication" if nccl else "compute" if _GPU_CATS[cat] == "kernel" else "memory"
+            ops.append(GpuOp(name, kind, int(args.get("stream", e.get("tid", -1))), start, end,
+                             launches.get(args.get("correlation")), args))  # fmt: skip
+        elif cat in _RANGE_CATS and (_STEP.fullmatch(name) or _BUCKET.fullmatch(name) or _phase_of(name)):
+            ranges.append(Range(name, start, end))
+    ops.sort(key=lambda op: op.start_us)
+    ranges.sort(key=lambda r: r.start_us)
+    return tuple(ops), tuple(ranges)
+
+
+def _phase_of(name: str) -> Optional[str]:
+    return next((phase for pattern, phase in PHASE_PATTERNS if pattern.fullmatch(name)), None)
+
+
+def merge(intervals: Iterable[Interval]) -> list[Interval]:
+    """The union of ``intervals`` as disjoint intervals in time order."""
+    merged: list[Interval] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1].end_us:
+            merged[-1] = Interval(merged[-1].start_us, max(merged[-1].end_us, end))
+        else:
+            merged.append(Interval(start, end))
+    return merged
+
+
+def _length(merged: Sequence[Interval]) -> float:
+    return sum(i.end_us - i.start_us for i in merged)
+
+
+def breakdown(ops: Sequence[GpuOp], kernel_wait_us: float = KERNEL_WAIT_US) -> Optional[Breakdown]:
+    """The module docstring's figures for ``ops``; None when there are none."""
+    if not ops:
+        return None
+    busy = merge(Interval(op.start_us, op.end_us) for op in ops)
+    compute = merge(Interval(op.start_us, op.end_us) for op in ops if op.kind == "compute")
+    comm = merge(Interval(op.start_us, op.end_us) for op in ops if op.kind == "communication")
+    waits = {"host": 0.0, "kernel": 0.0, "other": 0.0}
+    by_start = sorted(ops, key=lambda op: op.start_us)
+    starts = [op.start_us for op in by_start]
+    for before, after in zip(busy, busy[1:], strict=False):
+        gap = after.start_us - before.end_us
+        first = by_start[bisect_right(starts, after.start_us) - 1]  # an op that starts the busy stretch
+        late = first.launch_us is not None and first.launch_us > before.end_us
+        waits["host" if late else "kernel" if gap < kernel_wait_us else "other"] += gap
+    span = busy[-1].end_us - busy[0].start_us
+    comm_us = _length(comm)
+    overlap = _length(compute) + comm_us - _length(merge([*compute, *comm]))  # both at once
+    return Breakdown(span, _length(busy), span - _length(busy), _length(compute), _length(busy) - _length(compute),
+                     comm_us, overlap, 100 * overlap / comm_us if comm_us else None, waits["host"], waits["kernel"],
+                     waits["other"])  # fmt: skip
+
+
+def combine(parts: Iterable[Breakdown]) -> Optional[Breakdown]:
+    """Breakdowns of disjoint sets of ops added up (the overlap share recomputed); None for none."""
+    parts = list(parts)
+    if not parts:
+        return None
+    sums = {f.name: sum(getattr(p, f.name) for p in parts) for f in fields(Breakdown) if f.name.endswith("_us")}
+    comm = sums["communication_us"]
+    return Breakdown(**sums, comm_comp_overlap_pct=100 * sums["overlap_us"] / comm if comm else None)
+
+
+class _Lookup:
+    """The ranges of one kind that hold a time; the innermost is the latest to start."""
+
+    def __init__(self, ranges: Iterable[Range]) -> None:
+        self.ranges = sorted(ranges, key=lambda r: r.start_us)
+        self._starts = [r.start_us for r in self.ranges]
+
+    def innermost(self, t: float) -> Optional[Range]:
+        for r in reversed(self.ranges[: bisect_right(self._starts, t)]):
+            if t <= r.end_us:
+                return r
+        return None
+
+
+def analyze(trace: Trace, kernel_wait_us: float = KERNEL_WAIT_US) -> RankAnalysis:
+    """Totals, steps, phases and collectives of one rank's trace; raises ``NoGpuEvents`` for a CPU-only one."""
+    if not kernel_wait_us >= 0:
+        raise ValueError(f"`analyze(kernel_wait_us={kernel_wait_us!r})` must be >= 0")
+    if not trace.ops:
+        raise NoGpuEvents(f"{trace.path}: the trace has no GPU events (kernels, memcpy, memset): a CPU-only profile")
+    step_ranges = [r for r in trace.ranges if _STEP.fullmatch(r.name)]
+    own = [r for r in step_ranges if r.name.startswith(STEP_PREFIX)]
+    steps = _Lookup(own or step_ranges)  # the tool's own steps where it marked them
+    phases = _Lookup(r for r in trace.ranges if _phase_of(r.name))
+    buckets = _Lookup(r for r in trace.ranges if _BUCKET.fullmatch(r.name))
+    has_phases = bool(phases.ranges)
+
+    placed = []
+    for op in trace.ops:
+        step, phase = steps.innermost(op.queued_us), phases.innermost(op.queued_us)
+        number = None if step is None else int(_STEP.fullmatch(step.name).group(2))
+        named = _phase_of(phase.name) if phase else "other" if has_phases and step else None
+        placed.append(PlacedOp(op, number, named))
+    numbers = sorted({int(_STEP.fullmatch(r.name).group(2)) for r in steps.ranges})
+    last = steps.ranges[-1].start_us if len(numbers) > 1 else math.inf
+    collectives = tuple(_collective(p, buckets, has_phases, trace.world_size) for p in placed
+                        if p.op.kind == "communication")  # fmt: skip
+    per_step = []
+    for number in numbers:
+        mine = [p for p in placed if p.step == number]
+        if mine:
+            by_phase = {ph: breakdown([p.op for p in mine if p.phase == ph], kernel_wait_us) for ph in PHASES}
+            gradients = [c for c in collectives if c.step == number and c.kind == GRADIENT]
+            per_step.append(StepAnalysis(number, number != numbers[-1] or len(numbers) == 1,
+                                         breakdown([p.op for p in mine], kernel_wait_us),
+                                         {ph: b for ph, b in by_phase.items() if b is not None},
+                                         _exposed(mine, gradients)))  # fmt: skip
+    summed = {ph: combine(s.phases[ph] for s in per_step if s.counted and ph in s.phases) for ph in PHASES}
+    return RankAnalysis(trace.path, trace.rank, trace.world_size,
+                        breakdown([op for op in trace.ops if op.queued_us < last], kernel_wait_us),
+                        {ph: b for ph, b in summed.items() if b is not None}, tuple(per_step), collectives,
+                        tuple(placed))  # fmt: skip
+
+
+def _exposed(placed: list[PlacedOp], gradients: list[Collective]) -> Optional[float]:
+    ends = [p.op.end_us for p in placed if p.phase == "backward" and p.op.kind == "compute"]
+    if not ends:
+        return None
+    tails = [Interval(max(c.start_us, max(ends)), c.start_us + c.duration_us) for c in gradients]
+    return _length(merge(t for t in tails if t.end_us > t.start_us))
+
+
+def bus_factor(name: str, n: int) -> Optional[float]:
+    """nccl-tests' busbw / algbw of collective ``name`` over ``n`` ranks; None for one it has no factor for."""
+    ring = (n - 1) / n
+    return {"all_reduce": 2 * ring, **dict.fromkeys(_RING_ONCE, ring), **dict.fromkeys(_DIRECT, 1.0)}.get(name)
+
+
+def collective_name(op: GpuOp) -> str:
+    """nccl-tests' name of a NCCL kernel's collective: from its ``Collective name`` argument, else its name."""
+    raw = op.args.get("Collective name")
+    if raw is None:
+        found = _NCCL_OP.match(op.name)
+        raw = re.sub(r"(?<!^)(?=[A-Z])", "_", found.group(1)) if found else op.name
+    key = str(raw).lower().strip("_")
+    for suffix in ("_coalesced", "_base", "_tensor", "_into"):  # allgather_into_tensor_coalesced, _allgather_base
+        key = key.removesuffix(suffix)
+    plain = {k.replace("_", ""): k for k in ("all_reduce", *_RING_ONCE, *_DIRECT)}
+    return plain.get(key.replace("_", ""), key)
+
+
+def _collective(placed: PlacedOp, buckets: _Lookup, has_phases: bool, world_size: Optional[int]) -> Collective:
+    op, step, phase = placed.op, placed.step, placed.phase
+    name = collective_name(op)
+    elements = max((op.args.get(k) for k in ("In msg nelems", "Out msg nelems") if isinstance(op.args.get(k), int)),
+                   default=None)  # fmt: skip
+    size = DTYPE_BYTES.get(str(op.args.get("dtype")))
+    nbytes = elements * size if elements is not None and size is not None else None
+    duration = op.end_us - op.start_us
+    algbw = nbytes / duration / 1e3 if nbytes is not None and duration > 0 else None  # bytes/us -> GB/s
+    group = op.args.get("Group size") if isinstance(op.args.get("Group size"), int) else world_size
+    factor = bus_factor(name, group) if group else None
+    busbw = algbw * factor if algbw is not None and factor is not None else None
+    bucket = buckets.innermost(op.queued_us)
+    number = int(_BUCKET.fullmatch(bucket.name).group(1)) if bucket else None
+    gradient = name == "all_reduce" and (bucket or phase == "backward" or (not has_phases and step is not None))
+    return Collective(step, name, nbytes, duration, algbw, busbw, GRADIENT if gradient else "other", group, phase,
+                      number, op.start_us)  # fmt: skip

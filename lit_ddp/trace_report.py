@@ -24,13 +24,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
+from lit_ddp.errors import EXIT_USAGE
 from lit_ddp.tables import fmt_ms, table
 from lit_ddp.trace import GRADIENT, PHASES, Breakdown, NoGpuEvents, RankAnalysis, TraceError, analyze, combine, load
 from lit_ddp.trace import merge as merge_intervals
 
 PROG = "python -m lit_ddp.trace_report"
 EXIT_NO_PICTURE = 1
-EXIT_USAGE = 2  # as lit_ddp.fit's bad input
 PICTURE = "trace.png"
 
 

@@ -4,7 +4,9 @@ that ``python -m lit_ddp.fit`` starts (the tests put the repo root on PYTHONPATH
 import os
 import time
 
+import torch
 from lightning.pytorch import Callback
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 
 class FailOnRank(Callback):
@@ -34,14 +36,36 @@ class FailOnRank(Callback):
 
 
 class NaNOnRank(Callback):
-    """Makes ``rank``'s input NaN from ``step`` on, so its loss is NaN there."""
+    """Makes ``rank``'s targets ``value`` (NaN, or an infinity) at ``step``, so its loss is that there."""
+
+    def __init__(self, rank: int = 1, step: int = 2, value: float = float("nan")) -> None:
+        self.rank, self.step, self.value = rank, step, value
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            batch[1].fill_(self.value)
+
+
+class FlipOneBit(Callback):
+    """After ``step``'s update, flips the lowest bit of one weight on ``rank``: the smallest non-zero bias
+    element, whose change no float sum of the model can see. List it before SyncCheck."""
 
     def __init__(self, rank: int = 1, step: int = 2) -> None:
         self.rank, self.step = rank, step
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_rank == self.rank and trainer.global_step == self.step:
-            batch[0].fill_(float("nan"))
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_rank != self.rank or trainer.global_step - 1 != self.step:
+            return
+        bias = next(p for name, p in pl_module.named_parameters() if name.endswith("bias"))
+        magnitudes = bias.detach().abs().masked_fill(bias.detach() == 0, float("inf"))
+        with torch.no_grad():
+            bias.data.view(torch.int32)[magnitudes.argmin()] ^= 1
+
+
+def slow_allreduce_hook(state, bucket):
+    """DDP's all-reduce after 50 ms of waiting: a bucket's all-reduce ends well after its hand-over."""
+    time.sleep(0.05)
+    return default_hooks.allreduce_hook(state, bucket)
 
 
 class WritePid(Callback):

@@ -1,6 +1,7 @@
 """Checkpoints: written atomically in a fixed place, resumed exactly, refused clearly when bad."""
 
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,3 +101,19 @@ def test_resumed_run_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path):
     assert "Step 5, Loss" in second.stdout and "Step 4, Loss" not in second.stdout
     assert_same_checkpoint(tmp_path / "runs/straight/checkpoints/last.ckpt",
                            tmp_path / "runs/resumed/checkpoints/last.ckpt", global_step=10)  # fmt: skip
+
+
+def test_runs_save_through_the_atomic_writer(tmp_path, monkeypatch, capsys):
+    saved = []
+    original = AtomicCheckpointIO.save_checkpoint
+
+    def counting(self, checkpoint, path, storage_options=None):
+        saved.append(path)
+        original(self, checkpoint, path, storage_options)
+
+    monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", counting)
+    monkeypatch.chdir(tmp_path)
+    code, err = main_code_and_err(monkeypatch, capsys, "--devices", "1", "--model.dim", "8", "--trainer.max_steps",
+                                  "3", "--checkpoint.every_n_steps", "1")  # fmt: skip
+    assert code == 0, err
+    assert [Path(p).name for p in saved] == ["last.ckpt"] * 3

@@ -6,11 +6,13 @@ import logging
 import re
 
 import pytest
+import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp.callbacks import LossMonitor
+from lit_ddp.checkpointing import LastCheckpoint
 from tests.faults import NaNOnRank
 from tests.runner import STEP_LINE, run_main, step_losses, step_numbers
 
@@ -96,13 +98,15 @@ class RecordStepStarts(Callback):
         (self.out_dir / f"rank{trainer.global_rank}.step").write_text(str(trainer.global_step))
 
 
-def test_nan_on_one_rank_stops_every_rank_at_that_step(make_trainer, tmp_path):
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_non_finite_loss_on_one_rank_stops_every_rank_at_the_next_step(make_trainer, tmp_path, value):
     monitor = LossMonitor(every_n_steps=0)  # printing off: the check does not depend on it
-    trainer = make_trainer(max_steps=6, callbacks=[RecordStepStarts(tmp_path), NaNOnRank(rank=1, step=2), monitor])
-    message = "loss is nan at step 2: non-finite on rank(s) [1]; training stopped"
+    trainer = make_trainer(max_steps=6, callbacks=[RecordStepStarts(tmp_path), NaNOnRank(1, 2, value), monitor])
+    message = f"loss is {value} at step 2: non-finite on rank(s) [1]; training stopped"
     with pytest.raises(Exception, match=re.escape(message)):
         trainer.fit(LinearRegression(dim=16), FixedBatchDataModule(dim=16, batch_size=4))
-    assert [(tmp_path / f"rank{rank}.step").read_text() for rank in (0, 1)] == ["2", "2"]
+    # The step's gather is read at the end of the next step (StepSync): every rank stops there, together.
+    assert [(tmp_path / f"rank{rank}.step").read_text() for rank in (0, 1)] == ["3", "3"]
 
 
 def test_bad_arguments_are_refused(monkeypatch, capsys):
@@ -112,3 +116,15 @@ def test_bad_arguments_are_refused(monkeypatch, capsys):
     assert result.returncode == 2
     assert re.fullmatch(r"lit-ddp-fit: error: .*loss_monitor\.every_n_steps.*-1.*", result.stderr.strip())
     assert not STEP_LINE.search(result.stdout)
+
+
+def test_a_nan_step_is_never_checkpointed(make_trainer, tmp_path):
+    # Checkpoints every step: step 2's save must wait for step 2's gather (read one step later otherwise) and
+    # stop there, leaving the checkpoint of step 1 (global_step 2) on disk.
+    checkpoint = LastCheckpoint(every_n_steps=1, dirpath=str(tmp_path / "ckpt"))
+    trainer = make_trainer(max_steps=6, callbacks=[NaNOnRank(rank=1, step=2), LossMonitor(every_n_steps=0), checkpoint])
+    with pytest.raises(Exception, match=re.escape("loss is nan at step 2")):
+        trainer.fit(LinearRegression(dim=16), FixedBatchDataModule(dim=16, batch_size=4))
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 2
+    assert all(torch.isfinite(v).all() for v in saved["state_dict"].values())

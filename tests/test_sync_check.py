@@ -11,6 +11,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp.callbacks import SyncCheck
 from lit_ddp.callbacks.sync_check import fingerprints
+from tests.faults import FlipOneBit
 from tests.recorders import RecordLogs
 from tests.runner import run_fit
 from tests.trainers import fast_trainer
@@ -112,3 +113,14 @@ def test_cli_run_without_all_reduce_fails_fast_with_sync_error(tmp_path):
     assert re.search(r"^lit-ddp-fit: SyncError: weights out of sync across 2 ranks after step 0: net\.0\.weight "
                      r"differs on rank\(s\) \[1\]", result.stderr, re.M), result.stderr[-2000:]  # fmt: skip
     assert "Step 1," not in result.stdout
+
+
+def test_a_one_bit_divergence_is_caught_and_named(make_trainer):
+    # One weight of rank 1 differs in its lowest bit after step 2, invisible to any float sum of the model: only
+    # the fingerprint's bit sums see it. Its parameter is named from the fingerprints of that step (by the time
+    # the row is read, a step later, the update may have rounded the difference away).
+    model = LinearRegression(dim=32, num_layers=2)
+    trainer = make_trainer(max_steps=5, callbacks=[FlipOneBit(rank=1, step=2), SyncCheck()])
+    with pytest.raises(Exception, match=r"SyncError: weights out of sync across 2 ranks after step 2: "
+                                        r"net\.\d\.bias differs on rank\(s\) \[1\] from rank 0"):  # fmt: skip
+        trainer.fit(model, FixedBatchDataModule(dim=32, batch_size=4))

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
 from tqdm import tqdm
 
 from lit_ddp.record import RunMeta
@@ -44,6 +45,17 @@ def is_last_step(trainer: Trainer, batch_idx: int) -> bool:
         and trainer.current_epoch >= max_epochs - 1
         and batch_idx + 1 >= trainer.num_training_batches
     )
+
+
+def all_gather(tensor: Tensor, world_size: int, async_op: bool = False) -> tuple[Tensor, Optional[dist.Work]]:
+    """Every rank's 1-D ``tensor`` as ``[world_size, len]`` (filled once the returned work is done, when
+    ``async_op``): the tool's one tensor collective, torch's own (Lightning's ``all_gather`` adds an autograd
+    Function and a stack per call)."""
+    gathered = tensor.new_empty(world_size * tensor.numel())
+    # torch 2.13 deprecates all_gather_into_tensor for all_gather_single (same arguments); older has the first.
+    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    work = gather(gathered, tensor.contiguous(), async_op=async_op)
+    return gathered.view(world_size, -1), work
 
 
 def gather_to_zero(trainer: Trainer, item: T) -> Optional[list[T]]:

@@ -5,8 +5,13 @@
 LossMonitor puts its loss and non-finite flag, SyncCheck its weights' fingerprint, and every rank its
 SIGTERM flag into one float64 row; one ``all_gather`` (no barrier) gives every rank every row, and every rank
 takes the same decisions from the same data. A step on which nobody puts anything and no SIGTERM check is
-due has no collective at all. The gathered rows are read on the host only on such steps, so on GPUs the tool
-adds no host sync to the other steps.
+due has no collective at all.
+
+The gather is started without waiting (``async_op``) and read one step later, at the end of the next step
+(or at once on the last step, before a checkpoint is written, and at the end of training): no rank waits at
+the end of a step for the others to arrive, and on GPUs the host reads a result that is long done. So a
+step's line is printed, and its NaN or sync error raised, at the end of the step after it; a checkpoint is
+never written before the steps it holds were checked (``on_save_checkpoint`` waits for them first).
 
 SIGTERM: Lightning 2.6 broadcasts its SIGTERM flag from rank 0 at the top of every step and reads it on the
 host (lightning#21487), and broadcasts from inside its signal handler too, which can interleave with the main
@@ -23,6 +28,7 @@ The callbacks that need it find or add the one StepSync of a Trainer (``StepSync
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,6 +38,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_ddp import _lightning
+from lit_ddp.callbacks.results import all_gather, is_last_step
 from lit_ddp.errors import Ending
 
 
@@ -39,6 +46,15 @@ from lit_ddp.errors import Ending
 class _Slot:
     values: Tensor  # this rank's values, 1-D float64 on the root device
     on_result: Callable[[Tensor], None]  # called with [world_size, width] float64 on the CPU
+
+
+@dataclass
+class _InFlight:
+    """A step's gather, started and not yet read."""
+
+    gathered: Tensor  # [world_size, 1 + widths]: the SIGTERM flag, then each slot's values
+    work: Optional[dist.Work]
+    slots: dict[str, _Slot]
 
 
 class StepSync(Callback):
@@ -54,6 +70,7 @@ class StepSync(Callback):
             raise ValueError(f"`StepSync(sigterm_every_n_steps={sigterm_every_n_steps!r})` must be >= 1")
         self.sigterm_every_n_steps = sigterm_every_n_steps
         self._slots: dict[str, _Slot] = {}
+        self._in_flight: Optional[_InFlight] = None
         self._sigterm = False
         self.ending = Ending.FINISHED  # how this fit ended, when it did not raise
         self.collectives = 0  # how many per-step collectives ran (for tests and benchmarks)
@@ -79,7 +96,8 @@ class StepSync(Callback):
     def put(self, key: str, values: list[float] | Tensor, on_result: Callable[[Tensor], None]) -> None:
         """Adds this rank's ``values`` for this step; after the step's collective (in this callback's
         ``on_train_batch_end``, after those of the callbacks before it) ``on_result`` gets every rank's values,
-        ``[world_size, len(values)]``, on the CPU. Every rank must put the same keys and widths."""
+        ``[world_size, len(values)]``, on the CPU: at the end of the next step, or of this one if it is the
+        last. Every rank must put the same keys and widths."""
         device = self._device
         row = values.detach().reshape(-1) if isinstance(values, Tensor) else torch.tensor(values)
         self._slots[key] = _Slot(row.to(device=device, dtype=torch.float64), on_result)
@@ -92,8 +110,10 @@ class StepSync(Callback):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # Idempotent: `attach` calls it for a StepSync it adds, and Lightning then calls it again.
+        if stage != "fit":
+            return
         self._device = trainer.strategy.root_device
-        self._sigterm, self.ending = False, Ending.FINISHED
+        self._sigterm, self.ending, self._in_flight = False, Ending.FINISHED, None
 
         def notify(signum, frame) -> None:
             launcher = trainer.strategy.launcher
@@ -110,28 +130,51 @@ class StepSync(Callback):
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
+        self._finish(trainer)  # the previous step's gather: long done by now
+        if self._slots or trainer.global_step % self.sigterm_every_n_steps == 0:
+            self._send(trainer)
+        if trainer.world_size == 1 or is_last_step(trainer, batch_idx):
+            self._finish(trainer)
+
+    @override
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # A NaN or a sync error raises before a checkpoint holding its step is written, wherever the checkpoint
+        # callback is listed (before this one, this step's values are not even sent yet).
+        self._finish(trainer)
+        if self._slots:
+            self._send(trainer)
+            self._finish(trainer)
+
+    def _send(self, trainer: Trainer) -> None:
+        """Starts the gather of this step's row: the SIGTERM flag, then every slot's values."""
         slots, self._slots = self._slots, {}
+        sigterm = torch.tensor([float(self._sigterm)], dtype=torch.float64, device=self._device)
+        row = torch.cat([sigterm, *(slot.values for slot in slots.values())])
         if trainer.world_size == 1:  # nothing to exchange: every value is already here
-            sigterm = self._sigterm
-            for slot in slots.values():
-                slot.on_result(slot.values.reshape(1, -1).cpu())
-        else:
-            if not slots and trainer.global_step % self.sigterm_every_n_steps:
-                return
-            row = torch.cat([torch.tensor([float(self._sigterm)], dtype=torch.float64, device=self._device)] +
-                            [slot.values for slot in slots.values()])  # fmt: skip
-            # torch's collective directly: Lightning's all_gather goes through an autograd Function and a stack.
-            gathered = row.new_empty(trainer.world_size * row.numel())
-            # torch 2.13 deprecates all_gather_into_tensor for all_gather_single (same arguments); older has the first.
-            getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(gathered, row)
-            gathered = gathered.reshape(trainer.world_size, -1).cpu()  # the host read
-            self.collectives += 1
-            sigterm = bool(gathered[:, 0].any())
-            start = 1
-            for slot in slots.values():
-                width = slot.values.numel()
-                slot.on_result(gathered[:, start : start + width])
-                start += width
-        if sigterm:  # the same decision on every rank, at the same step
+            self._in_flight = _InFlight(row.view(1, -1), None, slots)
+            return
+        gathered, work = all_gather(row, trainer.world_size, async_op=True)
+        self._in_flight = _InFlight(gathered, work, slots)
+        self.collectives += 1
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._finish(trainer)  # training stopped early (a SIGTERM, another callback): the last step's results
+
+    def _finish(self, trainer: Trainer) -> None:
+        """Waits for the gather in flight, if any, and hands each caller its columns; every rank takes the same
+        decisions from the same rows."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return
+        if flight.work is not None:
+            flight.work.wait()
+        gathered = flight.gathered.cpu()  # the host read
+        start = 1
+        for slot in flight.slots.values():
+            width = slot.values.numel()
+            slot.on_result(gathered[:, start : start + width])
+            start += width
+        if gathered[:, 0].any():  # the same decision on every rank, at the same step
             self.ending = Ending.SIGTERM
             trainer.should_stop = True

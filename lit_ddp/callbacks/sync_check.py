@@ -14,7 +14,7 @@ fingerprints and then the offending tensors gathered, for the report. Every rank
 same gathered data, so every rank raises the same ``SyncError`` and none is left waiting in a collective.
 """
 
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
 from jsonargparse.typing import NonNegativeInt
@@ -23,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lit_ddp.callbacks.results import is_last_step, say
+from lit_ddp.callbacks.results import all_gather, is_last_step, say
 from lit_ddp.callbacks.step_sync import StepSync
 from lit_ddp.errors import SyncError
 
@@ -43,11 +43,10 @@ def fingerprints(tensors: list[Tensor]) -> Tensor:
     return torch.stack(rows)
 
 
-def model_fingerprint(tensors: list[Tensor]) -> Tensor:
-    """``[2]`` int64 for all ``tensors`` at once: their bit sums weighted by position (so that two swapped
-    tensors differ too) and the sum of their float sums' bits, both wrapping."""
-    per_tensor = fingerprints(tensors)  # [n, 2]
-    weights = torch.arange(1, len(tensors) + 1, dtype=torch.int64, device=per_tensor.device)
+def model_fingerprint(per_tensor: Tensor) -> Tensor:
+    """``[2]`` int64 for all tensors at once, from their ``fingerprints``: the bit sums weighted by position (so
+    that two swapped tensors differ too) and the sum of the float sums' bits, both wrapping."""
+    weights = torch.arange(1, len(per_tensor) + 1, dtype=torch.int64, device=per_tensor.device)
     return torch.stack([(per_tensor[:, 0] * weights).sum(), per_tensor[:, 1].sum()])
 
 
@@ -104,13 +103,15 @@ class SyncCheck(Callback):
             return
         # One row per rank in the step's collective: the whole model's fingerprint. Only when rows differ are
         # the per-parameter fingerprints gathered, to name the parameters and ranks.
-        params = [p for p in pl_module.parameters() if p.requires_grad]
-        row = model_fingerprint(params).view(torch.float64)
+        # The per-tensor fingerprints are kept until the row is read (a step later): they name the parameters
+        # that differed after *this* step, even if a one-bit difference has been rounded away since.
+        per_tensor = fingerprints([p for p in pl_module.parameters() if p.requires_grad])
+        row = model_fingerprint(per_tensor).view(torch.float64)
 
         def compare(gathered: torch.Tensor) -> None:
             bits = gathered.contiguous().view(torch.int64)
             if (bits != bits[0]).any():  # every rank sees the same rows: all take this branch together
-                self._compare(trainer, pl_module, "weights", f"after step {step}")
+                self._compare(trainer, pl_module, "weights", f"after step {step}", per_tensor)
             self._last_checked_step = step
 
         self._sync.put("sync_check", row, compare)
@@ -133,12 +134,16 @@ class SyncCheck(Callback):
             f"max |diff| = {self._max_diff:g} ({n_params:,} parameters)",
         )
 
-    def _compare(self, trainer: Trainer, pl_module: LightningModule, what: str, when: str) -> None:
+    def _compare(self, trainer: Trainer, pl_module: LightningModule, what: str, when: str,
+                 local: Optional[Tensor] = None) -> None:  # fmt: skip
+        """Names the tensors that differ between ranks, by their ``fingerprints`` (``local``: taken earlier, of
+        the tensors as they are now otherwise), with each one's max |difference| as it is now."""
         if trainer.world_size == 1:
             return
         named = [(n, p if what == "weights" else p.grad) for n, p in pl_module.named_parameters() if p.requires_grad]
         named = [(n, t) for n, t in named if t is not None]
-        gathered = trainer.strategy.all_gather(fingerprints([t for _, t in named]))  # [world, n, 2]
+        local = fingerprints([t for _, t in named]) if local is None else local  # [n, 2]
+        gathered = all_gather(local.flatten(), trainer.world_size)[0].view(trainer.world_size, *local.shape)
         differs = (gathered != gathered[0]).any(dim=-1)  # [world, n]: vs rank 0
         bad = differs.any(dim=0).nonzero().flatten().tolist()
         if not bad:
@@ -146,7 +151,8 @@ class SyncCheck(Callback):
         report = []
         for i in bad[:MAX_REPORTED]:
             name, tensor = named[i]
-            full = trainer.strategy.all_gather(tensor.detach().contiguous())  # same i on every rank: no mismatch
+            flat = tensor.detach().flatten()  # the same i on every rank: no mismatch
+            full = all_gather(flat, trainer.world_size)[0]
             max_diff = (full.double() - full[0].double()).abs().max().item()
             ranks = differs[:, i].nonzero().flatten().tolist()
             self._max_diff = max(self._max_diff, max_diff)

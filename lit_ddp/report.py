@@ -1,13 +1,15 @@
-"""Timing JSON -> the summary tables and a picture.
+"""A run's record, or anyone's profiler traces -> the summary tables and a picture.
 
     python -m lit_ddp.report runs/mini_train_profile/version_0
     python -m lit_ddp.report runs/mini_train_profile/version_0 --forecast 8,64,512 --link nvlink+ib400
+    python -m lit_ddp.report --trace DIR --json trace.json
 
 Reads ``phases.json`` (PhaseTimer) and ``comm.json`` (CommMonitor) from a run directory (``lit_ddp.record``),
 prints the same tables the callbacks print at the end of training (``lit_ddp.analysis``), and writes
-``phases.png``: stacked forward / backward /
-update / other bars per step (rank 0) and per rank (steady-state medians), with the communication time
-marked. The picture needs matplotlib (``pip install 'lit_ddp[plot]'``).
+``phases.png``: stacked forward / backward / update / other bars per kept step (rank 0) and a timeline of one
+steady step per rank, with each bucket's all-reduce and its exposed part. With ``--trace``, reads a folder of
+per-rank ``torch.profiler`` traces instead (``lit_ddp.trace_report``). The pictures need matplotlib
+(``pip install 'lit_ddp[plot]'``).
 """
 
 import argparse
@@ -15,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from lit_ddp import forecast
+from lit_ddp import forecast, trace_report
 from lit_ddp.analysis import comm_table, phase_table
 from lit_ddp.errors import RecordError
 from lit_ddp.record import BOUNDARIES, PHASES, CommRecord, PhaseRecord, load_run
@@ -89,10 +91,21 @@ def _timeline(ax, phases: PhaseRecord, comm: Optional[CommRecord], colors: dict[
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lit_ddp.report", description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", type=Path, help="a run's log directory (it holds phases.json / comm.json)")
+    parser.add_argument("run_dir", type=Path, nargs="?", help="a run's log directory (phases.json / comm.json)")
     parser.add_argument("--no-plot", action="store_true", help="tables only")
+    group = parser.add_argument_group("profiler traces")
+    group.add_argument("--trace", type=Path, metavar="DIR", help="read the per-rank torch.profiler traces under DIR")
+    group.add_argument("--json", type=Path, metavar="OUT", help="with --trace: write every figure as JSON (us)")
     forecast.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.trace is not None:
+        if args.run_dir is not None or args.forecast:
+            parser.error("--trace DIR reads traces alone: give no run directory or --forecast with it")
+        return trace_report.run(args.trace, args.json, picture=not args.no_plot)
+    if args.json is not None:
+        parser.error("--json goes with --trace")
+    if args.run_dir is None:
+        parser.error("give a run directory, or --trace DIR")
     if not args.run_dir.is_dir():
         parser.error(f"{args.run_dir} is not a directory")
     try:

@@ -1,0 +1,16 @@
+"""Scripts that print measured tables (not timed tests), one file per benchmark or section.
+
+    python benchmarks/step_time.py --repeats 5        # per-step cost: plain loop, bare Lightning, the port
+    python benchmarks/forecast_check.py               # the scaling forecast against 2-rank runs
+    python benchmarks/gpu_check.py gpu_check.txt      # what only a CUDA machine can tell (or benchmarks/gpu_session.sh)
+
+common.py           what they all share: the repository's place, child environments, StepClock, the steady
+                    median, the tables' number formats
+step_time.py        per-step time of the plain loop, a bare Lightning loop and the port, feature by feature
+bare_lightning.py   the bare Lightning loop step_time.py runs: no tool code at all
+forecast_check.py   the forecast held against measured 2-rank runs
+gpu_check.py        the GPU check's command and report; its sections: gpu_syncs.py (host syncs, captured live),
+                    gpu_busy.py (GPU-busy time against the profiler), gpu_events.py (CUDA events against a
+                    synchronized loop), gpu_scaling.py (one-GPU step time by size); gpu_fits.py what they share
+gpu_session.sh      every GPU check in one device call: gpu_check, the GPU tests, the suite
+"""

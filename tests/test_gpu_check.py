@@ -1,6 +1,7 @@
 """``benchmarks/gpu_check.py`` where no GPU is needed: it refuses a machine without CUDA in one line, and its
 trace bookkeeping sorts hand-made events (the GPU run itself is the check, not a test)."""
 
+import os
 import subprocess
 import sys
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 from torch.autograd import DeviceType
 
+from benchmarks.gpu_busy import gpu_activity
 from lit_ddp.callbacks.kernels import MARK_PREFIX, TraceEvent
-from tests.runner import ROOT
+from tests.runner import ROOT, pythonpath
 
 
 def event(name: str, start: float, end: float, device=DeviceType.CUDA, annotation=False) -> TraceEvent:
@@ -18,8 +20,6 @@ def event(name: str, start: float, end: float, device=DeviceType.CUDA, annotatio
 
 
 def test_markers_are_found_by_their_gpu_annotations_and_left_out_of_the_work():
-    from benchmarks.gpu_check import gpu_activity
-
     events = [
         event(f"{MARK_PREFIX}1:start", 0.0, 0.5, device=DeviceType.CPU, annotation=True),  # the CPU-side range
         event(f"{MARK_PREFIX}2:forward_start", 1.0, 1.01, annotation=True),
@@ -37,11 +37,21 @@ def test_markers_are_found_by_their_gpu_annotations_and_left_out_of_the_work():
     assert [name for name, _, _ in gpu.annotations] == ["DistributedDataParallel.forward"]
 
 
+def _without_repository(pythonpath: str) -> str:
+    return os.pathsep.join(p for p in pythonpath.split(os.pathsep) if p and os.path.realpath(p) != str(ROOT))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_without_cuda_it_exits_2_in_one_line_and_writes_nothing(tmp_path):
+@pytest.mark.parametrize("how", ["file", "module"])
+def test_without_cuda_it_exits_2_in_one_line_and_writes_nothing(tmp_path, how):
     out = tmp_path / "gpu_check.txt"
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), str(out)], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert result.returncode == 2
+    if how == "file":  # finds the repository itself: not on PYTHONPATH
+        command = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")]
+        env = {**os.environ, "PYTHONPATH": _without_repository(os.environ.get("PYTHONPATH", ""))}
+    else:
+        command = [sys.executable, "-m", "benchmarks.gpu_check"]
+        env = {**os.environ, "PYTHONPATH": pythonpath()}
+    result = subprocess.run([*command, str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("gpu_check: error: no CUDA device") and len(result.stderr.splitlines()) == 1
     assert not out.exists()

@@ -29,6 +29,7 @@ from lit_ddp.checkpointing import LastCheckpoint, checkpoint_dir, resume_path
 from lit_ddp.data import FixedBatchDataModule
 from lit_ddp.errors import Ending, UsageError
 from lit_ddp.module import LinearRegression
+from lit_ddp.run_dir import claim_version
 
 
 def _prog() -> str:
@@ -84,14 +85,21 @@ class LitDDPCLI(LightningCLI):
             # (Lightning raises ValueError and MisconfigurationException for those): the user's input.
             raise UsageError(_one_line(err)) from err
 
+    def __init__(self, *args, claim_log_version: bool = False, **kwargs) -> None:
+        self.claim_log_version = claim_log_version
+        super().__init__(*args, **kwargs)
+
     def before_instantiate_classes(self) -> None:
         check_devices(self.config.trainer.accelerator, self.config.trainer.devices)
         if self.config.checkpoint.dirpath is None:
             self.config.checkpoint.dirpath = str(checkpoint_dir(self.config.trainer))
+        if self.claim_log_version:  # a run, not a look at the config: it gets a log folder of its own
+            claim_version(self.config.trainer)
 
 
-def build_cli(args: list[str]) -> LitDDPCLI:
-    """Parses and validates ``args`` and instantiates model, data and Trainer; launches nothing.
+def build_cli(args: list[str], claim_log_version: bool = False) -> LitDDPCLI:
+    """Parses and validates ``args`` and instantiates model, data and Trainer; launches nothing. With
+    ``claim_log_version``, the run's log folder is claimed first (``lit_ddp.run_dir``).
 
     Raises:
         UsageError: For anything wrong with the command line or the config files.
@@ -108,6 +116,7 @@ def build_cli(args: list[str]) -> LitDDPCLI:
             # The model owns its optimizer (configure_optimizers): no --optimizer to override it behind its back.
             auto_configure_optimizers=False,
             parser_kwargs={"exit_on_error": False, "prog": _prog()},
+            claim_log_version=claim_log_version,
         )
     except ArgumentError as err:  # types, ranges, unknown keys, unreadable config files
         raise UsageError(_one_line(err)) from err
@@ -120,7 +129,7 @@ def _one_line(err: BaseException) -> str:
 def cli_main(args: Optional[list[str]] = None) -> Ending:
     """Parses ``args`` (``sys.argv[1:]`` when ``None``), builds the Trainer and runs ``fit``; how it ended."""
     console.setup()
-    cli = build_cli(sys.argv[1:] if args is None else list(args))
+    cli = build_cli(sys.argv[1:] if args is None else list(args), claim_log_version=True)
     hparams = {**cli.model.hparams, **cli.datamodule.hparams}
     for callback in cli.trainer.callbacks:
         if isinstance(callback, RunSummary):

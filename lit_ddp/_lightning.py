@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, Optional
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
-from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
+from lightning.pytorch.overrides import distributed as overrides_distributed
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -40,7 +40,7 @@ PRIVATE_NAMES = [
     PrivateName(_SignalConnector, "_sigterm_notifier_fn", "the SIGTERM handler Lightning registers in fit"),
     PrivateName(Trainer, "_signal_connector", "the trainer's signal connector"),
     PrivateName(_TrainingEpochLoop, "_broadcast_sigterm_tensor", "Lightning's per-step SIGTERM broadcast"),
-    PrivateName(None, "_register_ddp_comm_hook", "Lightning's helper that registers hook + wrapper on DDP"),
+    PrivateName(overrides_distributed, "_register_ddp_comm_hook", "Lightning's helper: hook + wrapper onto DDP"),
 ]
 
 
@@ -84,7 +84,8 @@ def set_comm_hook(strategy: DDPStrategy, hook: Optional[Callable], wrapper: Opti
 
 def register_comm_hook(model: Any, state: Any, hook: Optional[Callable], wrapper: Optional[Callable]) -> None:
     """Lightning's helper: ``model.register_comm_hook(state, wrapper(hook))`` with its checks."""
-    _register_ddp_comm_hook(model, ddp_comm_state=state, ddp_comm_hook=hook, ddp_comm_wrapper=wrapper)
+    overrides_distributed._register_ddp_comm_hook(model, ddp_comm_state=state, ddp_comm_hook=hook,
+                                                  ddp_comm_wrapper=wrapper)  # fmt: skip
 
 
 def replace_sigterm_notifier(trainer: Trainer, notifier: Callable) -> None:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from lightning.pytorch import Callback
 
+from lit_ddp._torch import ddp_logging_data
+
 
 class RecordLogs(Callback):
     """Appends what Lightning's logging (``rank_zero_info``) and ``warnings`` (``rank_zero_warn``) say during
@@ -36,7 +38,7 @@ class RecordDDPBuckets(Callback):
 
     def on_train_end(self, trainer, pl_module):
         if trainer.is_global_zero:
-            data = trainer.strategy.model._get_ddp_logging_data()
+            data = ddp_logging_data(trainer.strategy.model)
             sizes = {k: [int(v) for v in str(data[k]).split(",")] for k in ("bucket_sizes", "rebuilt_bucket_sizes")
                      if k in data}  # fmt: skip
             self.out.write_text(json.dumps(sizes))

@@ -1,27 +1,28 @@
-"""Every private Lightning name lit_ddp relies on still exists in the installed Lightning.
+"""Every private Lightning and torch name lit_ddp relies on still exists in the installed Lightning and torch.
 
-When one of these fails, Lightning changed under us: the message names the name and what lit_ddp uses it for
-(``lit_ddp/_lightning.py``); adapt that module (and pyproject's lightning range) before anything else.
+When one of these fails, Lightning or torch changed under us: the message names the name and what lit_ddp uses
+it for (``lit_ddp/_lightning.py``, ``lit_ddp/_torch.py``); adapt that module (and pyproject's ranges) first.
 """
 
 import inspect
 
 import lightning
 import pytest
+import torch
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 
-from lit_ddp import _lightning
+from lit_ddp import _lightning, _torch
 
 
 def has_name(owner, name: str) -> bool:
-    if owner is None:
-        return hasattr(_lightning, name)
     if hasattr(owner, name):
         return True
+    if not inspect.isclass(owner):
+        return False
     # Instance attributes set in __init__ (or in the methods that set them) show in the class's source.
     return any(f"self.{name} " in line or f"self.{name}:" in line for line in inspect.getsource(owner).splitlines())
 
@@ -29,11 +30,25 @@ def has_name(owner, name: str) -> bool:
 @pytest.mark.parametrize(
     "private", _lightning.PRIVATE_NAMES, ids=lambda p: f"{getattr(p.owner, '__name__', '')}.{p.name}"
 )
-def test_private_name_still_exists(private):
+def test_private_lightning_name_still_exists(private):
     assert has_name(private.owner, private.name), (
         f"lightning {lightning.__version__} has no {getattr(private.owner, '__name__', 'module')}.{private.name}; "
         f"lit_ddp relies on it: {private.why}"
     )
+
+
+@pytest.mark.parametrize("private", _torch.PRIVATE_NAMES, ids=lambda p: f"{p.owner.__name__}.{p.name}")
+def test_private_torch_name_still_exists(private):
+    if private.name.startswith("_cuda") and torch.version.cuda is None:
+        pytest.skip("a CPU build of torch has no CUDA bindings")
+    assert has_name(private.owner, private.name), (
+        f"torch {torch.__version__} has no {private.owner.__name__}.{private.name}; lit_ddp relies on it: {private.why}"
+    )
+
+
+def test_a_name_that_is_gone_fails():
+    assert not has_name(_lightning.overrides_distributed, "_no_such_helper")
+    assert not has_name(DDPStrategy, "_no_such_attribute")
 
 
 def test_the_loop_still_broadcasts_sigterm_where_step_sync_disables_it():

@@ -1,0 +1,43 @@
+"""Every private torch name that lit_ddp relies on, in one place, each with what it relies on.
+
+    pytest tests/test_private_apis.py      # fails loudly, naming the name, when the installed torch changed
+
+Tested with torch 2.11 (the GPU image) and 2.13. Reading profiler traces uses none: ``lit_ddp.trace`` reads the
+Chrome-trace JSON that ``torch.profiler`` writes, a public format.
+"""
+
+from typing import Any, Optional
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from lit_ddp._lightning import PrivateName
+
+PRIVATE_NAMES = [
+    PrivateName(
+        DistributedDataParallel,
+        "_get_ddp_logging_data",
+        "DDP's own record: its bucket sizes, unused parameters, find_unused_parameters",
+    ),  # fmt: skip
+    PrivateName(Optimizer, "_optimizer_step_post_hooks", "the tests check that PhaseTimer removes its step hook"),
+    PrivateName(torch._C, "_cuda_getDriverVersion", "the driver's CUDA version, for a GPU report's header"),
+]
+
+
+def ddp_logging_data(model: Any) -> dict[str, Any]:
+    """What DDP records about itself (``bucket_sizes``, ``rebuilt_bucket_sizes``, ``unused_parameter_size``,
+    ``find_unused_parameters``, ...), or ``{}`` for a module that is not DDP."""
+    get = getattr(model, "_get_ddp_logging_data", None)
+    return dict(get()) if get is not None else {}
+
+
+def optimizer_step_post_hooks(optimizer: Optimizer) -> dict:
+    """The step post-hooks registered on ``optimizer`` (``register_step_post_hook``)."""
+    return optimizer._optimizer_step_post_hooks
+
+
+def cuda_driver_version() -> Optional[int]:
+    """The CUDA version the driver supports (13000 for 13.0), None without CUDA."""
+    get = getattr(torch._C, "_cuda_getDriverVersion", None)
+    return get() if get is not None and torch.cuda.is_available() else None

@@ -290,21 +290,22 @@ class CommRecord:
 Record = TypeVar("Record", PhaseRecord, CommRecord)
 
 
-def _to_json(value: Any) -> Any:
+def as_json(value: Any) -> Any:
+    """A record, or any part of one, as plain JSON values by field name."""
     if isinstance(value, Summary):
         return value.to_json()
     if dataclasses.is_dataclass(value):
-        return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: as_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, dict):
-        return {k: _to_json(v) for k, v in value.items()}
+        return {k: as_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_to_json(v) for v in value]
+        return [as_json(v) for v in value]
     return value
 
 
 def save(record: PhaseRecord | CommRecord, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"schema": SCHEMA_VERSION, **_to_json(record)}))
+    path.write_text(json.dumps({"schema": SCHEMA_VERSION, **as_json(record)}))
     return path
 
 

@@ -1,0 +1,34 @@
+"""A rank's record does not grow with the run: a 100,000-step run keeps what a 10,000-step one does, plus at most
+the summaries' growth (their sketches add a bin per new magnitude, not per step)."""
+
+import json
+import random
+
+from lit_ddp.record import PHASES, RankPhases, StepPhases, StepRow, Summary, Window, as_json, is_steady
+
+
+def collect(steps: int, seed: int = 0) -> RankPhases:
+    """What PhaseTimer keeps on one rank for ``steps`` steps of lognormal phase times."""
+    rng = random.Random(seed)
+    window, summaries = Window(profiled=range(2, 5)), {phase: Summary() for phase in PHASES}
+    for step in range(steps):
+        parts = [rng.lognormvariate(0, 0.3) for _ in range(4)]
+        phases = StepPhases(*parts, sum(parts))
+        window.add(step, StepRow(step, phases, [0.0] * 7))
+        if is_steady(step, window.profiled):
+            for name in PHASES:
+                summaries[name].add(getattr(phases, name))
+    return RankPhases(0, [row for _, row in window.items()], summaries)
+
+
+def size(value) -> int:
+    return len(json.dumps(as_json(value)))
+
+
+def test_a_longer_run_keeps_the_same_steps_and_summaries_of_bounded_size():
+    short, long = collect(10_000), collect(100_000)
+    assert len(long.rows) == len(short.rows)  # head, profiled, tail: the same number of kept steps
+    growth = size(long) - size(short)
+    assert growth <= size(long.summaries), (growth, size(long.summaries))
+    assert size(long.summaries) < 20_000  # a few hundred bins per phase at most, whatever the count
+    assert long.summaries["step"].count == 100_000 - 4  # every steady step is counted

@@ -32,16 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import ROOT, child_env, clock_args, read_rank_files  # noqa: E402
 from lit_ddp import analysis  # noqa: E402
 from lit_ddp.record import load_run, save  # noqa: E402
-from lit_ddp.tables import fmt_ms, table  # noqa: E402
+from lit_ddp.tables import fmt_ms, fmt_si, table  # noqa: E402
 
 PROFILE = ROOT / "configs" / "mini_train_profile.yaml"
 
 
 def fmt_bytes(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"
+    return fmt_si(n, "B")
 
 
 def run(steps: int, out: Path) -> dict:

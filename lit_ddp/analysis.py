@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import astuple
 
 from lit_ddp.record import PHASES, CommRecord, PhaseRecord, StepPhases, StepRow, Summary
-from lit_ddp.tables import fmt_ms, table
+from lit_ddp.tables import fmt_ms, fmt_si, table
 
 CLOCKS = {  # what each clock's times mean
     "perf_counter": ": host time",
@@ -106,16 +106,15 @@ def roofline_table(record: PhaseRecord) -> str:
     r = record.roofline
     rows = []
     for phase, work, unit, peak in (
-        ("forward", r.forward_flop, "GFLOP/s", r.peak_tflops),
-        ("backward", r.backward_flop, "GFLOP/s", r.peak_tflops),
-        ("update", r.update_bytes, "GB/s", r.peak_gbps),
+        ("forward", r.forward_flop, "FLOP", r.peak_tflops and r.peak_tflops * 1e12),
+        ("backward", r.backward_flop, "FLOP", r.peak_tflops and r.peak_tflops * 1e12),
+        ("update", r.update_bytes, "B", r.peak_gbps and r.peak_gbps * 1e9),
     ):
         ms = phase_summary(record, 0, phase).median
-        rate = work / (ms / 1e3) / 1e9 if ms > 0 else math.nan
-        peak_rate = peak * 1e3 if (peak and unit == "GFLOP/s") else peak
-        frac = f"{rate / peak_rate:.1%}" if peak_rate else "-"
-        amount = f"{work / 1e9:.3f} GFLOP" if unit == "GFLOP/s" else f"{work / 1e6:.1f} MB"
-        rows.append((phase, amount, fmt_ms(ms), f"{rate:,.1f} {unit}", frac))
+        rate = work / (ms / 1e3) if ms > 0 else math.nan  # per second
+        frac = f"{rate / peak:.1%}" if peak else "-"
+        achieved = fmt_si(rate, f"{unit}/s") if not math.isnan(rate) else "-"
+        rows.append((phase, fmt_si(work, unit), fmt_ms(ms), achieved, frac))
     return "Roofline (rank 0, steady median):\n" + table(("phase", "work", "time", "achieved", "of peak"), rows)
 
 

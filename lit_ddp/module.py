@@ -5,6 +5,11 @@
 The notes' pitfall ("create the optimizer after wrapping with DDP") cannot happen here: Lightning wraps
 the module in ``DistributedDataParallel`` during ``strategy.setup`` and calls ``configure_optimizers``
 after that, so the optimizer holds the very parameter tensors that DDP broadcasts and all-reduces.
+
+The error is also tracked by a torchmetrics ``MeanSquaredError``: updated every step on each rank without a
+collective (it only adds to two state tensors), synchronized across ranks when it is computed, once per epoch,
+and logged as ``train/mse_epoch``: the mean squared error over every element of every rank's rows of the
+epoch. The per-step printed loss stays in the step's one collective (``LossMonitor``).
 """
 
 from typing import Optional
@@ -13,6 +18,7 @@ import torch
 from jsonargparse.typing import PositiveFloat, PositiveInt
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
+from torchmetrics import MeanSquaredError
 
 
 class LinearRegression(LightningModule):
@@ -48,15 +54,20 @@ class LinearRegression(LightningModule):
             raise ValueError("`LinearRegression(foreach=True, fused=True)`: choose one Adam implementation")
         self.save_hyperparameters()
         self.net = nn.Sequential(*(nn.Linear(dim, dim) for _ in range(num_layers)))
+        self.train_mse = MeanSquaredError()
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
+        out = self(x)
         # The local loss over this rank's rows; DDP averages the gradients, which makes the update that of
         # the global mean loss. LossMonitor prints that global mean.
-        return ((self(x) - y) ** 2).mean()
+        self.train_mse.update(out.detach(), y)
+        # A Metric object: Lightning calls compute() (torchmetrics' one sync across ranks) at the epoch's end only.
+        self.log("train/mse", self.train_mse, on_step=False, on_epoch=True)
+        return ((out - y) ** 2).mean()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = self.hparams

@@ -8,6 +8,15 @@ def fmt_ms(value: float) -> str:
     return f"{value:.2f} ms" if value < 1000 else f"{value / 1000:.2f} s"
 
 
+def fmt_si(value: float, unit: str) -> str:
+    """``value`` in ``unit`` with the SI prefix its magnitude calls for: ``469.9 MB``, ``1.07 GFLOP``, ``64 FLOP``."""
+    prefix, scale = next(((p, k) for p, k in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)) if abs(value) >= k),
+                         ("", 1.0))  # fmt: skip
+    scaled = value / scale
+    digits = 2 if abs(scaled) < 10 else 1 if abs(scaled) < 1000 else 0
+    return f"{scaled:.0f} {unit}" if not prefix and scaled == int(scaled) else f"{scaled:.{digits}f} {prefix}{unit}"
+
+
 def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """Columns padded to their widest cell; the first left-aligned, the rest right-aligned."""
     cells = [[str(c) for c in row] for row in [header, *rows]]

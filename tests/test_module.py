@@ -1,3 +1,4 @@
+import csv
 import json
 
 import pytest
@@ -6,6 +7,7 @@ from lightning.pytorch import Callback
 from torch.nn.parallel import DistributedDataParallel
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
+from tests.runner import run_fit, step_losses
 
 
 @pytest.mark.parametrize(
@@ -69,3 +71,14 @@ def test_optimizer_is_created_after_ddp_wrapping(make_trainer, tmp_path):
             "same_count": True,
             "identical": True,
         }
+
+
+def test_the_epochs_mse_is_the_mean_of_the_printed_global_losses(tmp_path):
+    # torchmetrics syncs across ranks once, at the epoch's end: every element of every rank's rows of the epoch.
+    result = run_fit("--devices", "2", "--model.dim", "32", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    with open(tmp_path / "runs" / "mini_train" / "version_0" / "metrics.csv", newline="") as f:
+        (mse,) = [float(row["train/mse"]) for row in csv.DictReader(f) if row.get("train/mse")]
+    losses = step_losses(result.stdout)
+    assert len(losses) == 5
+    assert mse == pytest.approx(sum(losses) / len(losses), rel=1e-4)

@@ -31,8 +31,9 @@ def gathers_and_others(counts: dict[str, int]) -> tuple[int, dict[str, int]]:
 
 
 class CountCollectives(Callback):
-    """Counts Python-level torch.distributed calls from the start of step 1 to the end of training, per rank.
-    (DDP's own gradient all-reduce runs in its C++ reducer and is not counted.)"""
+    """Counts Python-level torch.distributed calls from the start of step 1 to the end of the epoch's last step,
+    per rank. (DDP's own gradient all-reduce runs in its C++ reducer and is not counted; the epoch's end, where
+    the module's torchmetrics metric is computed and synchronized once, is not a step.)"""
 
     def __init__(self, out_dir):
         self.out_dir = out_dir
@@ -53,8 +54,10 @@ class CountCollectives(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.counting = trainer.global_step >= 1  # step 0 has DDP's and the sync check's start-up work
 
-    def on_train_end(self, trainer, pl_module):
+    def on_train_epoch_end(self, trainer, pl_module):
         self.counting = False
+
+    def on_train_end(self, trainer, pl_module):
         sync = next(c for c in trainer.callbacks if isinstance(c, StepSync))
         result = {"counts": self.counts, "steps": trainer.global_step - 1, "collectives": sync.collectives}
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))

@@ -9,12 +9,12 @@ from lit_ddp.tables import fmt_si
     ("value", "unit", "text"),
     [
         (64, "FLOP", "64 FLOP"),
-        (16_640, "FLOP", "16.64 kFLOP"),
+        (16_640, "FLOP", "16.6 kFLOP"),
         (389_000_000, "FLOP", "389.0 MFLOP"),
         (1.074e9, "FLOP", "1.07 GFLOP"),
         (2.5e13, "FLOP/s", "25.0 TFLOP/s"),
         (469.9e6, "B", "469.9 MB"),
-        (33_280, "B", "33.28 kB"),
+        (33_280, "B", "33.3 kB"),
         (0.5, "B/s", "0.50 B/s"),
     ],
 )

@@ -159,5 +159,23 @@ def comm_table(record: CommRecord) -> str:
         + f"\n{len(record.layout)} bucket(s){rebuilt}, {total:,} bytes reduced per step "
         f"({record.param_bytes:,} bytes of gradients); each rank sends 2(n-1)/n x S = {ring * total:,.0f} bytes "
         f"in a ring all-reduce.\ncommunication {fmt_ms(busy)} per step, of which {fmt_ms(exposed)} exposed "
-        f"(not hidden under backward compute)"
+        f"(not hidden under backward compute)" + _unused_line(record)
     )
+
+
+def _unused_line(record: CommRecord) -> str:
+    """What ``find_unused_parameters=True`` found, and what it costs."""
+    if not record.find_unused_parameters:
+        return ""
+    if not record.unused:
+        return ("\nfind_unused_parameters=True, and every parameter got a gradient: DDP's search of the autograd graph "
+                "after every forward finds nothing; turn it off")  # fmt: skip
+    names = ", ".join(record.unused[:5]) + (f" and {len(record.unused) - 5} more" if len(record.unused) > 5 else "")
+    share = record.unused_bytes / record.param_bytes if record.param_bytes else 0.0
+    when = "in every step" if record.unused_every_step else "in the last step (the set changes between steps)"
+    fix = "or static_graph=True, since the same ones are unused every step" if record.unused_every_step else \
+        "or keep find_unused_parameters=True (the set changes, so static_graph cannot replace it)"
+    return (f"\nfind_unused_parameters=True: {len(record.unused)} parameter(s), {record.unused_bytes:,} bytes "
+            f"({share:.0%} of the gradients), got no gradient {when}: {names}. They are all-reduced all the same "
+            f"(zeros, {share:.0%} of the bytes above), and DDP searches the autograd graph for them after every "
+            f"forward: remove them, {fix}")  # fmt: skip

@@ -27,6 +27,11 @@ class UsageError(Exception):
     """Bad command line, config or checkpoint: one line on stderr and exit 2, before any rank is started."""
 
 
+class UnusedParametersError(UsageError):
+    """Parameters that got no gradient while DDP expects every one (``find_unused_parameters=False``): raised on
+    every rank after the first backward, exit 2 like any other input the run cannot use."""
+
+
 class SyncError(RuntimeError):
     """Ranks hold different parameters or gradients; raised on every rank at once."""
 
@@ -43,5 +48,5 @@ class ForecastError(ValueError):
     """An input the forecast cannot use (missing file or field, impossible topology); one line for the user."""
 
 
-# Raised on every rank at the same step, so one report (rank 0's) is enough.
-AGREED_ERRORS = (SyncError, NonFiniteLossError)
+# Raised on every rank at the same step, so one report (rank 0's) is enough; each with its exit code.
+AGREED_ERRORS = {SyncError: EXIT_FAILED, NonFiniteLossError: EXIT_FAILED, UnusedParametersError: EXIT_USAGE}

@@ -25,13 +25,20 @@ from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 from lit_ddp import _lightning
 from lit_ddp.errors import AGREED_ERRORS, EXIT_FAILED, EXIT_USAGE, PROG, Ending, UsageError
 
+TRACEBACK_LINES = 12  # of a failed rank's traceback, shown before the line that names the rank
 # The launcher's pid, written into the environment the ranks it starts inherit (see mark_launcher).
 LAUNCHER_PID_ENV = "LIT_DDP_LAUNCHER_PID"
 
 
 def mark_launcher(strategy) -> None:
     """Called when the strategy configures its launcher: the ranks this process is about to start will know
-    their launcher's pid (and only those: torchrun's and Slurm's ranks start elsewhere)."""
+    their launcher's pid (and only those: torchrun's and Slurm's ranks start elsewhere).
+
+    The cluster's settings are checked here too, while the Trainer is built, so that a mismatch is bad input
+    (one line, exit 2): Lightning checks them only in its launcher, inside ``fit``, where a Slurm job whose
+    ``--ntasks-per-node`` is not ``--devices`` gets a traceback from every task.
+    """
+    strategy.cluster_environment.validate_settings(num_devices=strategy.num_processes, num_nodes=strategy.num_nodes)
     if (
         _lightning.is_lightning_launcher(strategy.launcher)
         and not strategy.cluster_environment.creates_processes_externally
@@ -118,26 +125,33 @@ def teardown_process_group() -> None:
 
 def exit_code(run: Callable[[], Ending]) -> int:
     """Runs ``run`` and turns how it ended into the exit code and the one line a user reads."""
+    agreed = {kind.__name__: code for kind, code in AGREED_ERRORS.items()}
     try:
         ending = run()
+    except tuple(AGREED_ERRORS) as err:
+        if rank_zero_only.rank == 0:
+            print(f"{PROG}: {type(err).__name__}: {err}", file=sys.stderr)
+        return AGREED_ERRORS[type(err)]
     except UsageError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
+        # Every task that srun or torchrun started parses the same command line: one of them says what is wrong
+        # (before any Trainer exists, Lightning takes the rank from SLURM_PROCID / RANK).
+        if rank_zero_only.rank == 0:
+            print(f"{PROG}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except SIGTERMException:
         # Lightning's own SIGTERM path (a Trainer without StepSync): a SystemExit with no code, i.e. exit 0.
         ending = Ending.SIGTERM
-    except AGREED_ERRORS as err:
-        if rank_zero_only.rank == 0:
-            print(f"{PROG}: {type(err).__name__}: {err}", file=sys.stderr)
-        return EXIT_FAILED
     except ProcessRaisedException as err:  # a rank that ddp_fork/ddp_spawn started raised; err.msg: its traceback
-        kind, _, message = err.msg.strip().splitlines()[-1].partition(": ")
+        lines = err.msg.strip().splitlines()
+        kind, _, message = lines[-1].partition(": ")
         name = kind.rpartition(".")[2]
-        if name not in {e.__name__ for e in AGREED_ERRORS}:
-            print(err.msg.strip(), file=sys.stderr)
-            print(f"{PROG}: rank {err.error_index} exited with code 1: {name}: {message}", file=sys.stderr)
-        else:
+        if name in agreed:
             print(f"{PROG}: {name}: {message}", file=sys.stderr)
+            return agreed[name]
+        # The innermost frames say where; the whole traceback of a spawned rank runs to some 80 lines of
+        # Lightning's loops.
+        print("\n".join(lines[-TRACEBACK_LINES:]), file=sys.stderr)
+        print(f"{PROG}: rank {err.error_index} exited with code 1: {name}: {message}", file=sys.stderr)
         return EXIT_FAILED
     except ProcessExitedException as err:  # ... or died
         how = f"signal {err.signal_name}" if err.signal_name else f"code {err.exit_code}"

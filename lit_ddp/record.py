@@ -284,6 +284,10 @@ class CommRecord:
     compression: Optional[str] = None
     first_layout: list[int] = field(default_factory=list)  # the layout DDP built the model with (step 0's)
     profiled_steps: list[int] = field(default_factory=list)
+    find_unused_parameters: bool = False
+    unused: list[str] = field(default_factory=list)  # rank 0's parameters without a gradient in its last step
+    unused_bytes: int = 0
+    unused_every_step: bool = False  # the same ones in every step rank 0 ran
     kind: str = "comm"
 
 
@@ -323,7 +327,8 @@ def _comm_from(data: dict[str, Any]) -> CommRecord:
     ranks = [RankComm(r["rank"], [StepBuckets(**s) for s in r["rows"]], _summaries(r["summaries"]))
              for r in data["ranks"]]  # fmt: skip
     return CommRecord(RunMeta(**data["meta"]), ranks, data["layout"], data["param_bytes"], data["compression"],
-                      data["first_layout"], data["profiled_steps"])  # fmt: skip
+                      data["first_layout"], data["profiled_steps"], data["find_unused_parameters"], data["unused"],
+                      data["unused_bytes"], data["unused_every_step"])  # fmt: skip
 
 
 def _summaries(data: dict[str, Any]) -> dict[str, Summary]:

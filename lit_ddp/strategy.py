@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from lit_ddp import _lightning, lifecycle
 from lit_ddp.checkpointing import AtomicCheckpointIO
+from lit_ddp.gradients import check_all_used
 from lit_ddp.rendezvous import init_loopback_process_group
 
 
@@ -75,6 +76,7 @@ class LitDDPStrategy(DDPStrategy):
         if bucket_cap_mb is not None:
             self.ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
         self._backend_choice = process_group_backend
+        self._checked_grads = False
         self.start_method_choice = start_method
         super().__init__(
             timeout=timedelta(seconds=timeout_s),
@@ -132,6 +134,13 @@ class LitDDPStrategy(DDPStrategy):
         # every step and syncs the two streams. Build it on the current stream, as the notes' plain DDP does.
         device_ids = self.determine_ddp_device_ids()
         return DistributedDataParallel(module=model, device_ids=device_ids, **self.ddp_kwargs)
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        if not self._checked_grads and not self.ddp_kwargs["find_unused_parameters"]:
+            self._checked_grads = True  # once: the first backward shows what the graph leaves out
+            check_all_used(self.lightning_module, self.lightning_module.trainer.global_step)
 
     @override
     def teardown(self) -> None:

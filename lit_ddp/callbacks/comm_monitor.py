@@ -34,6 +34,7 @@ from lit_ddp.callbacks.clock import HostClock, clock_for
 from lit_ddp.callbacks.kernels import union_ms
 from lit_ddp.callbacks.phase_timer import PhaseTimer
 from lit_ddp.callbacks.results import gather_to_zero, log_metrics, meta, say
+from lit_ddp.gradients import check_all_used, without_grad
 from lit_ddp.record import CommRecord, RankComm, StepBuckets, Summary, Window, is_steady, save
 
 COMPRESSION_WRAPPERS = {
@@ -76,6 +77,8 @@ class CommMonitor(Callback):
         self._window = Window()
         self._summaries: dict[tuple[int, ...], dict[str, Summary]] = {}  # per bucket layout
         self._profiled: Optional[range] = None
+        self._unused: list[tuple[str, int]] = []  # parameters without a gradient in the last backward
+        self._unused_sets: set[tuple[str, ...]] = set()  # every step's, to tell a fixed set from a changing one
         self._hook: Any = None
 
     @staticmethod
@@ -108,6 +111,7 @@ class CommMonitor(Callback):
         state, hook = self._hook
         trainer.strategy.model.register_comm_hook(state, hook)
         self._timings, self._pending, self._summaries, self._profiled = [], {}, {}, None
+        self._unused, self._unused_sets = [], set()
         self._window = Window()
 
     def _timed(self, hook):
@@ -139,6 +143,15 @@ class CommMonitor(Callback):
         self._backward_start = self._clock.mark()
 
     @override
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.strategy.model.find_unused_parameters:
+            if trainer.global_step == 0:  # DDP would fail at the next forward, naming indices: name them now
+                check_all_used(pl_module, 0)
+            return
+        self._unused = without_grad(pl_module)  # a Python pass over the parameters, only where DDP searches anyway
+        self._unused_sets.add(tuple(name for name, _ in self._unused))
+
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._collect(trainer, block=True)
         log_dir = trainer.log_dir  # a broadcast: every rank asks
@@ -155,6 +168,10 @@ class CommMonitor(Callback):
             compression=self.compression,
             first_layout=rows[0].bytes,
             profiled_steps=list(self._profiled or ()),
+            find_unused_parameters=bool(trainer.strategy.model.find_unused_parameters),
+            unused=[name for name, _ in self._unused],
+            unused_bytes=sum(nbytes for _, nbytes in self._unused),
+            unused_every_step=len(self._unused_sets) == 1,
         )
         if log_dir is not None:
             save(record, Path(log_dir) / self.filename)

@@ -1,0 +1,36 @@
+"""Parameters that take no part in the loss: DDP waits for their gradients, or, with
+``find_unused_parameters=True``, searches the autograd graph for them every step and still all-reduces them.
+
+    python -m lit_ddp.fit --devices 2     # a model with an unused layer: one line, exit 2, after step 0
+
+Without ``find_unused_parameters``, DDP's reducer waits forever for an unused parameter's gradient and raises
+at the next step's forward ("Expected to have finished reduction in the prior iteration..."), naming
+parameter indices. ``check_all_used`` says it after the first backward, by name, on every rank at once (the
+same model and graph everywhere; a rank whose graph differs raises DDP's own error at the next forward, which
+needs no collective, so no rank is left waiting).
+"""
+
+from torch import nn
+
+from lit_ddp.errors import UnusedParametersError
+
+
+def without_grad(module: nn.Module) -> list[tuple[str, int]]:
+    """``(name, bytes)`` of each parameter that requires a gradient but got none in the last backward (its
+    ``.grad`` is None: Lightning's ``zero_grad`` sets them to None before every step)."""
+    return [(name, p.numel() * p.element_size()) for name, p in module.named_parameters()
+            if p.requires_grad and p.grad is None]  # fmt: skip
+
+
+def check_all_used(module: nn.Module, step: int) -> None:
+    """Raises ``UnusedParametersError`` naming the parameters that got no gradient in ``step``'s backward."""
+    missing = without_grad(module)
+    if not missing:
+        return
+    names = ", ".join(name for name, _ in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+    raise UnusedParametersError(
+        f"{len(missing)} parameter(s) got no gradient in step {step}: {names}; DDP would wait for them and fail "
+        "at the next step. Use them in the loss, freeze them (requires_grad=False), or let DDP search for them "
+        "every step: --trainer.strategy.find_unused_parameters true (static_graph=True too when the same ones "
+        "are unused every step)"
+    )

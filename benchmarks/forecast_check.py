@@ -32,7 +32,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lit_ddp.forecast import Bucket, ForecastError, Measured, load_run, simulate, topology  # noqa: E402
+from lit_ddp.errors import ForecastError  # noqa: E402
+from lit_ddp.forecast import Bucket, Measured, load_run, simulate  # noqa: E402
+from lit_ddp.links import topology  # noqa: E402
 
 CONFIG = ROOT / "configs" / "mini_train_profile.yaml"
 TARGET = 0.15  # the target: the step within 15%

@@ -4,7 +4,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from lit_ddp import FixedBatchDataModule, LinearRegression, report
+from lit_ddp import FixedBatchDataModule, LinearRegression, record
 from lit_ddp.callbacks import CommMonitor, PhaseTimer
 from tests.runner import ROOT, run_fit
 from tests.trainers import profile
@@ -12,12 +12,18 @@ from tests.trainers import profile
 
 def test_real_run_bytes_are_exact(make_trainer, tmp_path):
     _, comm, ddp, log_dir = profile(make_trainer, tmp_path, dim=1024)
-    assert comm["bucket_bytes"] == [4 * (1024 * 1024 + 1024)] == [4_198_400]
-    assert comm["param_bytes"] == 4_198_400
-    assert comm["bucket_bytes_per_step"][0] == ddp["bucket_sizes"]  # DDP's construction-time buckets
-    assert comm["bucket_bytes"] == ddp.get("rebuilt_bucket_sizes", ddp["bucket_sizes"])
-    assert all(t > 0 for rank in comm["ms"] for step in rank for t in step)
-    assert all(0 <= e <= b + 1e-9 for e, b in zip(comm["exposed_ms"][0], comm["busy_ms"][0], strict=True))
+    assert comm.layout == [4 * (1024 * 1024 + 1024)] == [4_198_400]
+    assert comm.param_bytes == 4_198_400
+    assert comm.first_layout == ddp["bucket_sizes"]  # DDP's construction-time buckets
+    assert comm.layout == ddp.get("rebuilt_bucket_sizes", ddp["bucket_sizes"])
+    assert comm.meta.world_size == 2 and [rank.rank for rank in comm.ranks] == [0, 1]
+    for rank in comm.ranks:
+        assert [row.step for row in rank.rows] == [0, 1, 2, 3]
+        assert all(t > 0 for row in rank.rows for t in row.ms)
+        assert all(0 <= row.exposed_ms <= row.busy_ms + 1e-9 for row in rank.rows)
+        # Over the steady steps (1-3), one summary per figure.
+        figures = ["busy_ms", "exposed_ms", "total_ms", "bucket0.ms", "bucket0.ready_ms"]
+        assert {name: s.count for name, s in rank.summaries.items()} == dict.fromkeys(figures, 3)
     metrics = (log_dir / "metrics.csv").read_text().splitlines()[0].split(",")
     assert "comm/busy_ms" in metrics
 
@@ -25,18 +31,19 @@ def test_real_run_bytes_are_exact(make_trainer, tmp_path):
 def test_several_buckets_match_ddp_and_overlap(make_trainer, tmp_path):
     phases, comm, ddp, _ = profile(make_trainer, tmp_path, dim=256, num_layers=4, bucket_cap_mb=0.25)
     # Step 0 runs on DDP's construction-time layout, then DDP rebuilds its buckets: both must match DDP's own.
-    assert comm["bucket_bytes_per_step"][0] == ddp["bucket_sizes"]
-    assert comm["bucket_bytes"] == ddp["rebuilt_bucket_sizes"] == [4 * (256 * 256 + 256)] * 4
-    assert all(sizes == comm["bucket_bytes"] for sizes in comm["bucket_bytes_per_step"][1:])
-    assert sum(comm["bucket_bytes"]) == comm["param_bytes"] == 4 * 4 * (256 * 256 + 256)
+    assert comm.first_layout == comm.ranks[0].rows[0].bytes == ddp["bucket_sizes"]
+    assert comm.layout == ddp["rebuilt_bucket_sizes"] == [4 * (256 * 256 + 256)] * 4
+    assert all(row.bytes == comm.layout for rank in comm.ranks for row in rank.rows[1:])
+    assert sum(comm.layout) == comm.param_bytes == 4 * 4 * (256 * 256 + 256)
+    assert all(f"bucket{b}.ready_ms" in rank.summaries for rank in comm.ranks for b in range(4))
 
 
 def test_fp16_compression_halves_the_bytes_on_the_wire(make_trainer, tmp_path):
     _, half, _, _ = profile(make_trainer, tmp_path, dim=128, steps=2, compression="fp16")
-    assert half["compression"] == "fp16"
+    assert half.compression == "fp16"
     # Uncompressed, the bucket is the fp32 gradients (param_bytes; test_real_run_... checks that equality).
-    assert half["param_bytes"] == 4 * (128 * 128 + 128)
-    assert sum(half["bucket_bytes"]) * 2 == half["param_bytes"]
+    assert half.param_bytes == 4 * (128 * 128 + 128)
+    assert sum(half.layout) * 2 == half.param_bytes
 
 
 def test_comm_monitor_refuses_a_strategy_without_ddp():
@@ -72,7 +79,11 @@ def test_gpu_profile_run_uses_cuda_events(tmp_path):
                       callbacks=[PhaseTimer(), CommMonitor()], logger=CSVLogger(tmp_path, name="gpu", version=0),
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
     trainer.fit(LinearRegression(dim=1024), FixedBatchDataModule(dim=1024))
-    phases, comm = report.load(tmp_path / "gpu" / "version_0")
-    assert phases["clock"] == "cuda_event" and comm["clock"] == "cuda_event"
-    for forward, backward, update, _other, step in phases["ms"][0]:
-        assert min(forward, backward, update, step) > 0
+    phases, comm = record.load_run(tmp_path / "gpu" / "version_0")
+    assert phases.meta.clock == "cuda_event" and comm.meta.clock == "cuda_event"
+    for row in phases.ranks[0].rows:
+        assert min(row.ms.forward, row.ms.backward, row.ms.update, row.ms.step) > 0
+    # Steps 2-4 ran under the profiler (kernel_steps defaults to 3 on CUDA): in the window, out of the summaries.
+    assert phases.profiled_steps == comm.profiled_steps == [2, 3, 4]
+    assert [row.step for row in phases.ranks[0].busy_ms] == [2, 3]  # max_steps=4: step 4 never ran
+    assert phases.ranks[0].summaries["step"].count == comm.ranks[0].summaries["total_ms"].count == 1  # step 1

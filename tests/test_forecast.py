@@ -1,4 +1,5 @@
-"""The scaling forecast: the model on inputs worked out by hand, the run loader, the probe fit, the CLI errors,
+"""The scaling forecast: the model on inputs worked out by hand, the links it runs over (``lit_ddp.links``: the
+ring, NCCL's hierarchical form, topologies, the probe fit), the run loader on hand-made records, the CLI errors,
 and one real 2-rank gloo probe."""
 
 import argparse
@@ -7,8 +8,12 @@ import math
 
 import pytest
 
-from lit_ddp import forecast
-from lit_ddp.forecast import Bucket, ForecastError, Link, Measured, ProbePoint, Topology
+from lit_ddp import forecast, links, record
+from lit_ddp.errors import ForecastError
+from lit_ddp.forecast import Bucket, Measured
+from lit_ddp.links import Link, ProbePoint, Topology
+from lit_ddp.record import StepBuckets
+from tests.records import comm_record, phase_record
 from tests.runner import ROOT, run_module
 
 # 1 GB/s = 1e6 bytes per ms: the numbers below are chosen so that the ms come out round.
@@ -64,7 +69,7 @@ def test_equal_buckets_overlap_and_queue():
 def test_latency_bound_tiny_buckets():
     link = Link("lat", busbw_gbps=1.0, hop_latency_us=10.0, source="test")
     # 1 KB on 8 ranks: 2(7) x 10 us = 0.14 ms of latency, 2(7)/8 x 1e3 B / 1e6 B/ms = 0.00175 ms of bandwidth.
-    assert forecast.ring_ms(1e3, 8, link) == pytest.approx(0.14175)
+    assert links.ring_ms(1e3, 8, link) == pytest.approx(0.14175)
     tiny = measured([Bucket(1e3, 5.0)] * 100)
     assert forecast.simulate(tiny, 8, one_node(link)).exposed_ms == pytest.approx(14.175)
     # The same 100 KB in one bucket pays the latency once: 0.14 + 0.175 ms.
@@ -79,33 +84,33 @@ def test_hierarchical_multi_node():
     topo = Topology(intra, inter, gpus_per_node=4)
     s = 8e6
     # One node (4 ranks): a ring on the intra link, 2(3) x 1 us + 2(3)/4 x 8e6 / 1e8 = 0.006 + 0.12 ms.
-    assert forecast.allreduce_ms(s, 4, topo) == pytest.approx(0.126)
+    assert links.allreduce_ms(s, 4, topo) == pytest.approx(0.126)
     # 2 nodes: latency 2(3) x 1 + 2 x log2(2) x 10 = 26 us; intra 0.12 ms, inter 2(1)/2 x (8e6/4) / 1e7 = 0.2 ms.
-    assert forecast.allreduce_ms(s, 8, topo) == pytest.approx(0.026 + 0.2)
+    assert links.allreduce_ms(s, 8, topo) == pytest.approx(0.026 + 0.2)
     # 4 nodes: 6 + 2 x 2 x 10 = 46 us; inter 2(3)/4 x 2e6 / 1e7 = 0.3 ms.
-    assert forecast.allreduce_ms(s, 16, topo) == pytest.approx(0.046 + 0.3)
+    assert links.allreduce_ms(s, 16, topo) == pytest.approx(0.046 + 0.3)
     # A fast network: the intra-node stage is the slower one and sets the bandwidth.
     fast_net = Topology(intra, Link("fat", busbw_gbps=1000.0, hop_latency_us=0.0, source="test"), gpus_per_node=4)
-    assert forecast.allreduce_ms(s, 16, fast_net) == pytest.approx(0.006 + 0.12)
+    assert links.allreduce_ms(s, 16, fast_net) == pytest.approx(0.006 + 0.12)
 
 
 @pytest.mark.timeout(10)
 def test_topology_from_specs():
-    nvlink_ib = forecast.topology(("nvlink", "ib400"), 8, None)
+    nvlink_ib = links.topology(("nvlink", "ib400"), 8, None)
     assert (nvlink_ib.intra.name, nvlink_ib.inter.name) == ("nvlink", "ib400")
-    assert all(link.source for link in forecast.PRESETS.values())
-    flat = forecast.topology(("roce200", None), 8, None)
-    assert flat.intra is flat.inter is forecast.PRESETS["roce200"]
+    assert all(link.source for link in links.PRESETS.values())
+    flat = links.topology(("roce200", None), 8, None)
+    assert flat.intra is flat.inter is links.PRESETS["roce200"]
     with pytest.raises(ForecastError, match="nvlink joins the GPUs of one node"):
-        forecast.topology(("ib400", "nvlink"), 8, None)
-    nvlink_only = forecast.topology(("nvlink", None), 8, None)
-    forecast._check_ranks(8, nvlink_only, "nvlink")
+        links.topology(("ib400", "nvlink"), 8, None)
+    nvlink_only = links.topology(("nvlink", None), 8, None)
+    links.check_ranks(8, nvlink_only, "nvlink")
     with pytest.raises(ForecastError, match="--link nvlink reaches 8 GPUs .* 16 ranks need an inter-node link"):
-        forecast._check_ranks(16, nvlink_only, "nvlink")
+        links.check_ranks(16, nvlink_only, "nvlink")
     with pytest.raises(ForecastError, match="12 ranks do not fill whole nodes of --gpus-per-node 8"):
-        forecast._check_ranks(12, nvlink_ib, "nvlink+ib400")
+        links.check_ranks(12, nvlink_ib, "nvlink+ib400")
     with pytest.raises(ForecastError, match="--link measured needs a probe"):
-        forecast.topology(("measured", None), 8, None)
+        links.topology(("measured", None), 8, None)
 
 
 @pytest.mark.timeout(10)
@@ -140,42 +145,54 @@ def test_compression_and_bucket_view_what_ifs():
     assert forecast.simulate(variant, 2, one_node(), buckets).exposed_ms == pytest.approx(4.0)
 
 
-def write_run(run_dir, ready=True):
-    """Two ranks, steps 0-4: step 0 is warm-up, step 1 ran on another bucket layout, steps 2-4 are steady.
-    The expected medians are worked out in test_load_run."""
-    garbage = [100.0, 100.0, 100.0, 100.0, 400.0]
-    phases = {
-        "clock": "perf_counter", "world_size": 2, "steps": [0, 1, 2, 3, 4],
-        "phases": ["forward", "backward", "update", "other", "step"],
-        "ms": [[garbage, garbage, [3, 10, 3, 1, 17], [4, 12, 3, 1, 20], [5, 11, 3, 1, 20]],
-               [garbage, garbage, [3, 10, 2, 1, 16], [3, 10, 2, 1, 16], [3, 10, 2, 1, 16]]],
-        "roofline": {"rows_per_rank": 32},
-    }  # fmt: skip
-    comm = {
-        "world_size": 2, "compression": None, "steps": [0, 1, 2, 3, 4], "param_bytes": 1000,
-        "bucket_bytes": [400, 600], "bucket_bytes_per_step": [[400, 600], [1000], [400, 600], [400, 600], [400, 600]],
-        "ms": [[[20, 20], [20], [1, 1], [1, 2], [1, 1]], [[20, 20], [20], [1, 1], [1, 1], [1, 1]]],
-        "ready_ms": [[[50, 60], [70], [4, 8], [4, 9], [4, 8]], [[50, 60], [70], [5, 7], [5, 7], [5, 7]]],
-        "busy_ms": [[30] * 5, [30] * 5],
-        "exposed_ms": [[30, 30, 1, 2, 1], [30, 30, 2, 2, 2]],
-    }  # fmt: skip
-    if not ready:
-        del comm["ready_ms"]
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "phases.json").write_text(json.dumps(phases))
-    (run_dir / "comm.json").write_text(json.dumps(comm))
+# The hand-made run of the loader tests: 2 ranks, step 0 warm-up (on DDP's construction-time layout, one bucket),
+# then 3 steady steps with buckets of 400 and 600 bytes. Per figure one rank is constant (so its median is exact)
+# and the slower one; the other rank's median is below it while its mean and its maximum are above: a loader
+# that took a mean, a maximum or one rank only would read other numbers.
+WARMUP = (100.0, 100.0, 100.0, 100.0)  # forward, backward, update, other
+PHASES = [
+    [(4.0, 11.0, 3.0, 1.0)] * 3,
+    [(5.0, 10.5, 2.5, 0.8), (3.5, 12.0, 2.8, 0.5), (3.8, 10.8, 4.0, 2.0)],  # steps 18.8, 18.8, 20.6
+]
+BUCKETS = [  # per step: ms, ready_ms (from backward's start), busy_ms, exposed_ms
+    [([1.0, 1.5], [4.0, 8.0], 2.5, 2.5), ([1.0, 1.5], [4.5, 8.0], 2.5, 2.5), ([1.0, 1.5], [7.0, 8.0], 2.5, 2.5)],
+    [([1.0, 3.0], [5.0, 7.0], 4.0, 2.5), ([0.8, 0.8], [5.0, 7.5], 1.6, 1.0), ([0.6, 0.9], [5.0, 10.0], 1.5, 1.5)],
+]
+# Steps slowed by the profiler (PhaseTimer's kernel_steps): kept in the window, left out of every median.
+PROFILED_PHASES = (40.0, 60.0, 30.0, 10.0)
+PROFILED_BUCKETS = ([5.0, 5.0], [30.0, 50.0], 10.0, 2.0)  # a tail of 60 - 50 - 2 = 8 ms
+ROOFLINE = record.Roofline(rows_per_rank=32, forward_flop=0.0, backward_flop=0.0, update_bytes=0.0)
+
+
+def write_run(run_dir, profiled=0, exposed_ms=None):
+    """``phases.json`` and ``comm.json`` of the run above; ``profiled``: that many profiled steps from step 2
+    (after the first steady step, as PhaseTimer profiles); ``exposed_ms``: every step's exposed time instead."""
+    profiled_steps = list(range(2, 2 + profiled))
+    phases, buckets = [], []
+    for rank in range(2):
+        steps = [WARMUP, PHASES[rank][0], *[PROFILED_PHASES] * profiled, *PHASES[rank][1:]]
+        rows = [StepBuckets(0, [1000], [20.0], [70.0], 30.0, 30.0)]
+        for step, (ms, ready, busy, exposed) in enumerate(
+            [BUCKETS[rank][0], *[PROFILED_BUCKETS] * profiled, *BUCKETS[rank][1:]], start=1
+        ):
+            rows.append(StepBuckets(step, [400, 600], ms, ready, busy, exposed if exposed_ms is None else exposed_ms))
+        phases.append(steps)
+        buckets.append(rows)
+    record.save(phase_record(phases, profiled_steps, roofline=ROOFLINE), run_dir / "phases.json")
+    record.save(comm_record(buckets, param_bytes=1000, profiled=profiled_steps), run_dir / "comm.json")
     return run_dir
 
 
 @pytest.mark.timeout(10)
 def test_load_run(tmp_path):
     run = forecast.load_run(write_run(tmp_path))
-    # Steady steps 2-4 only; per rank medians, then the slower rank: forward max(4, 3), update max(3, 2).
-    assert (run.forward_ms, run.update_ms, run.other_ms, run.backward_ms, run.step_ms) == (4, 3, 1, 11, 20)
-    # Bucket ready times: rank 0 medians (4, 8), rank 1 (5, 7) -> (5, 8).
+    # Steady steps 1-3 only; per rank medians, then the slower rank: forward max(4, 3.8), backward max(11, 10.8).
+    assert (run.forward_ms, run.update_ms, run.other_ms, run.backward_ms, run.step_ms) == (4, 3, 1, 11, 19)
+    # Bucket ready times: rank 0 medians (4.5, 8), rank 1 (5, 7.5) -> (5, 8): the slowest rank per bucket.
     assert run.buckets == (Bucket(400, 5), Bucket(600, 8))
-    # Tail = backward - last ready - exposed per step: rank 0 (1, 1, 2), rank 1 (1, 1, 1) -> 1.
-    assert (run.tail_ms, run.exposed_ms, run.comm_ms) == (1, 2, 2)
+    # Tail = backward - last ready - exposed per step: rank 0 (0.5, 0.5, 0.5), rank 1 (1, 3.5, -0.7) -> 1.
+    # Exposed: rank 0 2.5, rank 1 median 1.5; all-reduce time: rank 0 2.5, rank 1 median 1.6.
+    assert (run.tail_ms, run.exposed_ms, run.comm_ms) == (1, 2.5, 2.5)
     assert (run.world_size, run.rows_per_rank, run.n_steps, run.compression) == (2, 32, 3, None)
     # At 1 rank nothing is reduced: forward + (last ready + tail) + update + other.
     assert forecast.simulate(run, 1, one_node()).step_ms == 4 + 8 + 1 + 3 + 1
@@ -183,32 +200,35 @@ def test_load_run(tmp_path):
 
 @pytest.mark.timeout(10)
 def test_load_run_leaves_out_the_steps_phase_timer_profiled(tmp_path):
-    run_dir = write_run(tmp_path)
-    phases = json.loads((run_dir / "phases.json").read_text())
-    phases["profiled_steps"] = [3]  # rank 0's slow step (forward 4, backward 12) ran under the profiler
-    (run_dir / "phases.json").write_text(json.dumps(phases))
-    run = forecast.load_run(run_dir)
-    assert (run.n_steps, run.forward_ms, run.backward_ms) == (2, 4, 10.5)  # steps 2 and 4: rank 0 (3, 5), (10, 11)
-    phases["profiled_steps"] = [2, 3, 4]  # nothing else: all steady steps, as before
-    (run_dir / "phases.json").write_text(json.dumps(phases))
-    assert forecast.load_run(run_dir).n_steps == 3
+    # Three profiled steps among three steady ones: were they in any median (the tail's, which the loader joins
+    # from the kept steps of both records, included), it would move.
+    run = forecast.load_run(write_run(tmp_path / "profiled", profiled=3))
+    assert run == forecast.load_run(write_run(tmp_path / "plain"))
+    assert run.n_steps == 3
 
 
 @pytest.mark.timeout(10)
 def test_load_run_clamps_a_negative_tail(tmp_path):
-    run_dir = write_run(tmp_path)
-    comm = json.loads((run_dir / "comm.json").read_text())
-    comm["exposed_ms"] = [[5.0] * 5, [5.0] * 5]  # backward - last ready - exposed < 0: timer noise, not time
-    (run_dir / "comm.json").write_text(json.dumps(comm))
-    assert forecast.load_run(run_dir).tail_ms == 0.0
+    # backward - last ready - exposed < 0: timer noise, not time
+    assert forecast.load_run(write_run(tmp_path, exposed_ms=5.0)).tail_ms == 0.0
 
 
 @pytest.mark.timeout(10)
 def test_load_run_errors(tmp_path):
-    with pytest.raises(ForecastError, match="has no ready_ms"):
-        forecast.load_run(write_run(tmp_path / "old", ready=False))
-    with pytest.raises(ForecastError, match="no phases.json at"):
-        forecast.load_run(tmp_path)
+    old = tmp_path / "old"  # what lit_ddp wrote before the record had a schema
+    old.mkdir()
+    (old / "phases.json").write_text(json.dumps({"clock": "perf_counter", "world_size": 2, "ms": [[[1, 2, 3]]]}))
+    with pytest.raises(ForecastError, match=r"phases.json: run record schema 1; this lit_ddp reads schema 2"):
+        forecast.load_run(old)
+    with pytest.raises(ForecastError, match="no phases.json in .*: the forecast needs a run with PhaseTimer"):
+        forecast.load_run(tmp_path / "empty")
+    (write_run(tmp_path / "phases_only") / "comm.json").unlink()
+    with pytest.raises(ForecastError, match="no comm.json in"):
+        forecast.load_run(tmp_path / "phases_only")
+    one_rank = write_run(tmp_path / "one_rank")
+    record.save(phase_record([PHASES[0]]), one_rank / "phases.json")
+    with pytest.raises(ForecastError, match="phases.json has world_size 1, comm.json 2"):
+        forecast.load_run(one_rank)
 
 
 def probe_points(n, hop_us, busbw, noise=(1.0,)):
@@ -222,20 +242,20 @@ def probe_points(n, hop_us, busbw, noise=(1.0,)):
 
 @pytest.mark.timeout(10)
 def test_probe_fit():
-    link = forecast.fit_probe(probe_points(4, hop_us=20.0, busbw=2.0), 4)
+    link = links.fit_probe(probe_points(4, hop_us=20.0, busbw=2.0), 4)
     assert (link.hop_latency_us, link.busbw_gbps) == (pytest.approx(20.0), pytest.approx(2.0))
     # +-10% noise at every size: the relative-error fit keeps both ends within that.
-    noisy = forecast.fit_probe(probe_points(2, hop_us=50.0, busbw=1.0, noise=(1.1, 0.9, 1.05, 0.95)), 2)
+    noisy = links.fit_probe(probe_points(2, hop_us=50.0, busbw=1.0, noise=(1.1, 0.9, 1.05, 0.95)), 2)
     assert noisy.hop_latency_us == pytest.approx(50.0, rel=0.1)
     assert noisy.busbw_gbps == pytest.approx(1.0, rel=0.1)
     # No latency, and the small sizes 20% fast: a free fit would give a negative latency; clamped to 0, the
     # bandwidth refitted.
-    pure = forecast.fit_probe(probe_points(2, hop_us=0.0, busbw=1.0, noise=(0.8,) * 4 + (1.0,) * 13), 2)
+    pure = links.fit_probe(probe_points(2, hop_us=0.0, busbw=1.0, noise=(0.8,) * 4 + (1.0,) * 13), 2)
     assert pure.hop_latency_us == 0.0 and pure.busbw_gbps == pytest.approx(1.0, rel=0.1)
     with pytest.raises(ForecastError, match="needs >= 2 sizes"):
-        forecast.fit_probe(probe_points(2, 1.0, 1.0)[:1], 2)
+        links.fit_probe(probe_points(2, 1.0, 1.0)[:1], 2)
     with pytest.raises(ForecastError, match="world_size=1"):
-        forecast.fit_probe(probe_points(2, 1.0, 1.0), 1)
+        links.fit_probe(probe_points(2, 1.0, 1.0), 1)
 
 
 def forecast_rows(text):
@@ -325,5 +345,5 @@ def test_real_probe_two_gloo_ranks(tmp_path):
         assert row["ms"] > 0
         assert row["algbw_gbps"] == pytest.approx(row["nbytes"] / row["ms"] / 1e6)
         assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"])  # 2(n-1)/n = 1 on 2 ranks
-    link = forecast.load_probe(out)
+    link = links.load_probe(out)
     assert link.busbw_gbps > 0 and link.hop_latency_us >= 0 and math.isfinite(link.busbw_gbps)

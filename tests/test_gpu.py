@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from lit_ddp import roofline
+from lit_ddp import record, roofline
 from tests.runner import ROOT, run_fit, step_losses
 from tests.trainers import assert_same_checkpoint
 
@@ -40,7 +40,17 @@ def test_profile_config_times_with_cuda_events_and_reports_gpu_busy_time(tmp_pat
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "Phase times (cuda_event: device time between the marks, idle gaps included), 1 rank(s)" in out, out
+    assert ("then 6 steady step(s) (steps 2-4 ran under the profiler for the GPU-busy column, left out of the "
+            "others)") in out, out  # fmt: skip
     assert "GPU busy (rank 0)" in out
+    phases, comm = record.load_run(tmp_path / "runs" / "mini_train_profile" / "version_0")
+    assert phases.meta.clock == comm.meta.clock == "cuda_event"
+    assert phases.meta.device_name == torch.cuda.get_device_name()
+    # kernel_steps is 3 on CUDA: steps 2-4 profiled, their GPU-busy time kept, left out of every summary.
+    assert phases.profiled_steps == comm.profiled_steps == [2, 3, 4]
+    assert [row.step for row in phases.ranks[0].busy_ms] == [2, 3, 4]
+    assert all(row.ms.step > 0 for row in phases.ranks[0].busy_ms)
+    assert phases.ranks[0].summaries["step"].count == comm.ranks[0].summaries["total_ms"].count == 6
     assert re.search(r"^Verdict: (GPU|host)-bound: the GPU was busy \d+% of the step", out, re.M), out
     if roofline.peak_for(torch.cuda.get_device_name(), torch.float32):  # a known GPU: "of peak" is filled in
         assert re.search(r"^forward .* \d+\.\d%$", out, re.M), out

@@ -1,5 +1,7 @@
 """GPU-busy time per phase: the interval arithmetic on hand-made kernels, and the profiler path where it runs."""
 
+from dataclasses import astuple
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -24,12 +26,15 @@ def step_marks(t0: float) -> list[tuple[str, float]]:
 
 def test_busy_per_step_splits_kernels_into_phases():
     marks = [*step_marks(0.0), *step_marks(12.0), ("start", 24.0)]
-    # step 0: forward busy 1 of 2 ms, backward 4 of 4, update 0.5, plus 1 ms of kernels between phases
+    # the first step: forward busy 1 of 2 ms, backward 4 of 4, update 0.5, plus 1 ms of kernels between phases
     kernels = [(1.0, 2.0), (4.0, 8.0), (9.0, 9.5), (10.5, 11.5), (13.0, 15.0)]
-    steps = _busy_per_step(marks, kernels)
-    assert len(steps) == 2
-    assert steps[0] == pytest.approx([1.0, 4.0, 0.5, 1.0, 6.5])
-    assert steps[1] == pytest.approx([2.0, 0.0, 0.0, 0.0, 2.0])
+    rows = _busy_per_step(marks, kernels, range(2, 5))  # the i-th "start" marker opens the i-th profiled step
+    assert [row.step for row in rows] == [2, 3]  # step 4 never ended: no "start" after its own
+    assert astuple(rows[0].ms) == pytest.approx((1.0, 4.0, 0.5, 1.0, 6.5))
+    assert astuple(rows[1].ms) == pytest.approx((2.0, 0.0, 0.0, 0.0, 2.0))
+    # A step whose markers were not all found (a marker's kernel missing from the trace) is left out.
+    missing = [m for m in marks if m != ("backward_end", 8.0)]
+    assert [row.step for row in _busy_per_step(missing, kernels, range(2, 5))] == [3]
 
 
 def test_markers_are_found_in_a_real_trace():

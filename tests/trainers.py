@@ -53,9 +53,9 @@ def assert_same_checkpoint(a: Path, b: Path, global_step: int) -> None:
 
 
 def profile(make_trainer, tmp_path, dim, num_layers=1, compression=None, steps=4, **strategy_kwargs):
-    """A 2-rank ``ddp_spawn`` run with PhaseTimer and CommMonitor; returns its phases and comm records, DDP's own
-    bucket sizes and the log directory."""
-    from lit_ddp import FixedBatchDataModule, LinearRegression, report
+    """A 2-rank ``ddp_spawn`` run with PhaseTimer and CommMonitor; returns its ``PhaseRecord`` and ``CommRecord``
+    (as written to the log directory), DDP's own bucket sizes and the log directory."""
+    from lit_ddp import FixedBatchDataModule, LinearRegression, record
     from lit_ddp.callbacks import CommMonitor, PhaseTimer
 
     log_dir = tmp_path / "run" / "version_0"
@@ -66,6 +66,7 @@ def profile(make_trainer, tmp_path, dim, num_layers=1, compression=None, steps=4
         **strategy_kwargs,
     )
     trainer.fit(LinearRegression(dim=dim, num_layers=num_layers), FixedBatchDataModule(dim=dim, batch_size=8))
-    phases, comm = report.load(log_dir)
+    phases, comm = record.load_run(log_dir)
+    assert phases is not None and comm is not None, f"no phases.json or comm.json in {log_dir}"
     ddp = json.loads((tmp_path / "ddp.json").read_text())
     return phases, comm, ddp, log_dir

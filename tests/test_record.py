@@ -1,0 +1,170 @@
+"""The run's record (``lit_ddp.record``): the quantile sketch against exact quantiles, merging, the bounded window
+of kept steps, the JSON round trip of both records, and the one-line refusal of a record of another schema (by
+``load`` and by ``python -m lit_ddp.report``)."""
+
+import dataclasses
+import json
+import math
+import random
+
+import pytest
+
+from lit_ddp import record
+from lit_ddp.errors import RecordError
+from lit_ddp.record import HEAD_STEPS, TAIL_STEPS, Roofline, StepBuckets, Summary, Window
+from tests.records import comm_record, phase_record
+from tests.runner import run_module
+
+QUANTILES = (0.0, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
+
+
+def distributions() -> dict[str, list[float]]:
+    rng = random.Random(0)
+    return {
+        "uniform": [rng.uniform(0.1, 100.0) for _ in range(1000)],
+        "lognormal, 8 decades": [rng.lognormvariate(0.0, 3.0) for _ in range(2000)],
+        "negatives, zeros and positives": [rng.gauss(0.0, 5.0) for _ in range(500)] + [0.0] * 60,
+        "all negative": [-rng.lognormvariate(1.0, 1.0) for _ in range(300)],
+        "constant": [3.7] * 11,
+        "two values": [1.0, 2.0],
+    }
+
+
+def exact_quantile(values: list[float], q: float) -> float:
+    """The order statistic the sketch estimates: the ``floor(q (n - 1))``-th smallest value (for an even count the
+    median is the lower of the two middle values, not their mean)."""
+    return sorted(values)[math.floor(q * (len(values) - 1))]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("name", list(distributions()))
+def test_summary_quantiles_are_within_the_relative_accuracy(name):
+    values = distributions()[name]
+    summary = Summary.of(values)
+    for q in QUANTILES:
+        exact = exact_quantile(values, q)
+        assert abs(summary.quantile(q) - exact) <= Summary.RELATIVE_ACCURACY * abs(exact) + 1e-12, (q, exact)
+    assert summary.median == summary.quantile(0.5)
+    assert (summary.count, summary.min, summary.max) == (len(values), min(values), max(values))
+    assert summary.mean == pytest.approx(sum(values) / len(values))
+    if 0.0 in values:  # zeros are counted apart, and come back as exact zeros
+        zeros = [q for q in QUANTILES if exact_quantile(values, q) == 0.0]
+        assert zeros and all(summary.quantile(q) == 0.0 for q in zeros)
+
+
+@pytest.mark.timeout(10)
+def test_an_empty_summary_and_nan():
+    empty = Summary.of([math.nan])  # a NaN is not a time: left out
+    assert empty.count == 0 and math.isnan(empty.median) and math.isnan(empty.mean)
+
+
+@pytest.mark.timeout(10)
+def test_merge_equals_the_summary_of_the_concatenation():
+    parts = list(distributions().values())
+    merged = Summary.merged([Summary.of(p) for p in parts] + [Summary()])  # an empty one changes nothing
+    whole = Summary.of(v for p in parts for v in p)
+    assert {**merged.to_json(), "total": None} == {**whole.to_json(), "total": None}
+    assert merged.total == pytest.approx(whole.total)  # summed in another order
+    assert [merged.quantile(q) for q in QUANTILES] == [whole.quantile(q) for q in QUANTILES]
+
+
+@pytest.mark.timeout(10)
+def test_window_keeps_the_head_the_profiled_steps_and_the_tail():
+    profiled = range(HEAD_STEPS - 2, HEAD_STEPS + 5)  # kernel_steps running past the head
+    window = Window(profiled)
+    for step in range(200):
+        window.add(step, f"row {step}")
+    kept = [step for step, _ in window.items()]
+    assert kept == [*range(HEAD_STEPS + 5), *range(200 - TAIL_STEPS, 200)]
+    assert all(row == f"row {step}" for step, row in window.items())
+    short = Window()
+    for step in range(HEAD_STEPS + TAIL_STEPS):  # a run as long as the window loses nothing
+        short.add(step, step)
+    assert [step for step, _ in short.items()] == list(range(HEAD_STEPS + TAIL_STEPS))
+
+
+def plain(value):
+    """A record as plain data with its types, Summaries by their contents (a Summary compares by identity)."""
+    if isinstance(value, Summary):
+        return "Summary", value.to_json()
+    if dataclasses.is_dataclass(value):
+        return type(value).__name__, {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def records():
+    roof = Roofline(rows_per_rank=32, forward_flop=2e9, backward_flop=4e9, update_bytes=1.6e7, peak_tflops=989.0,
+                    peak_gbps=3350.0, peak_label="H100 SXM, bf16")  # fmt: skip
+    steps = [(1.5, 3.25, 0.5, 0.125), (1.0, 2.0, 0.5, 0.0), (40.0, 60.0, 30.0, 10.0), (1.25, 2.5, 0.75, -0.01)]
+    phases = phase_record([steps, steps[::-1]], profiled=[2], clock="cuda_event", roofline=roof,
+                          busy=[(0.75, 1.5, 0.25, 0.0)])  # fmt: skip
+
+    def buckets(rank):  # step 0 on DDP's construction-time layout
+        return [
+            StepBuckets(0, [1000], [2.0], [7.0], 2.0, 2.0),
+            *(StepBuckets(s, [400, 600], [0.5, 0.75 + rank], [1.0, 3.0], 1.0, 0.5 * s) for s in (1, 2, 3)),
+        ]
+
+    comm = comm_record([buckets(0), buckets(1)], param_bytes=2000, profiled=[2], compression="bf16")
+    return phases, comm
+
+
+@pytest.mark.timeout(10)
+def test_both_records_survive_a_json_round_trip(tmp_path):
+    phases, comm = records()
+    short = phase_record([[(1.0, 2.0, 0.5, 0.25)]])  # a 1-step run: empty summaries
+    for name, original in (("phases.json", phases), ("comm.json", comm), ("short.json", short)):
+        path = record.save(original, tmp_path / name)
+        assert json.loads(path.read_text())["schema"] == record.SCHEMA_VERSION
+        loaded = record.load(path)
+        assert type(loaded) is type(original)
+        assert plain(loaded) == plain(original), name
+    loaded_phases, loaded_comm = record.load_run(tmp_path)
+    assert plain(loaded_phases) == plain(phases) and plain(loaded_comm) == plain(comm)
+    assert record.load_run(tmp_path / "nothing") == (None, None)
+
+
+def schema_1_run(run_dir):
+    """What PhaseTimer and CommMonitor wrote before the record had a schema: untyped lists, no "schema" key."""
+    run_dir.mkdir()
+    (run_dir / "phases.json").write_text(json.dumps({
+        "clock": "perf_counter", "world_size": 2, "steps": [0, 1], "phases": list(record.PHASES),
+        "ms": [[[1.0, 2.0, 0.5, 0.5, 4.0]] * 2] * 2}))  # fmt: skip
+    (run_dir / "comm.json").write_text(json.dumps({
+        "world_size": 2, "steps": [0, 1], "bucket_bytes": [400], "ms": [[[1.0]] * 2] * 2}))  # fmt: skip
+    return run_dir
+
+
+@pytest.mark.timeout(10)
+def test_load_refuses_another_schema_in_one_line(tmp_path):
+    old = schema_1_run(tmp_path / "old")
+    with pytest.raises(RecordError) as refused:
+        record.load(old / "phases.json")
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"{old / 'phases.json'}: run record schema 1; this lit_ddp reads schema 2")
+    newer = tmp_path / "newer.json"
+    newer.write_text(json.dumps({"schema": 3, "kind": "phases"}))
+    with pytest.raises(RecordError, match="run record schema 3; this lit_ddp reads schema 2"):
+        record.load(newer)
+    for text, why in (("{", "not a readable run record"), ('{"schema": 2, "kind": "phases"}', "a damaged run record")):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        with pytest.raises(RecordError, match=why) as refused:
+            record.load(bad)
+        assert "\n" not in str(refused.value)
+
+
+@pytest.mark.timeout(60)
+def test_report_exits_2_with_that_one_line(tmp_path):
+    old = schema_1_run(tmp_path / "old")
+    with pytest.raises(RecordError) as refused:
+        record.load(old / "phases.json")
+    result = run_module("lit_ddp.report", str(old), cwd=tmp_path, timeout=50)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines()[-1] == f"python -m lit_ddp.report: error: {refused.value}"
+    assert "Traceback" not in result.stderr and result.stdout == ""

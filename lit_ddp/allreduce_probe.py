@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lit_ddp.forecast import ProbePoint, fit_probe
+from lit_ddp.links import ProbePoint, fit_probe
 from lit_ddp.rendezvous import init_loopback_process_group
 
 KIB = 1024

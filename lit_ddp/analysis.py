@@ -9,8 +9,9 @@ in no command line, so collection (the callbacks) may import it; ``lit_ddp.repor
 import math
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import astuple
+from typing import Optional
 
+from lit_ddp import stragglers
 from lit_ddp.record import PHASES, CommRecord, PhaseRecord, StepPhases, StepRow, Summary
 from lit_ddp.tables import fmt_ms, fmt_si, table
 
@@ -23,6 +24,7 @@ HINTS = {
     "forward": "a larger batch per rank or fewer, larger ops",
     "backward": "more overlap of the all-reduce with backward (smaller buckets; see the all-reduce table)",
     "update": "a fused or foreach optimizer (--model.fused true)",
+    "data": "a faster input pipeline (DataLoader workers, pinned memory, prefetching)",
     "other": "less per-step Python: callbacks, logging, printing every step",
 }
 
@@ -42,16 +44,15 @@ def _summary(summaries: dict[str, Summary], name: str, fallback: Callable[[], Se
 
 def phase_summary(record: PhaseRecord, rank: int, phase: str) -> Summary:
     """``phase`` on ``rank`` over the steady steps."""
-    i = PHASES.index(phase)
-    rows = record.ranks[rank].rows
-    return _summary(record.ranks[rank].summaries, phase, lambda: [astuple(r.ms)[i] for r in rows])
+    rows = record.steady_rows(rank) or record.ranks[rank].rows
+    return _summary(record.ranks[rank].summaries, phase, lambda: [getattr(r.ms, phase) for r in rows])
 
 
 def _busy_median(rows: list[StepRow], phase: str) -> float:
     return statistics.median(getattr(r.ms, phase) for r in rows)
 
 
-def phase_table(record: PhaseRecord) -> str:
+def phase_table(record: PhaseRecord, comm: Optional[CommRecord] = None) -> str:
     """Per phase: warm-up (step 0, rank 0), median/min/max over steady steps of all ranks, the slowest rank."""
     n_ranks = len(record.ranks)
     first = record.ranks[0].row(0)
@@ -79,11 +80,15 @@ def phase_table(record: PhaseRecord) -> str:
     text = title + ":\n" + table(tuple(header), rows)
     if record.roofline:
         text += "\n" + roofline_table(record)
-    return text + "\n" + verdict(record)
+    return text + "\n" + verdict(record, comm)
 
 
-def verdict(record: PhaseRecord) -> str:
-    """One line: what bounds the step, and what would help."""
+def verdict(record: PhaseRecord, comm: Optional[CommRecord] = None) -> str:
+    """One line: what bounds the step, and what would help. A straggler (``comm`` of several ranks) comes
+    first: the others' time then goes to waiting for it, and no bucket size helps."""
+    found = stragglers.analyse(comm, record) if comm is not None else None
+    if found is not None and found.rank is not None:
+        return f"Verdict: {stragglers.verdict_line(found)}"
     step_ms = phase_summary(record, 0, "step").median
     busy = record.ranks[0].busy_ms
     if busy:
@@ -96,7 +101,7 @@ def verdict(record: PhaseRecord) -> str:
     if record.meta.clock == "cuda_event":
         why = "no profiled step completed" if record.profiled_steps else "PhaseTimer(kernel_steps=0)"
         return f"Verdict: unknown: GPU-busy time was not measured ({why})"
-    shares = {p: phase_summary(record, 0, p).median / step_ms for p in PHASES[:4]}
+    shares = {p: phase_summary(record, 0, p).median / step_ms for p in PHASES if p != "step"}
     top = max(shares, key=shares.get)
     return f"Verdict: a CPU run (no device to idle): {top} is {shares[top]:.0%} of the step; {HINTS[top]} would help"
 
@@ -134,32 +139,40 @@ def comm_summary(record: CommRecord, rank: int, name: str) -> Summary:
     return _summary(record.ranks[rank].summaries, name, kept)
 
 
-def comm_table(record: CommRecord) -> str:
-    """Per bucket: bytes, all-reduce time, algbw and busbw (nccl-tests definitions); per step: totals.
+def comm_table(record: CommRecord, phases: Optional[PhaseRecord] = None) -> str:
+    """Per bucket: bytes, all-reduce time, algbw and busbw (nccl-tests definitions); per step: totals; on
+    several ranks, the straggler verdict (``lit_ddp.stragglers``), with ``phases`` naming its slow phase.
 
     Buckets are those of the final layout (DDP rebuilds its buckets after the first step), timed over the
-    steady steps that used it.
+    steady steps that used it. With several ranks, a bucket's time is its transfer (the shortest duration across
+    ranks: the last rank to arrive waits for no one), shown beside the longest wait for the last arrival, so
+    that a straggler does not pass for a slow link.
     """
     n = record.meta.world_size
     ring = 2 * (n - 1) / n
+    found = stragglers.analyse(record, phases)
     rows = []
     for b, nbytes in enumerate(record.layout):
-        t = comm_summary(record, 0, f"bucket{b}.ms").median
+        t = found.transfer_per_bucket_ms[b] if found else comm_summary(record, 0, f"bucket{b}.ms").median
         algbw = nbytes / (t / 1e3) / 1e9 if t > 0 else math.nan
-        rows.append((b, f"{nbytes:,}", fmt_ms(t), f"{algbw:.2f} GB/s", f"{algbw * ring:.2f} GB/s"))
+        row = (b, f"{nbytes:,}", fmt_ms(t), f"{algbw:.2f} GB/s", f"{algbw * ring:.2f} GB/s")
+        rows.append((*row, fmt_ms(found.wait_per_bucket_ms[b])) if found else row)
+    header = ("bucket", "bytes", "transfer" if found else "time", "algbw", "busbw", *(("wait",) if found else ()))
     total = sum(record.layout)
     exposed = comm_summary(record, 0, "exposed_ms").median
     busy = comm_summary(record, 0, "busy_ms").median
     first = record.first_layout
     rebuilt = f" (step 0 ran on DDP's initial {len(first)} bucket(s))" if first and first != record.layout else ""
     return (
-        f"Gradient all-reduce per step ({n} ranks, compression {record.compression or 'none'}, rank 0, "
-        "steady median):\n"
-        + table(("bucket", "bytes", "time", "algbw", "busbw"), rows)
+        f"Gradient all-reduce per step ({n} ranks, compression {record.compression or 'none'}, "
+        f"{'all ranks' if found else 'rank 0'}, steady median):\n"
+        + table(header, rows)
         + f"\n{len(record.layout)} bucket(s){rebuilt}, {total:,} bytes reduced per step "
         f"({record.param_bytes:,} bytes of gradients); each rank sends 2(n-1)/n x S = {ring * total:,.0f} bytes "
         f"in a ring all-reduce.\ncommunication {fmt_ms(busy)} per step, of which {fmt_ms(exposed)} exposed "
         f"(not hidden under backward compute)" + _unused_line(record)
+        # A straggler is the phase table's verdict when there is one; otherwise it is said here.
+        + (f"\n{stragglers.verdict_line(found)}" if found and (phases is None or found.rank is None) else "")
     )
 
 

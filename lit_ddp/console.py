@@ -13,12 +13,19 @@ import re
 import sys
 import warnings
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
 # Lightning's lines that say nothing about this run that the tool does not say better.
 BANNERS = re.compile(
     r"^(\[rank: \d+\] )?(GPU available:|TPU available:|HPU available:|IPU available:|💡 Tip:"
     r"|Initializing distributed:|-{10,}|distributed_backend=|LOCAL_RANK: \d+ - CUDA_VISIBLE_DEVICES"
     r"|`Trainer.fit` stopped: `max_(steps|epochs)=\d+` reached"
-    r"|Using default `ModelCheckpoint`|You are using a CUDA device .* Tensor Cores|Seed set to \d+)"
+    r"|Using default `ModelCheckpoint`|You are using a CUDA device .* Tensor Cores|Seed set to \d+"
+    # Under Slurm: the auto-requeue's set-up, its SIGTERM handler saying it does nothing (StepSync's stops the
+    # run), the default Lightning takes at every checkpoint save (the auto-requeue's too), and "requeing job N...",
+    # which "Requeued SLURM job: N" says again.
+    r"|SLURM auto-requeueing enabled\. Setting signal handlers\.|Bypassing SIGTERM: \d+|requeing job \S+\.\.\."
+    r"|`weights_only` was not set, defaulting to `False`\.)"
 )
 
 NOISY_WARNINGS = (
@@ -27,9 +34,14 @@ NOISY_WARNINGS = (
     ".*Total length of .* across ranks is zero.*",
     ".*The number of training batches .* is smaller than the logging interval.*",
     ".*Checkpoint directory .* exists and is not empty.*",
+    # A resume in mid-epoch (a requeued Slurm job, --ckpt_path last): every batch is the same one.
+    ".*You're resuming from a checkpoint that ended before the epoch ended.*",
     # Only with an explicit `--trainer.accelerator cpu` on a GPU machine (auto takes the GPU): the user's choice,
     # and the device map says where each rank runs.
     ".*GPU available but not used.*",
+    # Any run not under srun on a machine where Slurm is installed (a login node; CI's one-node Slurm): the
+    # forked and torchrun runs do not need srun, and README's Slurm section says when to use it.
+    ".*The `srun` command is available on your system but is not used.*",
     # The ddp_fork parent loads rank 0's final weights from the temporary file rank 0 wrote for it.
     ".*`weights_only` was not set, defaulting to `False`.*",
     # `cli_main` always passes the (expanded) argv as `args`.
@@ -41,7 +53,13 @@ NOISY_WARNINGS = (
 
 
 class DropBanners(logging.Filter):
+    """Drops the banners, and every info line of a rank other than 0: Lightning logs some (the auto-requeue's set-up,
+    "Bypassing SIGTERM") from every task that Slurm or torchrun started, where each rank runs this same set-up;
+    rank 0 speaks for all, as ``rank_zero_info`` does. Warnings and errors of every rank still pass."""
+
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno <= logging.INFO and rank_zero_only.rank != 0:
+            return False
         return not BANNERS.match(record.getMessage())
 
 

@@ -152,6 +152,7 @@ def load_run(run_dir: Path) -> Measured:
     per_rank = []
     for r in range(comm.meta.world_size):
         med = {p: phase_summary(phases, r, p).median for p in PHASES}
+        med["other"] += med.pop("data")  # the model takes everything outside the three phases as one
         for name in ("exposed_ms", "total_ms"):
             med[name] = comm_summary(comm, r, name).median
         med["ready"] = [comm_summary(comm, r, f"bucket{b}.ready_ms").median for b in range(len(comm.layout))]

@@ -31,9 +31,10 @@ from lit_ddp.errors import RecordError
 
 SCHEMA_VERSION = 2
 
-PHASES = ("forward", "backward", "update", "other", "step")
+PHASES = ("forward", "backward", "update", "data", "other", "step")
 # What PhaseTimer marks within a step, after its start; offsets are ms from the step's start to each.
-BOUNDARIES = ("forward_start", "forward_end", "backward_start", "backward_end", "update_start", "update_end", "end")
+BOUNDARIES = ("forward_start", "forward_end", "backward_start", "backward_end", "update_start", "update_end",
+              "data_start", "end")  # fmt: skip
 WARMUP_STEPS = 1
 HEAD_STEPS = 10
 TAIL_STEPS = 50
@@ -65,6 +66,11 @@ class Summary:
         self._bins: dict[int, int] = {}  # bin key -> count (see add: even keys positive, odd negative)
         self._zeros = 0
 
+    __hash__ = None  # mutable; equal when they saw the same values (to the sketch's bins)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Summary) and self.to_json() == other.to_json()
+
     def add(self, value: float) -> None:
         if math.isnan(value):
             return
@@ -84,7 +90,9 @@ class Summary:
         return -magnitude if negative else magnitude
 
     def quantile(self, q: float) -> float:
-        """The ``q``-quantile (0 <= q <= 1) as a sketch value, clamped to the exact min and max; NaN if empty."""
+        """The ``q``-quantile (0 <= q <= 1): the sketch's value for the ``floor(q (count - 1))``-th smallest value
+        (for an even count, the median is the lower of the two middle ones), clamped to the exact min and max;
+        NaN if empty."""
         if not self.count:
             return math.nan
         values = sorted(((self._value(k), n) for k, n in self._bins.items()), key=lambda vn: vn[0])
@@ -184,13 +192,15 @@ class RunMeta:
 
 @dataclass(frozen=True)
 class StepPhases:
-    """One step's phases on one rank, in milliseconds; ``other`` = ``step`` minus the three phases."""
+    """One step's phases on one rank, in milliseconds; ``other`` = ``step`` minus the four phases; ``data`` runs
+    from the end of the step's batch to the start of the next one (fetching it, Lightning's loop)."""
 
     forward: float
     backward: float
     update: float
     other: float
     step: float
+    data: float = 0.0
 
 
 @dataclass
@@ -261,6 +271,7 @@ class StepBuckets:
     ready_ms: list[float]
     busy_ms: float
     exposed_ms: float
+    arrival_s: list[float] = field(default_factory=list)  # each hand-over on this rank's host clock (seconds)
 
 
 @dataclass
@@ -284,10 +295,13 @@ class CommRecord:
     compression: Optional[str] = None
     first_layout: list[int] = field(default_factory=list)  # the layout DDP built the model with (step 0's)
     profiled_steps: list[int] = field(default_factory=list)
+    clock_offset_s: list[float] = field(default_factory=list)  # each rank's host clock minus rank 0's
+    clock_error_s: list[float] = field(default_factory=list)  # ... within this, either way
     find_unused_parameters: bool = False
     unused: list[str] = field(default_factory=list)  # rank 0's parameters without a gradient in its last step
     unused_bytes: int = 0
     unused_every_step: bool = False  # the same ones in every step rank 0 ran
+    straggler: Optional[dict[str, Any]] = None  # lit_ddp.stragglers.Straggler's fields, with phases.json's cause
     kind: str = "comm"
 
 
@@ -327,8 +341,9 @@ def _comm_from(data: dict[str, Any]) -> CommRecord:
     ranks = [RankComm(r["rank"], [StepBuckets(**s) for s in r["rows"]], _summaries(r["summaries"]))
              for r in data["ranks"]]  # fmt: skip
     return CommRecord(RunMeta(**data["meta"]), ranks, data["layout"], data["param_bytes"], data["compression"],
-                      data["first_layout"], data["profiled_steps"], data["find_unused_parameters"], data["unused"],
-                      data["unused_bytes"], data["unused_every_step"])  # fmt: skip
+                      data["first_layout"], data["profiled_steps"], data["clock_offset_s"], data["clock_error_s"],
+                      data["find_unused_parameters"], data["unused"], data["unused_bytes"],
+                      data["unused_every_step"], data["straggler"])  # fmt: skip
 
 
 def _summaries(data: dict[str, Any]) -> dict[str, Summary]:

@@ -30,13 +30,13 @@ def plot(phases: PhaseRecord, comm: Optional[CommRecord], out: Path) -> Path:
     # without breaking its inline plots.
     from matplotlib.figure import Figure
 
-    colors = {"forward": "#4C72B0", "backward": "#DD8452", "update": "#55A868", "other": "#BBBBBB"}
+    colors = {"forward": "#4C72B0", "backward": "#DD8452", "update": "#55A868", "data": "#937860", "other": "#BBBBBB"}
     fig = Figure(figsize=(13, 4.5))
     ax_step, ax_line = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 2]})
     rows = phases.ranks[0].rows
     steps = [r.step for r in rows]
     bottom = [0.0] * len(steps)
-    for phase in PHASES[:4]:
+    for phase in PHASES[:-1]:
         heights = [max(getattr(r.ms, phase), 0.0) for r in rows]
         ax_step.bar(steps, heights, bottom=bottom, color=colors[phase], label=phase)
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
@@ -55,7 +55,7 @@ def _timeline(ax, phases: PhaseRecord, comm: Optional[CommRecord], colors: dict[
     step = by_time[len(by_time) // 2].step
     at = {name: i for i, name in enumerate(BOUNDARIES)}
     spans = (("forward", "forward_start", "forward_end"), ("backward", "backward_start", "backward_end"),
-             ("update", "update_start", "update_end"))  # fmt: skip
+             ("update", "update_start", "update_end"), ("data", "data_start", "end"))  # fmt: skip
     for rank, kept in enumerate(phases.ranks):
         row = kept.row(step)
         if row is None:

@@ -21,7 +21,8 @@ def test_busy_is_the_union_of_kernels_clipped_to_the_window():
 
 def step_marks(t0: float) -> list[tuple[str, float]]:
     return [(name, t0 + dt) for name, dt in (("start", 0), ("forward_start", 1), ("forward_end", 3),
-            ("backward_start", 4), ("backward_end", 8), ("update_start", 9), ("update_end", 10))]  # fmt: skip
+            ("backward_start", 4), ("backward_end", 8), ("update_start", 9), ("update_end", 10),
+            ("data_start", 11))]  # fmt: skip
 
 
 def test_busy_per_step_splits_kernels_into_phases():
@@ -30,8 +31,9 @@ def test_busy_per_step_splits_kernels_into_phases():
     kernels = [(1.0, 2.0), (4.0, 8.0), (9.0, 9.5), (10.5, 11.5), (13.0, 15.0)]
     rows = _busy_per_step(marks, kernels, range(2, 5))  # the i-th "start" marker opens the i-th profiled step
     assert [row.step for row in rows] == [2, 3]  # step 4 never ended: no "start" after its own
-    assert astuple(rows[0].ms) == pytest.approx((1.0, 4.0, 0.5, 1.0, 6.5))
-    assert astuple(rows[1].ms) == pytest.approx((2.0, 0.0, 0.0, 0.0, 2.0))
+    # (forward, backward, update, other, step, data): the kernel at 10.5-11.5 is half other, half data
+    assert astuple(rows[0].ms) == pytest.approx((1.0, 4.0, 0.5, 0.5, 6.5, 0.5))
+    assert astuple(rows[1].ms) == pytest.approx((2.0, 0.0, 0.0, 0.0, 2.0, 0.0))
     # A step whose markers were not all found (a marker's kernel missing from the trace) is left out.
     missing = [m for m in marks if m != ("backward_end", 8.0)]
     assert [row.step for row in _busy_per_step(missing, kernels, range(2, 5))] == [3]

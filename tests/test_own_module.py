@@ -44,7 +44,7 @@ def test_callbacks_print_once_in_a_plain_script(tmp_path):
     for line in (
         "Phase times (perf_counter: host time), 2 rank(s), step 0 = warm-up, then 3 steady step(s):",
         "Roofline (rank 0, steady median):",
-        "Gradient all-reduce per step (2 ranks, compression none, rank 0, steady median):",
+        "Gradient all-reduce per step (2 ranks, compression none, all ranks, steady median):",
         "weights in sync across 2 ranks after step 3: max |diff| = 0 (1,692,200 parameters)",
     ):
         assert out.count(line) == 1, (line, out[-3000:])

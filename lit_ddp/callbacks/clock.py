@@ -1,15 +1,32 @@
-"""Two clocks for step-phase timing: host ``perf_counter`` on CPU, CUDA events on GPUs.
+"""Two clocks for step-phase timing, host ``perf_counter`` on CPU and CUDA events on GPUs, and each rank's
+host clock against rank 0's.
 
 CUDA work is asynchronous: a host clock read at a hook measures when the work was *queued*, not run. CUDA
 events are recorded into the stream at the same points and timed by the device; they are resolved once
 they have completed (``query()``, which never blocks), or all at once at the end of training, so timing
 adds no ``synchronize()`` to the steps it measures.
+
+Ranks on different machines do not share a clock. ``offsets_to_rank0`` measures each rank's host clock
+against rank 0's once, at the start of training, as NTP does: rank 0 sends its time t1, the rank notes t2
+when it arrives and t3 when it replies, rank 0 notes t4; the rank's clock is ahead by ((t2 - t1) + (t3 - t4))
+/ 2, give or take half the round trip (t4 - t1) - (t3 - t2). Of a few rounds, the one with the shortest
+round trip is kept, and its half round trip is the error bound.
 """
 
+import time
+from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+
+def host_now() -> float:
+    """The host clock every rank's arrivals are marked with, in seconds (a module attribute: a test moves one
+    rank's clock by patching it)."""
+    return time.perf_counter()
+
 
 
 class HostClock:
@@ -52,3 +69,40 @@ class CudaClock:
 
 def clock_for(device: torch.device) -> HostClock | CudaClock:
     return CudaClock() if device.type == "cuda" else HostClock()
+
+
+@dataclass(frozen=True)
+class ClockOffset:
+    """A rank's host clock minus rank 0's (seconds), within ``error_s`` either way."""
+
+    offset_s: float
+    error_s: float
+
+
+def offsets_to_rank0(device: torch.device, rounds: int = 8) -> list[ClockOffset]:
+    """Every rank's ``ClockOffset`` on rank 0 (rank 0's own is zero); an empty list on the other ranks. Point to
+    point, rank 0 with each rank in turn: ``rounds`` round trips per rank, at the start of training only."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    buf = torch.zeros(2, dtype=torch.float64, device=device)
+    offsets = [ClockOffset(0.0, 0.0)]
+    for peer in range(1, world):
+        best = None
+        for _ in range(rounds):
+            if rank == 0:
+                t1 = host_now()
+                buf.fill_(t1)
+                dist.send(buf, peer)
+                dist.recv(buf, peer)
+                t4 = host_now()
+                t2, t3 = buf.tolist()
+                delay = (t4 - t1) - (t3 - t2)
+                if best is None or delay < best[0]:
+                    best = (delay, ((t2 - t1) + (t3 - t4)) / 2)
+            elif rank == peer:
+                dist.recv(buf, 0)
+                t2 = host_now()
+                buf[0], buf[1] = t2, host_now()
+                dist.send(buf, 0)
+        if rank == 0:
+            offsets.append(ClockOffset(best[1], best[0] / 2))
+    return offsets if rank == 0 else []

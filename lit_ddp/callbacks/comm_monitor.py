@@ -19,23 +19,24 @@ compute; that part is hidden.
 
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, Optional
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from typing_extensions import override
 
-from lit_ddp import _lightning, analysis
-from lit_ddp.callbacks.clock import HostClock, clock_for
+from lit_ddp import _lightning
+from lit_ddp.callbacks import clock
+from lit_ddp.callbacks.clock import ClockOffset, HostClock, clock_for
 from lit_ddp.callbacks.kernels import union_ms
 from lit_ddp.callbacks.phase_timer import PhaseTimer
-from lit_ddp.callbacks.results import gather_to_zero, log_metrics, meta, say
+from lit_ddp.callbacks.results import gather_to_zero, log_metrics, meta, report_timers
 from lit_ddp.gradients import check_all_used, without_grad
-from lit_ddp.record import CommRecord, RankComm, StepBuckets, Summary, Window, is_steady, save
+from lit_ddp.record import CommRecord, RankComm, StepBuckets, Summary, Window, is_steady
 
 COMPRESSION_WRAPPERS = {
     "fp16": default_hooks.fp16_compress_wrapper,
@@ -52,6 +53,7 @@ class BucketTiming:
     nbytes: int
     backward_start: Any
     start: Any  # handed to the hook: the bucket's gradients are ready
+    arrival: float  # the same moment on the host clock (``clock.host_now``), comparable across ranks
     end: Any = None  # the all-reduce's future completed
 
 
@@ -79,6 +81,10 @@ class CommMonitor(Callback):
         self._profiled: Optional[range] = None
         self._unused: list[tuple[str, int]] = []  # parameters without a gradient in the last backward
         self._unused_sets: set[tuple[str, ...]] = set()  # every step's, to tell a fixed set from a changing one
+        self._offsets: list[ClockOffset] = []  # on rank 0: every rank's clock against its own
+        self.record: Optional[CommRecord] = None  # rank 0's, once training ended
+        self.ended = False
+        self.log_dir: Optional[str] = None
         self._hook: Any = None
 
     @staticmethod
@@ -110,7 +116,11 @@ class CommMonitor(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         state, hook = self._hook
         trainer.strategy.model.register_comm_hook(state, hook)
+        # Once, before the first step: where each rank's clock stands against rank 0's (arrivals compare then).
+        distributed = trainer.world_size > 1 and dist.is_initialized()
+        self._offsets = clock.offsets_to_rank0(trainer.strategy.root_device) if distributed else []
         self._timings, self._pending, self._summaries, self._profiled = [], {}, {}, None
+        self.record, self.ended = None, False
         self._unused, self._unused_sets = [], set()
         self._window = Window()
 
@@ -119,7 +129,7 @@ class CommMonitor(Callback):
             buffer = bucket.buffer()
             timing = BucketTiming(
                 self._step, bucket.index(), buffer.numel() * buffer.element_size(), self._backward_start,
-                self._clock.mark(),
+                self._clock.mark(), clock.host_now(),
             )  # fmt: skip
 
             def done(fut):
@@ -154,13 +164,15 @@ class CommMonitor(Callback):
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._collect(trainer, block=True)
-        log_dir = trainer.log_dir  # a broadcast: every rank asks
+        self.log_dir = trainer.log_dir  # a broadcast: every rank asks
         rows = [row for _, row in self._window.items()]
         final = tuple(rows[-1].bytes) if rows else ()
         ranks = gather_to_zero(trainer, RankComm(trainer.global_rank, rows, self._summaries.get(final, {})))
+        self.ended = True
         if ranks is None or not rows:
+            report_timers(trainer, self)
             return
-        record = CommRecord(
+        self.record = CommRecord(
             meta=meta(trainer, self._clock.name),
             ranks=ranks,
             layout=list(final),
@@ -168,14 +180,14 @@ class CommMonitor(Callback):
             compression=self.compression,
             first_layout=rows[0].bytes,
             profiled_steps=list(self._profiled or ()),
+            clock_offset_s=[o.offset_s for o in self._offsets] or [0.0],
+            clock_error_s=[o.error_s for o in self._offsets] or [0.0],
             find_unused_parameters=bool(trainer.strategy.model.find_unused_parameters),
             unused=[name for name, _ in self._unused],
             unused_bytes=sum(nbytes for _, nbytes in self._unused),
             unused_every_step=len(self._unused_sets) == 1,
         )
-        if log_dir is not None:
-            save(record, Path(log_dir) / self.filename)
-        say(trainer, analysis.comm_table(record))
+        report_timers(trainer, self)
 
     def _collect(self, trainer: Trainer, block: bool) -> None:
         """Turns the buckets of finished steps into the record's rows and summaries, oldest first, as far as
@@ -204,6 +216,7 @@ class CommMonitor(Callback):
             ready_ms=[ms(b.backward_start, b.start) if b.backward_start is not None else 0.0 for b in buckets],
             busy_ms=union_ms(spans),
             exposed_ms=max(end for _, end in spans) - max(start for start, _ in spans),
+            arrival_s=[b.arrival for b in buckets],
         )
         self._window.add(step, row)
         if self._profiled is None:  # PhaseTimer's on_train_start has run by the first step's end, wherever listed

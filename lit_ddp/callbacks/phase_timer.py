@@ -28,8 +28,6 @@ every logger. With a roofline: FLOPs counted once by ``torch.utils.flop_counter`
 optimizer's bytes from its real state (``lit_ddp.roofline``).
 """
 
-from dataclasses import astuple
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -41,7 +39,7 @@ from typing_extensions import override
 from lit_ddp import analysis, roofline
 from lit_ddp.callbacks.clock import HostClock, clock_for
 from lit_ddp.callbacks.kernels import KernelRecorder, union_ms
-from lit_ddp.callbacks.results import gather_to_zero, log_metrics, meta, say
+from lit_ddp.callbacks.results import gather_to_zero, log_metrics, meta, report_timers, say
 from lit_ddp.record import (
     BOUNDARIES,
     PHASES,
@@ -53,11 +51,10 @@ from lit_ddp.record import (
     Summary,
     Window,
     is_steady,
-    save,
 )
 
 FIRST_PROFILED_STEP = 2  # after the warm-up step and one more (allocator, DDP's bucket rebuild)
-MARKS = ("start", *BOUNDARIES[:-1])  # what a step marks; its end is the next step's start
+MARKS = ("start", *BOUNDARIES[:-2])  # what a step must mark; data_start may be missing, its end is the next start
 METRICS = tuple(f"time/{phase}_ms" for phase in PHASES)
 
 
@@ -104,6 +101,9 @@ class PhaseTimer(Callback):
         self._window = Window()
         self._summaries: dict[str, Summary] = {}
         self.profiled_steps = range(0)
+        self.record: Optional[PhaseRecord] = None  # rank 0's, once training ended
+        self.ended = False
+        self.log_dir: Optional[str] = None
         self._flops: Optional[roofline.StepFlops] = None
         self._counted = False
         self._rows = 0
@@ -113,6 +113,7 @@ class PhaseTimer(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._clock = clock_for(trainer.strategy.root_device)
         self._pending, self._marks = [], {}
+        self.record, self.ended = None, False
         self._flops, self._counted = None, False
         self._busy, self._recorder = [], None
         kernel_steps = (
@@ -122,7 +123,8 @@ class PhaseTimer(Callback):
             rank_zero_warn(f"PhaseTimer(kernel_steps={kernel_steps}) measures GPU kernels: off without CUDA")
         elif kernel_steps:
             self._recorder = KernelRecorder(trainer.strategy.root_device)
-        self.profiled_steps = range(FIRST_PROFILED_STEP, FIRST_PROFILED_STEP + kernel_steps)
+        profiled = kernel_steps if self._recorder is not None else 0  # without a profiler, no step is slowed
+        self.profiled_steps = range(FIRST_PROFILED_STEP, FIRST_PROFILED_STEP + profiled)
         self._window, self._summaries = Window(self.profiled_steps), {phase: Summary() for phase in PHASES}
         # Lightning has no hook where the forward starts (after its own batch handling) nor where the
         # optimizer's step() returns: a forward pre-hook on the model Lightning calls, a step post-hook.
@@ -202,12 +204,14 @@ class PhaseTimer(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
         if "update_start" in self._marks:  # an optimizer without step post-hooks: the update ends by here
             self._mark_once("update_end")
+        self._mark_once("data_start")  # from here to the next step's start: the next batch, Lightning's loop
 
     def _close_step(self, end_mark: Any) -> None:
         """The step that was running ends where the next one starts (or training ends)."""
         if not self._marks:
             return
         self._marks.setdefault("forward_start", self._marks["start"])
+        self._marks.setdefault("data_start", end_mark)  # no batch end (the step raised, or a hand-driven timer)
         if all(b in self._marks for b in MARKS):  # a skipped optimizer step has no phases to report
             self._pending.append((self._step, {**self._marks, "end": end_mark}))
         self._marks = {}
@@ -219,16 +223,14 @@ class PhaseTimer(Callback):
             self._stop_recorder()
         self._remove_hooks()
         self._resolve(trainer, block=True)
-        log_dir = trainer.log_dir  # a broadcast: every rank asks
+        self.log_dir = trainer.log_dir  # a broadcast: every rank asks
         ranks = gather_to_zero(trainer, RankPhases(trainer.global_rank, [row for _, row in self._window.items()],
                                                    self._summaries, self._busy))  # fmt: skip
-        if ranks is None or not ranks[0].rows:
-            return
-        record = PhaseRecord(meta(trainer, self._clock.name), ranks, list(self.profiled_steps),
-                             self._roofline(trainer, pl_module))  # fmt: skip
-        if log_dir is not None:
-            save(record, Path(log_dir) / self.filename)
-        say(trainer, analysis.phase_table(record))
+        if ranks is not None and ranks[0].rows:
+            self.record = PhaseRecord(meta(trainer, self._clock.name), ranks, list(self.profiled_steps),
+                                      self._roofline(trainer, pl_module))  # fmt: skip
+        self.ended = True
+        report_timers(trainer, self)
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -255,18 +257,19 @@ class PhaseTimer(Callback):
             forward = ms(marks["forward_start"], marks["forward_end"])
             backward = ms(marks["backward_start"], marks["backward_end"])
             update = ms(marks["update_start"], marks["update_end"])
+            data = ms(marks["data_start"], marks["end"])
             total = ms(marks["start"], marks["end"])
-            phases = StepPhases(forward, backward, update, total - forward - backward - update, total)
+            phases = StepPhases(forward, backward, update, total - forward - backward - update - data, total, data)
             self._window.add(step, StepRow(step, phases, [ms(marks["start"], marks[b]) for b in BOUNDARIES]))
             if is_steady(step, self.profiled_steps):
-                for name, value in zip(PHASES, astuple(phases), strict=True):
-                    self._summaries[name].add(value)
+                for name in PHASES:
+                    self._summaries[name].add(getattr(phases, name))
             self._publish(trainer, step, phases)
 
     def _publish(self, trainer: Trainer, step: int, phases: StepPhases) -> None:
         if step < self.print_steps:
             say(trainer, analysis.format_step(step, phases))
-        log_metrics(trainer, dict(zip(METRICS, astuple(phases), strict=True)), step=step)
+        log_metrics(trainer, {metric: getattr(phases, p) for metric, p in zip(METRICS, PHASES, strict=True)}, step=step)
 
     def _roofline(self, trainer: Trainer, pl_module: LightningModule) -> Roofline:
         peak = roofline.peak_for(_device_name(trainer.strategy.root_device), _compute_dtype(trainer, pl_module))
@@ -300,8 +303,9 @@ def _busy_per_step(marks: list[tuple[str, float]], kernels: list[tuple[float, fl
                 ("update_start", "update_end"),
             )
         ]
-        total = union_ms(kernels, at["start"], marks[last][1])
-        rows.append(StepRow(step, StepPhases(*phases, total - sum(phases), total), []))
+        end = marks[last][1]
+        total, data = union_ms(kernels, at["start"], end), union_ms(kernels, at.get("data_start", end), end)
+        rows.append(StepRow(step, StepPhases(*phases, total - sum(phases) - data, total, data), []))
     return rows
 
 

@@ -2,18 +2,20 @@
 and the end of training of the timers (every rank's part of the record to rank 0, with the run's
 ``lit_ddp.record.RunMeta``)."""
 
+from pathlib import Path
 from typing import Optional, TypeVar
 
 import lightning
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from tqdm import tqdm
 
-from lit_ddp.record import RunMeta
+from lit_ddp import analysis, stragglers
+from lit_ddp.record import RunMeta, as_json, save
 
 T = TypeVar("T")
 
@@ -88,3 +90,29 @@ def meta(trainer: Trainer, clock: str) -> RunMeta:
         torch=torch.__version__,
         lightning=lightning.__version__,
     )
+
+
+def report_timers(trainer: Trainer, caller: Callback) -> None:
+    """Once every PhaseTimer and CommMonitor of the Trainer has ended (each calls this at its end), rank 0 writes
+    their records and prints their tables, the phase table first: its verdict, and the straggler named in
+    ``comm.json``, need both records (``lit_ddp.stragglers``), whichever callback ends last."""
+    from lit_ddp.callbacks.comm_monitor import CommMonitor  # here: both import this module
+    from lit_ddp.callbacks.phase_timer import PhaseTimer
+
+    timers = [
+        c for c in {id(c): c for c in [*trainer.callbacks, caller]}.values() if isinstance(c, (PhaseTimer, CommMonitor))
+    ]
+    if not trainer.is_global_zero or not all(t.ended for t in timers):
+        return
+    phases = next((t for t in timers if isinstance(t, PhaseTimer) and t.record is not None), None)
+    comm = next((t for t in timers if isinstance(t, CommMonitor) and t.record is not None), None)
+    if comm is not None:
+        found = stragglers.analyse(comm.record, phases.record if phases else None)
+        comm.record.straggler = as_json(found) if found else None
+    for timer in (phases, comm):
+        if timer is not None and timer.log_dir is not None:
+            save(timer.record, Path(timer.log_dir) / timer.filename)
+    if phases is not None:
+        say(trainer, analysis.phase_table(phases.record, comm.record if comm else None))
+    if comm is not None:
+        say(trainer, analysis.comm_table(comm.record, phases.record if phases else None))

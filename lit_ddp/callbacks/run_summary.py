@@ -1,6 +1,10 @@
 """The closing line of a run: ``Done: 5 steps on 2 ranks, backend gloo, device cpu, wall 3.1 s, logs in ...``.
 
     python -m lit_ddp.fit --devices 2
+    python -m lit_ddp.fit --ckpt_path last     # Done: 5 steps on 2 ranks (resumed at step 5 from ...), ...
+
+The steps are those this run trained: a run resumed from a checkpoint (``--ckpt_path``, or Lightning's own
+``hpc_ckpt_N.ckpt`` in a requeued Slurm job) counts from the checkpoint's step, and says where it resumed.
 
 Printed by rank 0 of the ranks that trained, so it is right whichever process launched them (the ``ddp``
 launcher's rank 0, torchrun, or the parent of ``ddp_fork`` ranks, which trains nothing itself).
@@ -15,7 +19,8 @@ from lit_ddp.callbacks.results import say
 
 
 class RunSummary(Callback):
-    """Rank 0 says how many steps ran on how many ranks, where, the wall time, and where the logs are.
+    """Rank 0 says how many steps this run trained (and from which checkpoint, on a resume), on how many ranks,
+    where, the wall time, and where the logs are.
 
     The wall time runs from the callback's creation, or from ``measure_from(t0)``: ``time.perf_counter()``
     of the process that launched the ranks (forked ranks share its clock).
@@ -23,9 +28,14 @@ class RunSummary(Callback):
 
     def __init__(self) -> None:
         self._start = time.perf_counter()
+        self._first_step = 0  # global_step when training started: the checkpoint's, on a resume
 
     def measure_from(self, t0: float) -> None:
         self._start = t0
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._first_step = trainer.global_step  # the loops' state is restored before this hook
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -33,8 +43,9 @@ class RunSummary(Callback):
         strategy = trainer.strategy
         ranks = f"{trainer.world_size} rank" + ("s" if trainer.world_size != 1 else "")
         backend = getattr(strategy, "process_group_backend", None) or "none"
+        resumed = f" (resumed at step {self._first_step} from {trainer.ckpt_path})" if trainer.ckpt_path else ""
         say(
             trainer,
-            f"Done: {trainer.global_step} steps on {ranks}, backend {backend}, device {strategy.root_device.type}, "
-            f"wall {time.perf_counter() - self._start:.1f} s, logs in {log_dir}",
+            f"Done: {trainer.global_step - self._first_step} steps on {ranks}{resumed}, backend {backend}, "
+            f"device {strategy.root_device.type}, wall {time.perf_counter() - self._start:.1f} s, logs in {log_dir}",
         )

@@ -29,9 +29,10 @@ import tempfile
 from dataclasses import fields, replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file: the repository on sys.path instead of benchmarks/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from benchmarks.common import ROOT, child_env  # noqa: E402
 from lit_ddp.errors import ForecastError  # noqa: E402
 from lit_ddp.forecast import Bucket, Measured, load_run, simulate  # noqa: E402
 from lit_ddp.links import topology  # noqa: E402
@@ -40,19 +41,11 @@ CONFIG = ROOT / "configs" / "mini_train_profile.yaml"
 TARGET = 0.15  # the target: the step within 15%
 
 
-def _env() -> dict[str, str]:
-    return {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
-        "OMP_NUM_THREADS": "1",
-    }
-
-
 def _start(args: list[str], log: Path) -> tuple[subprocess.Popen, Path]:
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=_env(), stdout=out,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=child_env(OMP_NUM_THREADS="1"),
+                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
     return proc, log
 
 

@@ -9,6 +9,7 @@ Chrome-trace JSON that ``torch.profiler`` writes, a public format.
 from typing import Any, Optional
 
 import torch
+from torch.distributed import distributed_c10d
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
@@ -22,6 +23,7 @@ PRIVATE_NAMES = [
     ),  # fmt: skip
     PrivateName(Optimizer, "_optimizer_step_post_hooks", "the tests check that PhaseTimer removes its step hook"),
     PrivateName(torch._C, "_cuda_getDriverVersion", "the driver's CUDA version, for a GPU report's header"),
+    PrivateName(distributed_c10d, "_get_default_store", "the rendezvous store, to name hung ranks after a timeout"),
 ]
 
 
@@ -41,3 +43,11 @@ def cuda_driver_version() -> Optional[int]:
     """The CUDA version the driver supports (13000 for 13.0), None without CUDA."""
     get = getattr(torch._C, "_cuda_getDriverVersion", None)
     return get() if get is not None and torch.cuda.is_available() else None
+
+
+def default_store() -> Optional[Any]:
+    """The default process group's rendezvous store (a ``torch.distributed.Store``), None without one."""
+    try:
+        return distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None

@@ -32,7 +32,9 @@ from typing import Optional
 from lit_ddp.record import PHASES, CommRecord, PhaseRecord, is_steady
 
 STRAGGLER_SHARE = 0.75
-MIN_LATE_MS = 2.0
+# Below this a rank is not called a straggler whatever its lateness: two undelayed CPU ranks sharing two cores
+# were seen 2 ms apart at 87% of all-reduces (one core busier than the other), which is no straggler to fix.
+MIN_LATE_MS = 5.0
 
 
 @dataclass

@@ -11,7 +11,7 @@ dead ranks) to ``lit_ddp.lifecycle``.
 import multiprocessing
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 from jsonargparse.typing import PositiveFloat
@@ -24,6 +24,7 @@ from typing_extensions import override
 from lit_ddp import _lightning, lifecycle
 from lit_ddp.checkpointing import AtomicCheckpointIO
 from lit_ddp.gradients import check_all_used
+from lit_ddp.hangs import name_absent_ranks
 from lit_ddp.rendezvous import init_loopback_process_group
 
 
@@ -152,8 +153,25 @@ class LitDDPStrategy(DDPStrategy):
             lifecycle.teardown_process_group()
 
     @override
+    def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # Where DDP waits for every rank's gradients: a timeout here names the ranks that never arrived. (Here
+        # and not in on_exception: ddp_fork/ddp_spawn ranks never call it.)
+        try:
+            return super().backward(closure_loss, *args, **kwargs)
+        except Exception as err:
+            self._name_absent_ranks(err)
+            raise
+
+    def _name_absent_ranks(self, exception: BaseException) -> None:
+        trainer = self.lightning_module.trainer
+        where = next((c.waiting_for() for c in trainer.callbacks if hasattr(c, "waiting_for")), None)
+        name_absent_ranks(exception, self.global_rank, self.world_size, trainer.global_step, where)
+
+    @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        if torch.distributed.is_initialized():
+            self._name_absent_ranks(exception)
         lifecycle.stop_launched_ranks(self, first_rank=self.node_rank * self.num_processes + 1)
 
     @override

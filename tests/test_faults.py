@@ -69,19 +69,22 @@ def test_a_failing_rank_ends_the_job(tmp_path, how, rank):
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_hung_rank_ends_the_job_after_the_timeout(tmp_path):
-    """Rank 1 hangs before step 2 outside any collective; rank 0's collective of that step times out after
-    ``timeout_s`` and the job ends, every rank gone, with a line that names rank 0's timeout."""
+    """Rank 1 hangs before step 3 outside any collective; rank 0's collective of that step times out after
+    ``timeout_s`` and the job ends, every rank gone, with a line that names the rank that never arrived. (Step 1's
+    line is printed at the end of step 2: StepSync reads a step's gather one step later.)"""
     with start_fit("--devices", "2", "--model.dim", "64", "--trainer.max_steps", "50",
                    "--trainer.strategy.timeout_s", "10", "--trainer.callbacks+=tests.faults.WritePid",
                    "--trainer.callbacks+=tests.faults.FailOnRank", "--trainer.callbacks.how=hang",
-                   cwd=tmp_path) as run:  # fmt: skip
+                   "--trainer.callbacks.step=3", cwd=tmp_path) as run:  # fmt: skip
         run.wait_for(r"^Step 1, Loss ")
         start = time.monotonic()
         ranks = [int((tmp_path / "pids" / f"rank{rank}").read_text()) for rank in (0, 1)]
         code = wait_gone(run, [run.pid, *ranks], timeout=10 + 60)
     assert code != 0
     assert 9 < time.monotonic() - start < 10 + 60
-    assert re.search(r"^lit-ddp-fit: rank 0 .*Timed out waiting 10000ms", run.stderr, re.M), run.stderr[-2000:]
+    assert re.search(r"^lit-ddp-fit: rank 0 .*: rank\(s\) \[1\] never arrived at the collective of step 3; "
+                     r"rank\(s\) \[0\] waited there until the timeout: .*Timed out waiting 10000ms", run.stderr,
+                     re.M), run.stderr[-2000:]  # fmt: skip
     assert "Step 2, Loss" not in run.stdout
 
 

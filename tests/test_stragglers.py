@@ -1,0 +1,108 @@
+"""Who is slow and who waits: a rank delayed on purpose in one phase is named with that phase, the others' wait
+is the delay, and the all-reduce's own time does not swell with it."""
+
+import pytest
+from lightning.pytorch.loggers import CSVLogger
+
+from lit_ddp import FixedBatchDataModule, stragglers
+from lit_ddp.callbacks import CommMonitor, PhaseTimer
+from lit_ddp.record import CommRecord, RankComm, RunMeta, StepBuckets, load_run
+from tests.slow_ranks import ShiftClock, SlowData, SlowRegression
+
+DIM, STEPS = 256, 16
+
+
+def fit(make_trainer, tmp_path, model, data, devices=2, callbacks=()):
+    trainer = make_trainer(devices=devices, max_steps=STEPS, logger=CSVLogger(tmp_path, name="run", version=0),
+                           callbacks=[PhaseTimer(print_steps=0), CommMonitor(), *callbacks])  # fmt: skip
+    trainer.fit(model, data)
+    phases, comm = load_run(tmp_path / "run" / "version_0")
+    return stragglers.analyse(comm, phases), comm
+
+
+def transfer_busbw(comm, found) -> float:
+    return comm.layout[0] / (found.transfer_per_bucket_ms[0] / 1e3) / 1e9
+
+
+@pytest.fixture(scope="module")
+def even_busbw(tmp_path_factory):
+    """The undelayed run's bus bandwidth (2 ranks), to hold the delayed runs' transfer-based figure against."""
+    from tests.trainers import fast_trainer
+
+    tmp = tmp_path_factory.mktemp("even")
+    found, comm = fit(lambda **kw: fast_trainer(tmp, **kw), tmp, SlowRegression(DIM, delay_ms=0),
+                      FixedBatchDataModule(dim=DIM, batch_size=8))  # fmt: skip
+    return transfer_busbw(comm, found)
+
+
+@pytest.mark.parametrize("phase", ["data", "forward", "backward", "update"])
+def test_a_slow_rank_is_named_with_its_phase(make_trainer, tmp_path, phase, even_busbw):
+    delay = 30.0
+    model = SlowRegression(DIM, slow_rank=1, phase=phase, delay_ms=0 if phase == "data" else delay)
+    data = SlowData(DIM, slow_rank=1, fetch_ms=delay if phase == "data" else 0)
+    found, comm = fit(make_trainer, tmp_path, model, data)
+    assert (found.rank, found.cause) == (1, phase), stragglers.verdict_line(found)
+    assert found.share >= 0.9
+    assert found.wait_ms[0] == pytest.approx(delay, rel=0.2), found.wait_ms
+    assert found.cause_extra_ms == pytest.approx(delay, rel=0.2), found.extra_ms
+    assert transfer_busbw(comm, found) > even_busbw / 2, (transfer_busbw(comm, found), even_busbw)
+    line = stragglers.verdict_line(found)
+    assert line.startswith(f"straggler: rank 1 arrives {found.late_ms:.1f} ms late at "), line
+    assert f"its {phase} phase" in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["data", "backward"])
+def test_three_ranks_name_the_slow_one(make_trainer, tmp_path, phase):
+    delay = 40.0
+    model = SlowRegression(DIM, slow_rank=2, phase=phase, delay_ms=0 if phase == "data" else delay)
+    data = SlowData(DIM, slow_rank=2, fetch_ms=delay if phase == "data" else 0)
+    found, _ = fit(make_trainer, tmp_path, model, data, devices=3)
+    assert (found.rank, found.cause) == (2, phase), stragglers.verdict_line(found)
+    for rank in (0, 1):
+        assert found.wait_ms[rank] == pytest.approx(delay, rel=0.2), found.wait_ms
+
+
+def test_a_clock_that_is_off_by_100_s_changes_nothing(make_trainer, tmp_path):
+    model, data = SlowRegression(DIM, slow_rank=1, phase="forward", delay_ms=20.0), FixedBatchDataModule(DIM, 8)
+    found, comm = fit(make_trainer, tmp_path, model, data, callbacks=[ShiftClock(rank=1, shift_s=100.0)])
+    assert comm.clock_offset_s[1] == pytest.approx(100.0, abs=0.01)
+    assert comm.clock_error_s[1] < 0.005  # half the fastest round trip on one machine
+    assert (found.rank, found.cause) == (1, "forward"), stragglers.verdict_line(found)
+    assert found.wait_ms[0] == pytest.approx(20.0, rel=0.2)
+
+
+@pytest.mark.slow
+def test_even_ranks_name_no_straggler_in_five_runs(make_trainer, tmp_path):
+    for attempt in range(5):
+        found, _ = fit(make_trainer, tmp_path / str(attempt), SlowRegression(DIM, delay_ms=0),
+                       FixedBatchDataModule(dim=DIM, batch_size=8))  # fmt: skip
+        assert found.rank is None, stragglers.verdict_line(found)
+        assert stragglers.verdict_line(found).startswith("no straggler (")
+
+
+def record(arrivals_ms: list[list[float]], durations_ms: list[list[float]], offsets_s=(0.0, 0.0)) -> CommRecord:
+    """Two ranks, one bucket, one row per step: each rank's arrival (on its own clock) and all-reduce time."""
+    meta = RunMeta(2, "cpu", "cpu", "gloo", "perf_counter", "32-true", "2", "2")
+    ranks = [RankComm(r, [StepBuckets(s, [1000], [durations_ms[r][s]], [0.0], 0.0, 0.0,
+                                      [arrivals_ms[r][s] / 1e3 + offsets_s[r]]) for s in range(len(arrivals_ms[r]))],
+                      {}) for r in range(2)]  # fmt: skip
+    return CommRecord(meta, ranks, [1000], 1000, clock_offset_s=list(offsets_s), clock_error_s=[0.0, 0.0])
+
+
+def test_waits_lateness_and_transfer_from_arrivals():
+    steps = range(12)
+    arrivals = [[100.0 * s for s in steps], [100.0 * s + 25.0 for s in steps]]  # rank 1 is 25 ms late every time
+    durations = [[27.0] * 12, [2.0] * 12]  # rank 0 waits, then both transfer for 2 ms
+    found = stragglers.analyse(record(arrivals, durations, offsets_s=(0.0, 1e4)))  # the offset is taken out
+    assert found.rank == 1 and found.late_ms == pytest.approx(25.0) and found.share == 1.0
+    assert found.wait_ms == pytest.approx([25.0, 0.0]) and found.transfer_ms == pytest.approx(2.0)
+    assert found.cause is None  # no phases.json to tell the phase
+
+
+def test_a_rank_late_half_the_time_is_no_straggler():
+    steps = range(12)
+    arrivals = [[100.0 * s + (3.0 if s % 2 else 0.0) for s in steps], [100.0 * s + (0.0 if s % 2 else 3.0)
+                                                                        for s in steps]]  # fmt: skip
+    found = stragglers.analyse(record(arrivals, [[2.0] * 12, [2.0] * 12]))
+    assert found.rank is None and found.share == pytest.approx(0.5, abs=0.1)

@@ -39,6 +39,7 @@ PRIVATE_NAMES = [
     PrivateName(_MultiProcessingLauncher, "procs", "the ddp_spawn/fork launcher's processes"),
     PrivateName(_SignalConnector, "_sigterm_notifier_fn", "the SIGTERM handler Lightning registers in fit"),
     PrivateName(Trainer, "_signal_connector", "the trainer's signal connector"),
+    PrivateName(_SignalConnector, "_slurm_sigusr_handler_fn", "Lightning's SLURM requeue: HPC checkpoint, scontrol"),
     PrivateName(_TrainingEpochLoop, "_broadcast_sigterm_tensor", "Lightning's per-step SIGTERM broadcast"),
     PrivateName(overrides_distributed, "_register_ddp_comm_hook", "Lightning's helper: hook + wrapper onto DDP"),
 ]
@@ -91,6 +92,16 @@ def register_comm_hook(model: Any, state: Any, hook: Optional[Callable], wrapper
 def replace_sigterm_notifier(trainer: Trainer, notifier: Callable) -> None:
     """Lightning registers ``_sigterm_notifier_fn`` as its SIGTERM handler in ``fit``; set before that (``setup``)."""
     trainer._signal_connector._sigterm_notifier_fn = notifier
+
+
+def replace_requeue_handler(trainer: Trainer, handler: Callable) -> Callable:
+    """Lightning registers ``_slurm_sigusr_handler_fn`` for Slurm's requeue signal in ``fit`` (auto-requeue on);
+    set before that (``setup``). Returns Lightning's own, which saves the HPC checkpoint on every rank and has
+    rank 0 run ``scontrol requeue``: the caller runs it where every rank can, at a step boundary."""
+    connector = trainer._signal_connector
+    original = type(connector)._slurm_sigusr_handler_fn.__get__(connector)
+    connector._slurm_sigusr_handler_fn = handler
+    return original
 
 
 def disable_sigterm_broadcast(trainer: Trainer) -> None:

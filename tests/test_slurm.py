@@ -171,11 +171,11 @@ def run_requeued_job(slurm: Cluster, cwd: Path, *signal_args: str) -> tuple[dict
 
 @pytest.mark.timeout(200)
 def test_requeue_by_sigusr1_resumes_from_lightning_s_checkpoint_and_ends_like_an_uninterrupted_run(slurm, tmp_path):
-    """Lightning's own auto-requeue: on SIGUSR1 every task saves ``runs/hpc_ckpt_1.ckpt`` (rank 0 writes it, then
-    a barrier) and rank 0 runs ``scontrol requeue``; Slurm stops the job (SIGTERM: exit 143) and starts it again,
-    and Lightning resumes from that checkpoint. The signal reaches both ranks while they wait at the same point of
-    step 150 (``SignalJobAt``): Lightning's handler runs that checkpoint and barrier inside the signal handler, at
-    whatever point each rank is, and the next test shows where that goes wrong."""
+    """Lightning's own auto-requeue, run at a step boundary: on SIGUSR1 the flag rides in StepSync's gather, and at
+    the step that reads it every task runs Lightning's requeue handler (saves ``runs/hpc_ckpt_1.ckpt``: rank 0
+    writes it, then a barrier; rank 0 runs ``scontrol requeue``); Slurm stops the job (SIGTERM: exit 143) and
+    starts it again, and Lightning resumes from that checkpoint. The signal reaches both ranks at step 150
+    (``SignalJobAt``); the gather is read one step later, so the checkpoint holds 151 steps."""
     (tmp_path / "slurm").mkdir()
     fields, text = run_requeued_job(slurm, tmp_path / "slurm")
     assert (fields.get("JobState"), fields.get("Restarts"), fields.get("ExitCode")) == ("COMPLETED", "1", "0:0"), (
@@ -183,8 +183,8 @@ def test_requeue_by_sigusr1_resumes_from_lightning_s_checkpoint_and_ends_like_an
     first, _, second = text.partition("lit-ddp-fit: stopped by SIGTERM")
     assert re.search(r"^Requeued SLURM job: \d+$", first, re.M), text[-3000:]
     assert srun_exits(second) == {0: "exit code 143", 1: "exit code 143"}, text[-3000:]  # the requeue's SIGTERM
-    # The requeued run trained steps 150-299, from the checkpoint of step 150, and says so.
-    assert re.search(r"^Done: 150 steps on 2 ranks \(resumed at step 150 from runs/hpc_ckpt_1\.ckpt\),", second,
+    # The requeued run trained steps 151-299, from the checkpoint of step 151, and says so.
+    assert re.search(r"^Done: 149 steps on 2 ranks \(resumed at step 151 from runs/hpc_ckpt_1\.ckpt\),", second,
                      re.M), text[-3000:]  # fmt: skip
     (tmp_path / "uninterrupted").mkdir()
     uninterrupted = run_fit("--devices", "2", *REQUEUE_RUN, cwd=tmp_path / "uninterrupted")
@@ -196,14 +196,12 @@ def test_requeue_by_sigusr1_resumes_from_lightning_s_checkpoint_and_ends_like_an
     assert not re.search(r"^\S+\.py:\d+: ", text, re.M), text[-3000:]
 
 
-@pytest.mark.xfail(strict=True, reason="Lightning's SIGUSR1 handler saves a checkpoint and enters a barrier inside "
-                   "the signal handler: a rank blocked in a collective runs it only when that collective returns, "
-                   "which it cannot while the other rank waits in the barrier (lit_ddp should carry SIGUSR1 in "
-                   "StepSync's per-step collective, as it does SIGTERM)")  # fmt: skip
 @pytest.mark.timeout(120)
 def test_requeue_by_sigusr1_while_a_rank_waits_in_a_collective(slurm, tmp_path):
     """Rank 0 waits in Python when the signal comes, rank 1 in the next step's all-reduce, waiting for rank 0: the
-    arrival a real ``--signal=SIGUSR1@90`` meets in 1 try of 4 here (the other 3 requeued)."""
+    arrival a real ``--signal=SIGUSR1@90`` met in 1 try of 4 here. Lightning's handler, run inside the signal
+    handler, then deadlocked (its checkpoint's barrier against the all-reduce); run at a step boundary
+    (StepSync), the job requeues."""
     fields, text = run_requeued_job(slurm, tmp_path, "--trainer.callbacks.waiting=[0]")
     assert (fields.get("JobState"), fields.get("Restarts")) == ("COMPLETED", "1"), (fields, text[-3000:])
 

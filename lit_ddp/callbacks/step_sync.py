@@ -21,11 +21,25 @@ rank has it every rank sets ``trainer.should_stop`` at the same step and its ``e
 training ends after that step as if finished (``LastCheckpoint`` saves it), and the caller maps the ending to
 an exit (``lit_ddp.lifecycle``: ``python -m lit_ddp.fit`` exits 143). Lightning's own path raises
 ``SIGTERMException`` (a ``SystemExit``) inside the ranks instead, which leaves a ``ddp_fork``/``ddp_spawn``
-parent waiting forever for rank 0's result. These two files are SIGTERM's whole story.
+parent waiting forever for rank 0's result. These two files are SIGTERM's whole story. One exception: a rank
+that gets SIGTERM after more than half the process group's timeout without a step boundary is hung (its peers'
+collectives have given up on it, and the launcher is ending the job): it exits at once, with 143, instead of
+waiting for the launcher's SIGKILL (torch's spawn/fork launcher waits 30 s for it).
+
+A step is an optimizer step: with gradient accumulation the micro-batches before it send nothing.
+
+Slurm's requeue signal (SIGUSR1, Lightning's auto-requeue) the same way: Lightning's handler saves the HPC
+checkpoint and waits in a barrier inside the signal handler, which deadlocks against a rank blocked in a
+collective; here the handler sets a flag that rides in the step's row, and every rank runs Lightning's handler
+at the same step boundary.
 
 The callbacks that need it find or add the one StepSync of a Trainer (``StepSync.attach``).
 """
 
+import os
+import signal
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -39,7 +53,7 @@ from typing_extensions import override
 
 from lit_ddp import _lightning
 from lit_ddp.callbacks.results import all_gather, is_last_step
-from lit_ddp.errors import Ending
+from lit_ddp.errors import PROG, Ending
 
 
 @dataclass
@@ -74,6 +88,8 @@ class StepSync(Callback):
         self._sigterm = False
         self.ending = Ending.FINISHED  # how this fit ended, when it did not raise
         self.collectives = 0  # how many per-step collectives ran (for tests and benchmarks)
+        self._batch_step = 0
+        self._alive_at = time.monotonic()  # the last step boundary (or validation batch) this rank reached
 
     @staticmethod
     def attach(trainer: Trainer, caller: Callback) -> "StepSync":
@@ -114,8 +130,26 @@ class StepSync(Callback):
             return
         self._device = trainer.strategy.root_device
         self._sigterm, self.ending, self._in_flight = False, Ending.FINISHED, None
+        self._requeue = self._requeued = False
+
+        def note_requeue(signum, frame) -> None:
+            self._requeue = True
+
+        # Lightning's own handler saves a checkpoint and waits in a barrier inside the signal handler, wherever
+        # each rank is: a rank blocked in a collective never gets there, and the job hangs to its timeout. The
+        # flag rides in the step's row instead; every rank runs Lightning's handler at the same step boundary.
+        self._requeue_now = _lightning.replace_requeue_handler(trainer, note_requeue)
+
+        # A collective waits this long for a missing rank (LitDDPStrategy's timeout_s, else torch's default).
+        hung_after_s = getattr(trainer.strategy, "timeout_s", None) or dist.default_pg_timeout.total_seconds()
 
         def notify(signum, frame) -> None:
+            stuck = time.monotonic() - self._alive_at
+            if stuck > hung_after_s / 2:  # hung: no step boundary will ever read the flag
+                print(f"{PROG}: rank {trainer.global_rank}: SIGTERM after {stuck:.0f} s without a step boundary "
+                      "(hung): exiting at once", file=sys.stderr, flush=True)  # fmt: skip
+                sys.stdout.flush()
+                os._exit(143)
             launcher = trainer.strategy.launcher
             if not self._sigterm and launcher is not None:
                 launcher.kill(signum)  # the ranks this one launched get it too
@@ -125,13 +159,25 @@ class StepSync(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._alive_at = time.monotonic()
         if trainer.world_size > 1:
             _lightning.disable_sigterm_broadcast(trainer)
 
     @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._batch_step = trainer.global_step
+
+    @override
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        self._alive_at = time.monotonic()
+
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
+        self._alive_at = time.monotonic()
+        if trainer.global_step == self._batch_step:  # no optimizer step yet: a micro-batch
+            return
         self._finish(trainer)  # the previous step's gather: long done by now
-        if self._slots or trainer.global_step % self.sigterm_every_n_steps == 0:
+        if self._slots or self._sigterm or self._requeue or trainer.global_step % self.sigterm_every_n_steps == 0:
             self._send(trainer)
         if trainer.world_size == 1 or is_last_step(trainer, batch_idx):
             self._finish(trainer)
@@ -146,10 +192,10 @@ class StepSync(Callback):
             self._finish(trainer)
 
     def _send(self, trainer: Trainer) -> None:
-        """Starts the gather of this step's row: the SIGTERM flag, then every slot's values."""
+        """Starts the gather of this step's row: the SIGTERM and requeue flags, then every slot's values."""
         slots, self._slots = self._slots, {}
-        sigterm = torch.tensor([float(self._sigterm)], dtype=torch.float64, device=self._device)
-        row = torch.cat([sigterm, *(slot.values for slot in slots.values())])
+        flags = torch.tensor([float(self._sigterm), float(self._requeue)], dtype=torch.float64, device=self._device)
+        row = torch.cat([flags, *(slot.values for slot in slots.values())])
         if trainer.world_size == 1:  # nothing to exchange: every value is already here
             self._in_flight = _InFlight(row.view(1, -1), None, slots)
             return
@@ -170,11 +216,14 @@ class StepSync(Callback):
         if flight.work is not None:
             flight.work.wait()
         gathered = flight.gathered.cpu()  # the host read
-        start = 1
+        start = 2
         for slot in flight.slots.values():
             width = slot.values.numel()
             slot.on_result(gathered[:, start : start + width])
             start += width
+        if gathered[:, 1].any() and not self._requeued:  # Slurm's requeue signal reached a rank
+            self._requeued = True
+            self._requeue_now(signal.SIGUSR1, None)  # every rank, here: the checkpoint, then rank 0 requeues
         if gathered[:, 0].any():  # the same decision on every rank, at the same step
             self.ending = Ending.SIGTERM
             trainer.should_stop = True

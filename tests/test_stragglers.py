@@ -1,12 +1,15 @@
 """Who is slow and who waits: a rank delayed on purpose in one phase is named with that phase, the others' wait
 is the delay, and the all-reduce's own time does not swell with it."""
 
+import re
+
 import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_ddp import FixedBatchDataModule, stragglers
 from lit_ddp.callbacks import CommMonitor, PhaseTimer
 from lit_ddp.record import CommRecord, RankComm, RunMeta, StepBuckets, load_run
+from tests.runner import ROOT, run_fit
 from tests.slow_ranks import ShiftClock, SlowData, SlowRegression
 
 DIM, STEPS = 256, 16
@@ -106,3 +109,30 @@ def test_a_rank_late_half_the_time_is_no_straggler():
                                                                         for s in steps]]  # fmt: skip
     found = stragglers.analyse(record(arrivals, [[2.0] * 12, [2.0] * 12]))
     assert found.rank is None and found.share == pytest.approx(0.5, abs=0.1)
+
+
+def test_in_a_users_script_with_lightnings_own_ddp(tmp_path):
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.strategies import DDPStrategy
+
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(start_method="spawn"), max_steps=STEPS,
+                      callbacks=[PhaseTimer(print_steps=0), CommMonitor()], enable_progress_bar=False,
+                      logger=CSVLogger(tmp_path, name="run", version=0), enable_checkpointing=False,
+                      enable_model_summary=False)  # fmt: skip
+    trainer.fit(SlowRegression(DIM, slow_rank=1, phase="backward", delay_ms=30.0), FixedBatchDataModule(DIM, 8))
+    phases, comm = load_run(tmp_path / "run" / "version_0")
+    found = stragglers.analyse(comm, phases)
+    assert (found.rank, found.cause) == (1, "backward"), stragglers.verdict_line(found)
+    assert comm.straggler["rank"] == 1 and comm.straggler["cause"] == "backward"  # kept in the record
+
+
+def test_under_the_cli_the_verdict_names_it(tmp_path):
+    result = run_fit("--config", str(ROOT / "configs" / "mini_train_profile.yaml"), "--devices", "2",
+                     "--model.dim", "256", "--trainer.max_steps", str(STEPS), "--loss_monitor.every_n_steps", "0",
+                     "--trainer.callbacks+=tests.slow_ranks.SleepInHook", "--trainer.callbacks.delay_ms=30",
+                     cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert re.search(r"^Verdict: straggler: rank 1 arrives \d+\.\d ms late at \d+% of all-reduces; its update phase "
+                     r"is \+\d+\.\d ms over the other ranks' median; rank\(s\) 0 wait \d+\.\d ms per step; the "
+                     r"all-reduce itself takes \d+\.\d ms$", result.stdout, re.M), result.stdout[-3000:]  # fmt: skip
+    assert "smaller buckets" not in result.stdout  # no bucket advice when a straggler is the cause

@@ -11,6 +11,8 @@ themselves. (Apart from ``benchmarks/common.py`` because that one must import no
 
 import contextlib
 import functools
+import gzip
+import json
 import logging
 import os
 import tempfile
@@ -28,7 +30,7 @@ from torch.profiler import profile
 from typing_extensions import override
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
-from lit_ddp.callbacks import CommMonitor, LossMonitor, PhaseTimer, kernels
+from lit_ddp.callbacks import CommMonitor, LossMonitor, PhaseTimer, profiling
 from lit_ddp.record import PhaseRecord, load_run
 from lit_ddp.strategy import LitDDPStrategy
 
@@ -156,23 +158,26 @@ def quiet_loss() -> LossMonitor:
 
 class ProfiledFit(NamedTuple):
     phases: PhaseRecord  # what PhaseTimer wrote to phases.json
-    profile: Optional[profile]  # the torch.profiler.profile PhaseTimer's KernelRecorder ran
+    profile: Optional[profile]  # the torch.profiler.profile PhaseTimer's TraceRecorder ran
+    trace: Optional[dict[str, Any]]  # the Chrome trace it wrote (rank 0's, as JSON); None without one
 
 
 @functools.cache
 def profiled_fit(steps: int) -> ProfiledFit:
-    """A fit with PhaseTimer(kernel_steps=3) + CommMonitor, keeping the very profiler PhaseTimer ran: its
-    ``KernelRecorder`` makes it with ``lit_ddp.callbacks.kernels.profile``, wrapped here to keep a reference.
-    Shared by the busy and events sections."""
+    """A fit with PhaseTimer(kernel_steps=3) + CommMonitor, keeping the very profiler PhaseTimer ran (its
+    ``TraceRecorder`` makes it with ``lit_ddp.callbacks.profiling.profile``, wrapped here to keep a reference) and
+    the trace it wrote. Shared by the busy and events sections."""
     kept: list[profile] = []
 
     def keeping_profile(*args: Any, **kwargs: Any) -> profile:
         kept.append(profile(*args, **kwargs))
         return kept[-1]
 
-    with tempfile.TemporaryDirectory() as tmp, mock.patch.object(kernels, "profile", keeping_profile):
+    with tempfile.TemporaryDirectory() as tmp, mock.patch.object(profiling, "profile", keeping_profile):
         fit([PhaseTimer(print_steps=0, kernel_steps=KERNEL_STEPS), CommMonitor(), quiet_loss()], steps, Path(tmp))
         phases, _ = load_run(Path(tmp) / "gpu_check" / "version_0")
+        written = Path(tmp) / "gpu_check" / "version_0" / "traces" / "rank0.pt.trace.json.gz"
+        trace = json.loads(gzip.decompress(written.read_bytes())) if written.is_file() else None
     if phases is None:
         raise RuntimeError("PhaseTimer wrote no phases.json")
-    return ProfiledFit(phases, kept[0] if kept else None)
+    return ProfiledFit(phases, kept[0] if kept else None, trace)

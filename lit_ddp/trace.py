@@ -54,15 +54,16 @@ STEP_PREFIX = "lit_ddp.step#"  # + the global step: one training step
 FORWARD = "lit_ddp.forward"
 BACKWARD = "lit_ddp.backward"
 UPDATE = "lit_ddp.update"
+DATA = "lit_ddp.data"  # the batch's end to the next step's start (PhaseTimer's data phase)
 OTHER = "lit_ddp.other"
 BUCKET_PREFIX = "lit_ddp.bucket#"  # + the bucket's index: the all-reduce of one DDP gradient bucket
-PHASES = ("forward", "backward", "update", "other")
+PHASES = ("forward", "backward", "update", "data", "other")
 
 KERNEL_WAIT_US = 30.0  # HTA's default consecutive_kernel_delay
 GRADIENT = "gradient all-reduce"
 
 PHASE_PATTERNS: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(p, re.I), phase) for p, phase in (
-    *((re.escape(name), phase) for name, phase in zip((FORWARD, BACKWARD, UPDATE, OTHER), PHASES, strict=True)),
+    *((re.escape(name), phase) for name, phase in zip((FORWARD, BACKWARD, UPDATE, DATA, OTHER), PHASES, strict=True)),
     (r"#+ *forward *#+", "forward"), (r"#+ *backward *#+", "backward"), (r"#+ *(optimizer|update) *#+", "update"),
     (r"(\[pl\]\[profile\])?\[Strategy\]\w+\.training_step", "forward"),  # Lightning's PyTorchProfiler
     (r"(\[pl\]\[profile\])?\[Strategy\]\w+\.backward", "backward"),

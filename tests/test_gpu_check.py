@@ -1,5 +1,5 @@
 """``benchmarks/gpu_check.py`` where no GPU is needed: it refuses a machine without CUDA in one line, and its
-trace bookkeeping sorts hand-made events (the GPU run itself is the check, not a test)."""
+trace bookkeeping sorts hand-made Chrome-trace events (the GPU run itself is the check, not a test)."""
 
 import os
 import subprocess
@@ -7,33 +7,31 @@ import sys
 
 import pytest
 import torch
-from torch.autograd import DeviceType
 
 from benchmarks.gpu_busy import gpu_activity
-from lit_ddp.callbacks.kernels import MARK_PREFIX, TraceEvent
+from lit_ddp.trace import STEP_PREFIX
 from tests.runner import ROOT, pythonpath
 
 
-def event(name: str, start: float, end: float, device=DeviceType.CUDA, annotation=False) -> TraceEvent:
-    return TraceEvent(name, device, start, end, thread=1, correlation_id=0, linked_correlation_id=0,
-                      is_user_annotation=annotation)  # fmt: skip
+def event(cat: str, name: str, start_ms: float, end_ms: float) -> dict:
+    """A Chrome trace event (times in us, as kineto writes them)."""
+    return {"ph": "X", "cat": cat, "name": name, "ts": start_ms * 1e3, "dur": (end_ms - start_ms) * 1e3}
 
 
-def test_markers_are_found_by_their_gpu_annotations_and_left_out_of_the_work():
+def test_steps_are_found_by_their_gpu_annotations_and_kernels_by_category():
     events = [
-        event(f"{MARK_PREFIX}1:start", 0.0, 0.5, device=DeviceType.CPU, annotation=True),  # the CPU-side range
-        event(f"{MARK_PREFIX}2:forward_start", 1.0, 1.01, annotation=True),
-        event("fill kernel", 1.0, 1.01),  # marker 2's kernel
-        event(f"{MARK_PREFIX}1:start", 0.1, 0.11, annotation=True),
-        event("fill kernel", 0.1, 0.11),  # marker 1's kernel
-        event("gemm", 1.1, 2.0),
-        event("DistributedDataParallel.forward", 1.05, 2.5, annotation=True),
-        event("Memcpy DtoD", 2.1, 2.2),
-        event("aten::addmm", 1.05, 1.09, device=DeviceType.CPU),
+        event("user_annotation", f"{STEP_PREFIX}2", 0.0, 0.5),  # the CPU-side range
+        event("gpu_user_annotation", f"{STEP_PREFIX}3", 2.5, 3.0),
+        event("gpu_user_annotation", f"{STEP_PREFIX}2", 1.0, 2.2),  # from its first GPU op to its last
+        event("kernel", "gemm", 1.1, 2.0),
+        event("gpu_user_annotation", "DistributedDataParallel.forward", 1.05, 2.5),
+        event("gpu_memcpy", "Memcpy DtoD", 2.1, 2.2),
+        event("cpu_op", "aten::addmm", 1.05, 1.09),
+        {"ph": "i", "cat": "kernel", "name": "an instant, no duration", "ts": 5.0},
     ]
     gpu = gpu_activity(events)
-    assert [label for label, _, _ in gpu.markers] == ["1:start", "2:forward_start"]
-    assert gpu.kernels == [(1.1, 2.0), (2.1, 2.2)]
+    assert gpu.steps == [(f"{STEP_PREFIX}2", 1.0, 2.2), (f"{STEP_PREFIX}3", 2.5, 3.0)]  # in step order
+    assert gpu.kernels == [(1.1, 2.0), (2.1, pytest.approx(2.2))]
     assert [name for name, _, _ in gpu.annotations] == ["DistributedDataParallel.forward"]
 
 

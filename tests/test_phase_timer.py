@@ -2,6 +2,8 @@
 a run long enough for the record's running summaries to be checked against the exact per-step times."""
 
 import csv
+import gzip
+import json
 import re
 import statistics
 from dataclasses import astuple
@@ -15,19 +17,22 @@ from lit_ddp import FixedBatchDataModule, LinearRegression, analysis, record
 from lit_ddp._torch import optimizer_step_post_hooks
 from lit_ddp.callbacks import PhaseTimer
 from lit_ddp.callbacks.clock import HostClock
+from lit_ddp.callbacks.profiling import Ranges
 from lit_ddp.record import HEAD_STEPS, PHASES, TAIL_STEPS, Roofline, Summary, is_steady
+from lit_ddp.trace import BACKWARD, FORWARD, STEP_PREFIX, UPDATE
 from tests.records import phase_record
 
 
 class FakeTrainer(SimpleNamespace):
     """Just what PhaseTimer touches: a CPU strategy, rank 0 of a world of 1 (its record goes nowhere but to its
-    own log dir), no logger."""
+    own log dir), no logger, no profiler of Lightning's."""
 
     def __init__(self, model, log_dir):
         strategy = SimpleNamespace(root_device=torch.device("cpu"), model=model)
         super().__init__(strategy=strategy, is_global_zero=True, global_rank=0, world_size=1, loggers=[],
                          global_step=0, log_dir=str(log_dir), callbacks=[], progress_bar_callback=None,
-                         precision="32-true", optimizers=[torch.optim.Adam(model.parameters())])  # fmt: skip
+                         precision="32-true", optimizers=[torch.optim.Adam(model.parameters())],
+                         profiler=None)  # fmt: skip
 
 
 def drive_one_step(timer, trainer, model, clock):
@@ -87,26 +92,53 @@ class HostClockAsCuda(HostClock):
 
 
 class StandInRecorder:
-    """KernelRecorder's interface on the patched host clock (no GPU here): starting and stopping cost 1 s, as
-    CUPTI's start-up and the trace's parsing can; each phase holds one 2 ms "kernel" from its start."""
+    """TraceRecorder on the patched host clock (no GPU here): starting and stopping cost 1 s, as CUPTI's start-up
+    and writing the trace can. Its ranges are PhaseTimer's real ones (``profiling.Ranges``), timed on the clock;
+    each forward, backward and update range queues one 2 ms "kernel" as it opens. ``stop`` writes all of it as the
+    Chrome trace a GPU run would write, which PhaseTimer then reads through ``lit_ddp.trace``."""
 
-    def __init__(self, clock):
-        self.clock, self.active, self.closed, self.marks = clock, False, False, []
+    owns_profiler = True
+
+    def __init__(self, clock, path, rank):
+        self.clock, self.path, self.rank, self.where = clock, path, rank, path.parent
+        self.active, self.closed, self.events = False, False, []
+        self.ranges = Ranges(self._enter)
+
+    def _enter(self, name):
+        us = self.clock.now * 1e6
+        event = {"ph": "X", "cat": "user_annotation", "name": name, "pid": 1, "tid": 1, "ts": us, "dur": 0.0}
+        self.events.append(event)
+        if name in (FORWARD, BACKWARD, UPDATE):
+            correlation = len(self.events)
+            self.events += [
+                {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": us + 1, "dur": 1,
+                 "args": {"correlation": correlation}},
+                {"ph": "X", "cat": "kernel", "name": "gemm", "ts": us + 2, "dur": 2000,
+                 "args": {"correlation": correlation, "stream": 7}},
+            ]  # fmt: skip
+        return SimpleNamespace(__exit__=lambda *exc: event.update(dur=self.clock.now * 1e6 - us))
 
     def start(self):
         self.active = True
         self.clock.now += 1.0
 
-    def mark(self, name):
-        self.marks.append((name, self.clock.now * 1e3))
+    def begin_step(self, step):
+        self.ranges.begin_step(step)
+
+    def mark(self, boundary):
+        self.ranges.mark(boundary)
 
     def stop(self):
-        self.active = False
+        self.close()
+        self.closed = False
         self.clock.now += 1.0
-        starts = [t for name, t in self.marks if name in ("forward_start", "backward_start", "update_start")]
-        return self.marks, [(t, t + 2.0) for t in starts]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        trace = {"distributedInfo": {"rank": self.rank, "world_size": 1}, "traceEvents": self.events}
+        self.path.write_bytes(gzip.compress(json.dumps(trace).encode()))
+        return [self.path]
 
     def close(self):
+        self.ranges.close()
         self.active, self.closed = False, True
 
 
@@ -116,7 +148,8 @@ def stand_in_gpu(monkeypatch):
     clock = SimpleNamespace(now=0.0)
     monkeypatch.setattr("lit_ddp.callbacks.clock.perf_counter", lambda: clock.now)
     monkeypatch.setattr("lit_ddp.callbacks.phase_timer.clock_for", lambda device: HostClockAsCuda())
-    monkeypatch.setattr("lit_ddp.callbacks.phase_timer.KernelRecorder", lambda device: StandInRecorder(clock))
+    monkeypatch.setattr("lit_ddp.callbacks.phase_timer.TraceRecorder",
+                        lambda device, path, rank: StandInRecorder(clock, path, rank))  # fmt: skip
     return clock
 
 
@@ -131,17 +164,23 @@ def drive_steps(clock, tmp_path, kernel_steps: int, steps: int):
     return timer, trainer, model
 
 
-def test_profiler_start_and_stop_are_in_no_step(stand_in_gpu, tmp_path):
-    """Kernel recording (CUDA only) starts before the first profiled step and stops after the last; its cost
-    must land in no step's time."""
+def test_profiler_start_and_stop_are_in_no_step(stand_in_gpu, tmp_path, caplog):
+    """The profiler starts before the first profiled step and stops after the last; its cost must land in no
+    step's time. The GPU-busy rows come from the trace it wrote, through lit_ddp.trace."""
     timer, trainer, model = drive_steps(stand_in_gpu, tmp_path, kernel_steps=2, steps=6)
-    timer.on_train_end(trainer, model)
+    with caplog.at_level("INFO"):
+        timer.on_train_end(trainer, model)
+    trace = json.loads(gzip.decompress((tmp_path / "traces" / "rank0.pt.trace.json.gz").read_bytes()))
+    steps = [e["name"] for e in trace["traceEvents"] if e["name"].startswith(STEP_PREFIX)]
+    assert steps == [f"{STEP_PREFIX}2", f"{STEP_PREFIX}3"]  # opened and closed between steps, profiled ones only
+    assert f"PhaseTimer: steps 2-3 profiled; every rank's trace is in {tmp_path / 'traces'}" in caplog.text
     phases = record.load(tmp_path / "phases.json")
     assert phases.steps == [0, 1, 2, 3, 4, 5]
     assert [row.ms.step for row in phases.ranks[0].rows] == pytest.approx([100.0] * 6, abs=1e-6)
     busy = phases.ranks[0].busy_ms
     assert [row.step for row in busy] == [2, 3]
-    assert [v for row in busy for v in astuple(row.ms)] == pytest.approx([2.0, 2.0, 2.0, 0.0, 6.0, 0.0] * 2)
+    figures = [(row.ms.forward, row.ms.backward, row.ms.update, row.ms.other, row.ms.step, row.ms.data) for row in busy]
+    assert figures == [pytest.approx((2.0, 2.0, 2.0, 0.0, 6.0, 0.0))] * 2  # one 2 ms kernel queued per phase
     assert phases.profiled_steps == [2, 3]
     assert phases.ranks[0].summaries["step"].count == 3  # steps 1, 4 and 5: not the profiled ones
     table = analysis.phase_table(phases)
@@ -197,20 +236,28 @@ def test_roofline_fraction_of_peak():
     assert re.search(r"^update\s+1.00 GB\s+1.00 ms\s+1.00 TB/s\s+50.0%$", table, re.M), table
 
 
-def test_kernel_steps_without_cuda_leave_no_step_out(monkeypatch, tmp_path):
+def test_kernel_steps_on_cpu_profile_the_cpu_and_keep_the_trace(monkeypatch, tmp_path, caplog):
+    """An explicit kernel_steps without CUDA: torch.profiler over the CPU only (real, in this process), its trace
+    kept with PhaseTimer's ranges; no GPU events, so no GPU-busy rows, said once; the profiled steps are left out."""
     clock = SimpleNamespace(now=0.0)
     monkeypatch.setattr("lit_ddp.callbacks.clock.perf_counter", lambda: clock.now)
     model = LinearRegression(dim=8)
     trainer = FakeTrainer(model, tmp_path)
-    timer = PhaseTimer(kernel_steps=2)  # warns: GPU kernels are not measured without CUDA
-    with pytest.warns(UserWarning, match="off without CUDA"):
-        timer.on_train_start(trainer, model)
-    for _ in range(4):
-        drive_one_step(timer, trainer, model, clock)
-    timer.on_train_end(trainer, model)
+    timer = PhaseTimer(kernel_steps=2)
+    timer.on_train_start(trainer, model)
+    with caplog.at_level("INFO"):
+        for _ in range(5):
+            drive_one_step(timer, trainer, model, clock)
+        timer.on_train_end(trainer, model)
     phases = record.load(tmp_path / "phases.json")
-    assert phases.profiled_steps == [] and phases.ranks[0].summaries["step"].count == 3
-    assert "profiler" not in analysis.phase_table(phases)
+    assert phases.profiled_steps == [2, 3] and phases.ranks[0].summaries["step"].count == 2  # steps 1 and 4
+    assert phases.ranks[0].busy_ms == []
+    assert caplog.text.count("CPU activity only: the traces hold no GPU events, so there is no GPU-busy column") == 1
+    trace = json.loads(gzip.decompress((tmp_path / "traces" / "rank0.pt.trace.json.gz").read_bytes()))
+    names = [e["name"] for e in trace["traceEvents"] if e.get("cat") == "user_annotation"]
+    assert [n for n in names if n.startswith(STEP_PREFIX)] == [f"{STEP_PREFIX}2", f"{STEP_PREFIX}3"]
+    assert {FORWARD, BACKWARD, UPDATE, "lit_ddp.data", "lit_ddp.other"} <= set(names)
+    assert "GPU busy" not in analysis.phase_table(phases)
 
 
 def test_bad_arguments_are_refused():

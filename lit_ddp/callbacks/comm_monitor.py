@@ -32,8 +32,8 @@ from typing_extensions import override
 from lit_ddp import _lightning
 from lit_ddp.callbacks import clock
 from lit_ddp.callbacks.clock import ClockOffset, HostClock, clock_for
-from lit_ddp.callbacks.kernels import union_ms
 from lit_ddp.callbacks.phase_timer import PhaseTimer
+from lit_ddp.callbacks.profiling import union_ms
 from lit_ddp.callbacks.results import gather_to_zero, log_metrics, meta, report_timers
 from lit_ddp.gradients import check_all_used, without_grad
 from lit_ddp.record import CommRecord, RankComm, StepBuckets, Summary, Window, is_steady

@@ -28,17 +28,19 @@ every logger. With a roofline: FLOPs counted once by ``torch.utils.flop_counter`
 optimizer's bytes from its real state (``lit_ddp.roofline``).
 """
 
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from jsonargparse.typing import NonNegativeInt, PositiveFloat
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.profilers import PyTorchProfiler
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit_ddp import analysis, roofline
 from lit_ddp.callbacks.clock import HostClock, clock_for
-from lit_ddp.callbacks.kernels import KernelRecorder, union_ms
+from lit_ddp.callbacks.profiling import LightningProfilerTraces, TraceRecorder, describe, read_busy
 from lit_ddp.callbacks.results import gather_to_zero, log_metrics, meta, report_timers, say
 from lit_ddp.record import (
     BOUNDARIES,
@@ -68,8 +70,11 @@ class PhaseTimer(Callback):
         peak_gbps: Peak memory bandwidth (GB/s) of one device, for the update's fraction of peak; by default
             that of a known GPU.
         filename: Name of the JSON written in the run's log dir.
-        kernel_steps: Profile this many steady steps (from step 2) with ``torch.profiler`` to measure the GPU's
-            busy time inside each phase (``lit_ddp.callbacks.kernels``). ``None``: 3 on CUDA, 0 elsewhere.
+        kernel_steps: Profile this many steady steps (from step 2) with ``torch.profiler``, keep each rank's
+            trace in ``<log_dir>/traces`` and read from it the GPU's busy time inside each phase
+            (``lit_ddp.callbacks.profiling``). ``None``: 3 on CUDA, 0 elsewhere; on CPU a number profiles the CPU
+            only (traces, no GPU-busy column). With Lightning's ``PyTorchProfiler`` on, PhaseTimer reads its
+            traces instead and starts no profiler.
     """
 
     def __init__(
@@ -92,7 +97,7 @@ class PhaseTimer(Callback):
         self.peak_gbps = peak_gbps
         self.filename = filename
         self.kernel_steps = kernel_steps
-        self._recorder: Optional[KernelRecorder] = None
+        self._recorder: Optional[TraceRecorder | LightningProfilerTraces] = None
         self._busy: list[StepRow] = []  # per profiled step: GPU-busy ms of each phase
         self._clock: Any = HostClock()
         self._step = -1
@@ -119,11 +124,15 @@ class PhaseTimer(Callback):
         kernel_steps = (
             self.kernel_steps if self.kernel_steps is not None else (3 if self._clock.name == "cuda_event" else 0)
         )
-        if kernel_steps and self._clock.name != "cuda_event":
-            rank_zero_warn(f"PhaseTimer(kernel_steps={kernel_steps}) measures GPU kernels: off without CUDA")
-        elif kernel_steps:
-            self._recorder = KernelRecorder(trainer.strategy.root_device)
-        profiled = kernel_steps if self._recorder is not None else 0  # without a profiler, no step is slowed
+        if isinstance(trainer.profiler, PyTorchProfiler):
+            # One torch profiler runs at a time (Lightning's disables any other as it starts): read its traces.
+            self._recorder = LightningProfilerTraces(trainer.profiler.dirpath, trainer.global_rank)
+            self._recorder.start()
+        elif kernel_steps:  # trainer.log_dir is a broadcast: every rank is here
+            path = Path(trainer.log_dir) / "traces" / f"rank{trainer.global_rank}.pt.trace.json.gz"
+            self._recorder = TraceRecorder(trainer.strategy.root_device, path, trainer.global_rank)
+        # Without a profiler of its own, PhaseTimer slows no step.
+        profiled = kernel_steps if self._recorder is not None and self._recorder.owns_profiler else 0
         self.profiled_steps = range(FIRST_PROFILED_STEP, FIRST_PROFILED_STEP + profiled)
         self._window, self._summaries = Window(self.profiled_steps), {phase: Summary() for phase in PHASES}
         # Lightning has no hook where the forward starts (after its own batch handling) nor where the
@@ -145,7 +154,7 @@ class PhaseTimer(Callback):
                 rank_zero_warn(f"PhaseTimer: no roofline, counting FLOPs failed: {type(err).__name__}: {err}")
             self._marks = {}  # the count's forward went through the forward pre-hook
         step = trainer.global_step
-        mark = self._mark("start")  # ends the step that ran (while profiling, its marker closes the kernel window)
+        mark = self._mark("start")  # ends the step that ran
         self._close_step(mark)
         if self._toggle_recorder(step):
             mark = self._mark("start")  # the profiler's start-up or stop is in neither step
@@ -154,19 +163,29 @@ class PhaseTimer(Callback):
         self._resolve(trainer, block=False)
 
     def _toggle_recorder(self, step: int) -> bool:
-        """Starts kernel recording at the first profiled step, stops it after the last; True if it did either."""
-        if self._recorder is None:
+        """Starts PhaseTimer's profiler at the first profiled step, stops it after the last (True if it did
+        either); while a profiler runs (its own, or Lightning's PyTorchProfiler), opens the step's range."""
+        recorder, toggled = self._recorder, False
+        if recorder is None:
             return False
-        if not self._recorder.active and step == self.profiled_steps.start:
-            self._recorder.start()
-            return True
-        if self._recorder.active and step not in self.profiled_steps:
+        if recorder.owns_profiler and not recorder.active and step == self.profiled_steps.start:
+            recorder.start()
+            toggled = True
+        elif recorder.owns_profiler and recorder.active and step not in self.profiled_steps:
             self._stop_recorder()
-            return True
-        return False
+            toggled = True
+        if recorder.active:
+            recorder.begin_step(step)
+        return toggled
 
     def _stop_recorder(self) -> None:
-        self._busy = _busy_per_step(*self._recorder.stop(), self.profiled_steps)
+        """Ends the profile (its trace written) and reads this rank's GPU-busy rows from the traces; rank 0 says
+        once what came of it."""
+        recorder = self._recorder
+        steps = self.profiled_steps if recorder.owns_profiler else None  # Lightning's: the steps it recorded
+        found = read_busy(recorder.stop(), recorder.rank, steps)
+        self._busy = found.rows
+        rank_zero_info(describe(found, recorder.where, steps))
 
     def _mark(self, boundary: str) -> Any:
         if self._recorder is not None and self._recorder.active:
@@ -283,30 +302,6 @@ class PhaseTimer(Callback):
             peak_gbps=self.peak_gbps or (peak.gbps if peak else None),
             peak_label="given" if self.peak_tflops or self.peak_gbps else (peak.label if peak else None),
         )
-
-
-def _busy_per_step(marks: list[tuple[str, float]], kernels: list[tuple[float, float]], steps: range) -> list[StepRow]:
-    """GPU-busy ms of each phase and of the whole step, for each profiled step (the i-th "start" marker opens
-    ``steps[i]``): the kernels between the step's markers (``kernels.union_ms``). A step runs from one "start"
-    marker to the next; a step whose markers were not all found is left out."""
-    starts = [i for i, (name, _) in enumerate(marks) if name == "start"]
-    rows = []
-    for step, first, last in zip(steps, starts, starts[1:], strict=False):
-        at = {name: t for name, t in marks[first:last]}
-        if not all(b in at for b in MARKS):
-            continue
-        phases = [
-            union_ms(kernels, at[a], at[b])
-            for a, b in (
-                ("forward_start", "forward_end"),
-                ("backward_start", "backward_end"),
-                ("update_start", "update_end"),
-            )
-        ]
-        end = marks[last][1]
-        total, data = union_ms(kernels, at["start"], end), union_ms(kernels, at.get("data_start", end), end)
-        rows.append(StepRow(step, StepPhases(*phases, total - sum(phases) - data, total, data), []))
-    return rows
 
 
 def _compute_dtype(trainer: Trainer, pl_module: LightningModule) -> torch.dtype:

@@ -1,0 +1,242 @@
+"""The profiled steps' trace, kept: PhaseTimer's ``torch.profiler`` over a few steady steps writes each rank's
+Chrome trace into the run's log dir, and the GPU-busy time of each phase is read back from it by ``lit_ddp.trace``.
+PhaseTimer's helper.
+
+    python -m lit_ddp.fit --config configs/mini_train_profile.yaml --devices 1    # on a GPU: steps 2-4 profiled
+    python -m lit_ddp.report --trace runs/mini_train_profile/version_0/traces     # the kept traces, any time later
+
+A CUDA event pair measures everything between its two records, idle time included: when the GPU waits for
+Python between tiny kernels, "forward 0.6 ms" may hold 0.2 ms of work. So PhaseTimer opens ``record_function``
+ranges at the boundaries it marks: ``lit_ddp.step#N`` around each step and inside it always exactly one phase
+range (``lit_ddp.forward``, ``.backward``, ``.update``, ``.data``, and ``.other`` between them; the names are
+``lit_ddp.trace``'s). They show in any trace viewer (Perfetto, TensorBoard's profiler view, HTA). The trace goes
+through ``export_chrome_trace`` to ``<log_dir>/traces/rank<r>.pt.trace.json.gz`` (gzip; ``distributedInfo`` names
+the rank) and is read as JSON by ``lit_ddp.trace``: no torch internals.
+
+No marker kernels: ``lit_ddp.trace`` gives each GPU op to the phase whose CPU range was open when the CPU queued
+it, through the trace's own link (the op's correlation id is its launch's). That is the phase's own work,
+whenever the GPU ran it; a marker kernel bounded a phase on its own stream only, while NCCL runs on another, and
+finding it needed kineto's in-memory events (torch internals, which changed between 2.11 and 2.13). A phase's
+GPU-busy time is the union of its ops' intervals. Ops of different phases may run at once (an all-reduce queued
+in backward under the update's kernels), so the phases can add up to more than the step, whose busy time is the
+union of all the ops it queued.
+
+With Lightning's ``PyTorchProfiler`` (``--trainer.profiler pytorch``) PhaseTimer starts no profiler (one runs at a
+time, and Lightning's disables any other when it starts): its ranges go into every step, and at the end of
+training it reads the traces that profiler has written by then (``fit-*.pt.trace.json`` in its ``dirpath``).
+"""
+
+import math
+from collections.abc import Callable, Collection, Iterable
+from pathlib import Path
+from typing import Any, NamedTuple, Optional
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from lit_ddp import trace
+from lit_ddp.record import StepPhases, StepRow
+
+# The phase range each boundary opens, closing the one open before. One is open at every moment of a step, so an
+# op queued between two phases is "other", not given to a range around the phases (torch's Optimizer.step#...step
+# holds Lightning's whole closure). lit_ddp.trace takes the innermost range: one opened inside ours (Lightning's
+# profiler's [Strategy]...training_step, begun just before the forward pre-hook) keeps what it holds.
+OPENS = {"forward_start": trace.FORWARD, "forward_end": trace.OTHER, "backward_start": trace.BACKWARD,
+         "backward_end": trace.OTHER, "update_start": trace.UPDATE, "update_end": trace.OTHER,
+         "data_start": trace.DATA}  # fmt: skip
+
+
+def enter_range(name: str) -> record_function:
+    """A ``record_function`` range opened now, closed by its ``__exit__``: a step spans several hooks, so no
+    ``with`` block can hold it."""
+    opened = record_function(name)
+    opened.__enter__()
+    return opened
+
+
+class Ranges:
+    """The tool's ranges: ``lit_ddp.step#N`` from ``begin_step(N)`` to the next one (or ``close``), and inside it
+    one phase range from each boundary ``mark``ed to the next. ``enter`` opens a range (a stand-in in tests)."""
+
+    def __init__(self, enter: Callable[[str], Any] = enter_range) -> None:
+        self._enter = enter
+        self._open: list[Any] = []  # the step's range, then its phase's
+
+    def begin_step(self, step: int) -> None:
+        self.close()
+        self._open = [self._enter(f"{trace.STEP_PREFIX}{step}"), self._enter(trace.OTHER)]
+
+    def mark(self, boundary: str) -> None:
+        name = OPENS.get(boundary)
+        if name is not None and self._open:
+            self._open.pop().__exit__(None, None, None)
+            self._open.append(self._enter(name))
+
+    def close(self) -> None:
+        while self._open:  # the phase first: ranges end in the order they nest
+            self._open.pop().__exit__(None, None, None)
+
+
+class TraceRecorder:
+    """PhaseTimer's own profiler from ``start`` to ``stop`` (CPU activity, and CUDA's on a CUDA device) with the
+    tool's ranges; ``stop`` writes the trace to ``path``. ``close`` ends it without a trace (a failed fit)."""
+
+    owns_profiler = True
+
+    def __init__(self, device: torch.device, path: Path, rank: int) -> None:
+        self.path, self.rank = Path(path), rank
+        self.where = self.path.parent  # where the ranks' traces go
+        self.activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
+        self.ranges = Ranges()
+        self._profile: Optional[profile] = None
+
+    @property
+    def active(self) -> bool:
+        return self._profile is not None
+
+    def start(self) -> None:
+        # record_shapes: ProcessGroupNCCL's collectives then carry their sizes into the trace (trace_report's bytes).
+        self._profile = profile(activities=self.activities, record_shapes=True)
+        self._profile.__enter__()
+
+    def begin_step(self, step: int) -> None:
+        self.ranges.begin_step(step)
+
+    def mark(self, boundary: str) -> None:
+        self.ranges.mark(boundary)
+
+    def close(self) -> None:
+        self.ranges.close()
+        if self._profile is not None:
+            self._profile.__exit__(None, None, None)  # on CUDA this synchronizes: every op queued so far is in
+            self._profile = None
+
+    def stop(self) -> list[Path]:
+        """Ends profiling and writes the trace (a ``.gz`` path: torch gzips it); returns ``[path]``."""
+        prof = self._profile
+        assert prof is not None, "start() first"
+        self.close()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(self.path))
+        return [self.path]
+
+
+class LightningProfilerTraces:
+    """While Lightning's ``PyTorchProfiler`` profiles, the tool's ranges in every step (``start`` to ``stop``), and
+    at ``stop`` the Chrome traces it wrote into ``dirpath`` since this object was made."""
+
+    owns_profiler = False
+
+    def __init__(self, dirpath: Optional[str | Path], rank: int) -> None:
+        self.dirpath, self.rank = (Path(dirpath) if dirpath else None), rank
+        self.where = self.dirpath
+        self.ranges = Ranges()
+        self.active = False
+        self._before = set(self._written())
+
+    def _written(self) -> list[Path]:
+        if self.dirpath is None or not self.dirpath.is_dir():
+            return []
+        return sorted(p for pattern in ("*.pt.trace.json", "*.pt.trace.json.gz") for p in self.dirpath.glob(pattern))
+
+    def start(self) -> None:
+        self.active = True
+
+    def begin_step(self, step: int) -> None:
+        self.ranges.begin_step(step)
+
+    def mark(self, boundary: str) -> None:
+        self.ranges.mark(boundary)
+
+    def close(self) -> None:
+        self.ranges.close()
+        self.active = False
+
+    def stop(self) -> list[Path]:
+        self.close()
+        return [p for p in self._written() if p not in self._before]
+
+
+class Busy(NamedTuple):
+    """What one rank's traces gave: GPU-busy rows of its steps, the traces of this rank holding the tool's steps,
+    and whether any held GPU ops (a CPU-only profile has none: no busy time, rather than zeros)."""
+
+    rows: list[StepRow]
+    traces: list[Path]
+    gpu: bool
+
+
+def read_busy(paths: Iterable[Path], rank: int, steps: Optional[Collection[int]] = None) -> Busy:
+    """GPU-busy ms of each phase and of the whole step, per ``lit_ddp.step#N`` range in the traces of ``rank``
+    among ``paths``, through ``lit_ddp.trace``. A trace that is not one, is another rank's, or holds none of the
+    tool's step ranges is passed over.
+
+    Args:
+        steps: The steps PhaseTimer's own profiler ran over, stopped between steps: all of them whole. None: the
+            traces of a profiler that stops inside a step (Lightning's, at the end of each cycle of its schedule):
+            the last step of each trace is left out, as cut.
+    """
+    rows: dict[int, StepRow] = {}
+    traces, gpu = [], False
+    for path in paths:
+        try:
+            found = trace.load(path)
+        except trace.TraceError:
+            continue
+        if found.rank != rank or not any(r.name.startswith(trace.STEP_PREFIX) for r in found.ranges):
+            continue
+        traces.append(path)
+        if not found.ops:
+            continue
+        gpu = True
+        own = sorted((r for r in found.ranges if r.name.startswith(trace.STEP_PREFIX)), key=lambda r: r.start_us)
+        wanted = set(steps) if steps is not None else {int(r.name.removeprefix(trace.STEP_PREFIX)) for r in own[:-1]}
+        for step in trace.analyze(found).steps:  # a profiler's stop waits for the GPU: no GPU tail is missing
+            if step.step in wanted:
+                rows[step.step] = busy_row(step)
+    return Busy([rows[s] for s in sorted(rows)], traces, gpu)
+
+
+def busy_row(step: trace.StepAnalysis) -> StepRow:
+    """One step's GPU-busy ms per phase (0 for a phase that queued no GPU op) and of the step (the union)."""
+    ms = {p: step.phases[p].busy_us / 1e3 if p in step.phases else 0.0 for p in trace.PHASES}
+    return StepRow(step.step, StepPhases(ms["forward"], ms["backward"], ms["update"], ms["other"],
+                                         step.breakdown.busy_us / 1e3, ms["data"]), [])  # fmt: skip
+
+
+def describe(busy: Busy, where: Optional[Path], steps: Optional[range] = None) -> str:
+    """PhaseTimer's one line about the profile (rank 0's): where the traces are and what came of them. ``steps``:
+    those its own profiler ran over; None: Lightning's PyTorchProfiler ran."""
+    read = f"python -m lit_ddp.report --trace {where}"
+    own = steps is not None
+    which = "" if not steps else f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+    if own and busy.gpu:
+        return f"PhaseTimer: {which} profiled; every rank's trace is in {where} ({read})"
+    if own:
+        return (f"PhaseTimer: {which} profiled, CPU activity only: the traces hold no GPU events, so there is no "
+                f"GPU-busy column; every rank's trace is in {where}")  # fmt: skip
+    if not busy.traces:
+        return (f"PhaseTimer: no trace of Lightning's PyTorchProfiler with PhaseTimer's steps in {where} by the end "
+                "of training (it writes one after each cycle of its schedule and the last at teardown), so there is "
+                f"no GPU-busy column; {read} reads them afterwards")  # fmt: skip
+    count = f"{len(busy.traces)} trace(s) of Lightning's PyTorchProfiler in {where}"
+    if not busy.gpu:
+        return f"PhaseTimer: {count} hold no GPU events (a CPU-only profile), so there is no GPU-busy column"
+    return f"PhaseTimer: GPU-busy time of {len(busy.rows)} step(s) from {count} ({read})"
+
+
+def union_ms(intervals: Iterable[tuple[float, float]], start: float = -math.inf, end: float = math.inf) -> float:
+    """Length of the union of (start, end) ``intervals`` inside ``[start, end]``: time something was busy
+    (CommMonitor's communication time; the GPU check's reference figures)."""
+    clipped = sorted((max(s, start), min(e, end)) for s, e in intervals if e > start and s < end)
+    total, cur_start, cur_end = 0.0, None, None
+    for s, e in clipped:
+        if cur_end is None or s > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = s, e
+        else:
+            cur_end = max(cur_end, e)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total

@@ -93,3 +93,17 @@ def test_with_lightnings_pytorch_profiler_phase_timer_starts_none_and_reads_its_
         steps = [e for e in ranges if e["name"].startswith(STEP_PREFIX)]
         assert len(steps) >= 2 and all(phases_of(step, ranges) == ONE_STEP for step in steps[:-1]), path.name
         assert phases_of(steps[-1], ranges) != ONE_STEP  # cut where the profiler stopped: read_busy leaves it out
+
+
+@pytest.mark.timeout(120)
+def test_each_buckets_all_reduce_is_a_range_inside_backward(make_trainer, tmp_path):
+    from lit_ddp.callbacks import CommMonitor
+    from lit_ddp.trace import BUCKET_PREFIX
+
+    trainer = make_trainer(max_steps=4, callbacks=[PhaseTimer(print_steps=0, kernel_steps=1), CommMonitor()],
+                           logger=CSVLogger(tmp_path, name="run", version=0), bucket_cap_mb=0.01)  # fmt: skip
+    trainer.fit(LinearRegression(dim=64, num_layers=3), FixedBatchDataModule(dim=64, batch_size=8))
+    _, ranges = tool_ranges(tmp_path / "run" / "version_0" / "traces" / "rank0.pt.trace.json.gz")
+    (backward,) = [e for e in ranges if e["name"] == BACKWARD]  # the one profiled step's
+    inside = [name for name in phases_of(backward, ranges) if name.startswith(BUCKET_PREFIX)]
+    assert sorted(inside) == [f"{BUCKET_PREFIX}{b}" for b in range(3)], inside

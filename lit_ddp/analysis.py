@@ -20,6 +20,8 @@ CLOCKS = {  # what each clock's times mean
     "cuda_event": ": device time between the marks, idle gaps included",
 }
 
+DEFAULT_PRECISION = "32-true"  # Lightning's default: the tables name any other, and the dtype on the wire
+
 HINTS = {
     "forward": "a larger batch per rank or fewer, larger ops",
     "backward": "more overlap of the all-reduce with backward (smaller buckets; see the all-reduce table)",
@@ -71,16 +73,49 @@ def phase_table(record: PhaseRecord, comm: Optional[CommRecord] = None) -> str:
         rows = [(*row, fmt_ms(_busy_median(busy, phase))) for row, phase in zip(rows, PHASES, strict=True)]
     n_steady = phase_summary(record, 0, "step").count
     clock = record.meta.clock + CLOCKS.get(record.meta.clock, "")
-    title = f"Phase times ({clock}), {n_ranks} rank(s), step 0 = warm-up, then {n_steady} steady step(s)"
+    precision = "" if record.meta.precision == DEFAULT_PRECISION else f", precision {record.meta.precision}"
+    title = (f"Phase times ({clock}), {n_ranks} rank(s){precision}{_micro_note(record)}, step 0 = warm-up, then "
+             f"{n_steady} steady step(s)")  # fmt: skip
     profiled = [s for s in record.profiled_steps if record.ranks[0].row(s)]
     if profiled:
         which = f"step {profiled[0]}" if len(profiled) == 1 else f"steps {profiled[0]}-{profiled[-1]}"
         why = "for the GPU-busy column" if busy else "without completing a GPU-busy measurement"
         title += f" ({which} ran under the profiler {why}, left out of the others)"
-    text = title + ":\n" + table(tuple(header), rows)
+    text = title + ":\n" + table(tuple(header), rows) + _outside_lines(record) + _skipped_line(record)
     if record.roofline:
         text += "\n" + roofline_table(record)
     return text + "\n" + verdict(record, comm)
+
+
+def micro_batches(record: PhaseRecord) -> int:
+    """Batches per optimizer step (gradient accumulation), as rank 0's steady steps ran them (most of them)."""
+    counts = [r.micro_batches for r in record.steady_rows(0) or record.ranks[0].rows]
+    return max(set(counts), key=counts.count) if counts else 1
+
+
+def _micro_note(record: PhaseRecord) -> str:
+    n = micro_batches(record)
+    return "" if n == 1 else f", {n} micro-batches per optimizer step (each phase summed over them)"
+
+
+def _outside_lines(record: PhaseRecord) -> str:
+    """Work inside fit that is no training step's (validation), kept out of the table: time and count."""
+    lines = []
+    for what in sorted({w for r in record.ranks for w in r.outside}):
+        per_rank = [r.outside.get(what, Summary()) for r in record.ranks]
+        slowest = max(range(len(per_rank)), key=lambda i: per_rank[i].total)
+        s = per_rank[slowest]
+        lines.append(f"\n{what} inside fit, kept out of the steps above: {s.count} run(s), {fmt_ms(s.total)} in all, "
+                     f"{fmt_ms(s.median)} median (rank {slowest}, the longest)")  # fmt: skip
+    return "".join(lines)
+
+
+def _skipped_line(record: PhaseRecord) -> str:
+    if not record.skipped_count:
+        return ""
+    steps = ", ".join(map(str, record.skipped_steps[:10])) + (", ..." if record.skipped_count > 10 else "")
+    return (f"\n{record.skipped_count} optimizer step(s) skipped by the {record.meta.precision} grad scaler (inf/NaN "
+            f"gradients, no update; the scale was lowered): step(s) {steps}; left out of the medians")  # fmt: skip
 
 
 def verdict(record: PhaseRecord, comm: Optional[CommRecord] = None) -> str:
@@ -120,7 +155,15 @@ def roofline_table(record: PhaseRecord) -> str:
         frac = f"{rate / peak:.1%}" if peak else "-"
         achieved = fmt_si(rate, f"{unit}/s") if not math.isnan(rate) else "-"
         rows.append((phase, fmt_si(work, unit), fmt_ms(ms), achieved, frac))
-    return "Roofline (rank 0, steady median):\n" + table(("phase", "work", "time", "achieved", "of peak"), rows)
+    what = []
+    if r.micro_batches > 1:
+        what.append(f"a step's work: {r.micro_batches} micro-batches")
+    if r.compute_dtype and record.meta.precision != DEFAULT_PRECISION:
+        what.append(f"{record.meta.precision}: matmuls in {r.compute_dtype}")
+    if r.peak_label:
+        what.append(f"peak {r.peak_label}")
+    title = "Roofline (rank 0, steady median" + "".join(f"; {w}" for w in what) + "):\n"
+    return title + table(("phase", "work", "time", "achieved", "of peak"), rows)
 
 
 def comm_summary(record: CommRecord, rank: int, name: str) -> Summary:
@@ -163,17 +206,44 @@ def comm_table(record: CommRecord, phases: Optional[PhaseRecord] = None) -> str:
     busy = comm_summary(record, 0, "busy_ms").median
     first = record.first_layout
     rebuilt = f" (step 0 ran on DDP's initial {len(first)} bucket(s))" if first and first != record.layout else ""
+    plain = record.meta.precision == DEFAULT_PRECISION and record.wire_dtype in (None, "float32")
+    wire = f"{record.wire_dtype} on the wire, " if record.wire_dtype and not plain else ""
     return (
-        f"Gradient all-reduce per step ({n} ranks, compression {record.compression or 'none'}, "
+        f"Gradient all-reduce per step ({n} ranks, {wire}compression {record.compression or 'none'}, "
         f"{'all ranks' if found else 'rank 0'}, steady median):\n"
         + table(header, rows)
         + f"\n{len(record.layout)} bucket(s){rebuilt}, {total:,} bytes reduced per step "
         f"({record.param_bytes:,} bytes of gradients); each rank sends 2(n-1)/n x S = {ring * total:,.0f} bytes "
         f"in a ring all-reduce.\ncommunication {fmt_ms(busy)} per step, of which {fmt_ms(exposed)} exposed "
-        f"(not hidden under backward compute)" + _unused_line(record)
+        f"(not hidden under backward compute)" + _precision_line(record) + _accumulation_line(record)
+        + _unused_line(record)
         # A straggler is the phase table's verdict when there is one; otherwise it is said here.
         + (f"\n{stragglers.verdict_line(found)}" if found and (phases is None or found.rank is None) else "")
     )
+
+
+def _precision_line(record: CommRecord) -> str:
+    """Mixed precision computes in 16 bits but keeps fp32 parameters, hence fp32 gradients on the wire."""
+    precision = record.meta.precision
+    if "mixed" not in precision or record.wire_dtype != "float32":
+        return ""
+    return (f"\n{precision} runs the matmuls in 16 bits but keeps the parameters and their gradients in float32: "
+            "the all-reduce moves float32 (CommMonitor(compression: bf16) would halve it)")  # fmt: skip
+
+
+def _accumulation_line(record: CommRecord) -> str:
+    """Gradient accumulation: which of the step's backward passes all-reduced (DDP's no_sync for the others)."""
+    rows = record.ranks[0].rows
+    if not rows or max(r.micro_batches for r in rows) <= 1:
+        return ""
+    last = rows[-1]
+    n, synced = last.micro_batches, last.synced
+    if synced == [n - 1]:
+        return (f"\ngradient accumulation: {n} micro-batches per step; only the last one's backward all-reduced "
+                f"(micro-batch {n - 1}), the other {n - 1} ran under DDP's no_sync: the bytes above move once "
+                f"per {n} micro-batches")  # fmt: skip
+    return (f"\ngradient accumulation: {n} micro-batches per step, and micro-batches {synced} all-reduced: "
+            f"{len(synced)}x the bytes above per step (no no_sync)")
 
 
 def _unused_line(record: CommRecord) -> str:

@@ -9,6 +9,8 @@ The checkpoint directory is a function of the config alone (``checkpoint_dir``):
 """
 
 import os
+import re
+import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -63,13 +65,19 @@ class LastCheckpoint(Callback):
             raise ValueError(f"`LastCheckpoint(every_n_steps={every_n_steps!r})` must be >= 0")
         self.every_n_steps = every_n_steps
         self.dirpath = dirpath
+        self._batch_step = 0
 
     def path(self, trainer: Trainer) -> Path:
         return Path(self.dirpath or Path(trainer.default_root_dir) / "checkpoints") / "last.ckpt"
 
     @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._batch_step = trainer.global_step
+
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
-        if not self.every_n_steps:
+        # Only after an optimizer step: with gradient accumulation a micro-batch's gradients are in no checkpoint.
+        if not self.every_n_steps or trainer.global_step == self._batch_step:
             return
         if trainer.global_step % self.every_n_steps == 0 or trainer.should_stop:
             trainer.save_checkpoint(self.path(trainer))
@@ -128,8 +136,7 @@ def resume_path(ckpt_path: Optional[str], directory: Path, hparams: dict[str, An
         # weights_only: a checkpoint is data; a pickle that would run code is refused, not run.
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises many types for truncated, corrupt or foreign files
-        reason = " ".join(str(err).split())[:200] or type(err).__name__
-        raise UsageError(f"--ckpt_path: {path} is not a readable checkpoint: {reason}") from err
+        raise UsageError(f"--ckpt_path: {path} is not a readable checkpoint: {_unreadable(path, err)}") from err
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise UsageError(f"--ckpt_path: {path} is not a Lightning checkpoint (no state_dict)")
     # The model is built from the command line; a checkpoint trained otherwise would silently win for the
@@ -143,6 +150,22 @@ def resume_path(ckpt_path: Optional[str], directory: Path, hparams: dict[str, An
     if conflicts:
         raise UsageError(f"--ckpt_path {path}: " + "; ".join(conflicts))
     return path
+
+
+def _unreadable(path: Path, err: Exception) -> str:
+    """Why ``torch.load`` failed, in a few words: torch's own message for ``weights_only`` runs to a page and
+    suggests ``weights_only=False``, which is the one thing this loader will not do."""
+    text = " ".join(str(err).split())
+    found = re.search(r"unsupported (?:global: )?GLOBAL ([\w.]+)", text, re.I)
+    if found:
+        return f"it holds a Python object ({found.group(1)}); checkpoints are loaded as data only (weights_only=True)"
+    if not zipfile.is_zipfile(path):
+        return "not a whole file written by torch.save (no zip archive: cut short, or another format)"
+    if "Weights only load failed" in text:
+        return "torch.load(weights_only=True) refused it: not plain tensors and data"
+    text = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", text)  # c10's location prefix
+    first = re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0][:160]
+    return f"a damaged archive ({type(err).__name__}{': ' + first if first else ''})"
 
 
 def _as_list(value: Any) -> Any:

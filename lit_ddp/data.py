@@ -9,6 +9,7 @@ checkable: both must train identically.
 """
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from jsonargparse.typing import NonNegativeInt, PositiveInt
@@ -49,6 +50,17 @@ class RepeatBatch:
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         for _ in range(self.length):
             yield self.batch
+
+    # Resumable, as Lightning asks of a loader resumed in mid-epoch (else it warns that results may differ): there
+    # is no position to keep. Every batch is the same one, and the epoch's end comes from Lightning's own batch
+    # counter, restored from the checkpoint; so a resumed run ends bitwise equal to an uninterrupted one.
+    def state_dict(self) -> dict[str, Any]:
+        return {"length": self.length}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("length", self.length) != self.length:
+            raise ValueError(f"`RepeatBatch`: the checkpoint's epoch has {state['length']} steps, this one "
+                             f"{self.length} (--data.steps_per_epoch)")  # fmt: skip
 
 
 class FixedBatchDataModule(LightningDataModule):

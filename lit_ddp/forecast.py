@@ -38,6 +38,10 @@ is the latency of one step. Check against nccl-tests: 2 nodes x 8 H100 with the 
 2(15/16) / max(1.75 / 450, (1/8) / 45) = 482 GB/s, NVLink-bound, where nccl-tests reports 400-450 GB/s for
 such nodes: the model is about 10% optimistic for large messages there.
 
+Gradient accumulation (k micro-batches per step): DDP all-reduces after the last backward only (``no_sync``
+before): step = forward + backward_before (the k - 1 earlier backwards, compute) + backward(N) + update + other,
+backward(N) the model above on the last backward. Efficiency: a configuration's 1-rank step over its N-rank one.
+
 Not modelled: collectives other than the gradient all-reduce (``other`` is taken as measured, though
 Lightning and the tool's callbacks reduce a few scalars every step), communication slowing compute (NCCL
 kernels share SMs and memory bandwidth; on CPU, gloo's threads share the cores), stragglers that grow with
@@ -52,10 +56,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from lit_ddp.analysis import comm_summary, phase_summary
+from lit_ddp.analysis import comm_summary, micro_batches, phase_summary
 from lit_ddp.errors import ForecastError, RecordError
 from lit_ddp.links import GB, LINK_NAMES, Topology, allreduce_ms, check_ranks, topology
-from lit_ddp.record import PHASES
+from lit_ddp.record import PHASES, StepRow
 from lit_ddp.record import load_run as load_record
 from lit_ddp.tables import fmt_ms, table
 
@@ -87,6 +91,8 @@ class Measured:
     comm_ms: float  # as measured: sum of the bucket all-reduce times
     step_ms: float  # as measured
     n_steps: int
+    backward_before_ms: float = 0.0  # the backward of the micro-batches before the last (under no_sync)
+    micro_batches: int = 1
 
 
 @dataclass(frozen=True)
@@ -115,8 +121,8 @@ def simulate(run: Measured, ranks: int, topo: Topology, buckets: Sequence[Bucket
     backward, total = ready, sum(b.nbytes for b in buckets)
     for bucket, bucket_end in zip(buckets, ends, strict=True):
         backward = max(backward, bucket_end) + run.tail_ms * bucket.nbytes / total
-    step = run.forward_ms + backward + run.update_ms + run.other_ms
-    return Forecast(ranks, step, backward, exposed_ms=end - ready, comm_ms=comm)
+    step = run.forward_ms + run.backward_before_ms + backward + run.update_ms + run.other_ms
+    return Forecast(ranks, step, run.backward_before_ms + backward, exposed_ms=end - ready, comm_ms=comm)
 
 
 def rebucket(buckets: Sequence[Bucket], cap_bytes: float) -> tuple[Bucket, ...]:
@@ -150,15 +156,19 @@ def load_run(run_dir: Path) -> Measured:
     if not comm_summary(comm, 0, "total_ms").count:
         raise ForecastError(f"{run_dir}: no step with DDP's final bucket layout: run more steps")
     per_rank = []
+    micro = micro_batches(phases)
     for r in range(comm.meta.world_size):
         med = {p: phase_summary(phases, r, p).median for p in PHASES}
         med["other"] += med.pop("data")  # the model takes everything outside the three phases as one
         for name in ("exposed_ms", "total_ms"):
             med[name] = comm_summary(comm, r, name).median
         med["ready"] = [comm_summary(comm, r, f"bucket{b}.ready_ms").median for b in range(len(comm.layout))]
+        # With accumulation only the last micro-batch's backward all-reduces (the others are compute).
+        last = phase_summary(phases, r, "backward_last").median if micro > 1 else med["backward"]
+        med["backward_before"] = max(0.0, med["backward"] - last)
         # The tail joins the two records step by step: over the steady steps both kept.
         kept = {row.step: row for row in phases.steady_rows(r)}
-        tails = [kept[b.step].ms.backward - max(b.ready_ms) - b.exposed_ms
+        tails = [_last_backward(kept[b.step]) - max(b.ready_ms) - b.exposed_ms
                  for b in comm.ranks[r].rows if b.step in kept and b.bytes == comm.layout]  # fmt: skip
         med["tail"] = statistics.median(tails) if tails else 0.0
         per_rank.append(med)
@@ -173,7 +183,12 @@ def load_run(run_dir: Path) -> Measured:
         rows_per_rank=phases.roofline.rows_per_rank if phases.roofline else None, compression=comm.compression,
         backward_ms=slowest("backward"), exposed_ms=slowest("exposed_ms"), comm_ms=slowest("total_ms"),
         step_ms=slowest("step"), n_steps=comm_summary(comm, 0, "total_ms").count,
+        backward_before_ms=slowest("backward_before"), micro_batches=micro,
     )  # fmt: skip
+
+
+def _last_backward(row: StepRow) -> float:  # the backward DDP all-reduces after: the last micro-batch's
+    return row.ms.backward_last if row.micro_batches > 1 else row.ms.backward
 
 
 def what_ifs(run: Measured, caps_mib: Sequence[float]) -> list[tuple[str, Measured, tuple[Bucket, ...]]]:
@@ -215,6 +230,12 @@ def report(run: Measured, topo: Topology, ranks: Sequence[int], caps_mib: Sequen
         "exposed comm: from the end of backward's compute to the end of the last all-reduce (as CommMonitor); "
         "DDP copies finished buckets back into .grad meanwhile, so the step grows by less."
     )
+    if run.micro_batches > 1:
+        lines.append(
+            f"gradient accumulation: {run.micro_batches} micro-batches per step, all-reduced once, after the last "
+            f"one's backward (DDP's no_sync before it): the {run.micro_batches - 1} earlier backwards "
+            f"({fmt_ms(run.backward_before_ms)}) are compute only, and samples/s counts every micro-batch"
+        )
     rows = []
     for n in ranks:
         f = simulate(run, n, topo)
@@ -229,6 +250,8 @@ def report(run: Measured, topo: Topology, ranks: Sequence[int], caps_mib: Sequen
         cells.append((label, *[f"{fmt_ms(f.step_ms)} ({fmt_ms(f.exposed_ms)})"
                                for f in (simulate(variant, n, topo, buckets) for n in ranks)]))  # fmt: skip
     lines += ["What if (step time, exposed communication in brackets):", table(header, cells)]
+    lines.append("Efficiency: the 1-rank step over the N-rank step of the same configuration (the picture's what-ifs "
+                 "each against their own 1-rank step: removing the copy-back shortens every N, 1 included).")
     total = sum(b.nbytes for b in run.buckets)
     copy = f"{total / run.tail_ms / GB:.1f} GB/s" if run.tail_ms > 0 else "-"
     lines.append(
@@ -241,21 +264,29 @@ def report(run: Measured, topo: Topology, ranks: Sequence[int], caps_mib: Sequen
 
 
 def plot(run: Measured, topo: Topology, ranks: Sequence[int], caps_mib: Sequence[float], out: Path) -> Path:
+    figure(run, topo, ranks, caps_mib).savefig(out, dpi=110)
+    return out
+
+
+def figure(run: Measured, topo: Topology, ranks: Sequence[int], caps_mib: Sequence[float]):
     """Step time and scaling efficiency vs ranks, for the measured buckets and each what-if."""
-    # The Figure API, not pyplot: no global state, safe inside notebooks (as report.plot).
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # the Figure API, not pyplot: no global state, safe in notebooks
 
     fig = Figure(figsize=(11, 4.2))
     ax_step, ax_eff = fig.subplots(1, 2)
-    base = simulate(run, 1, topo).step_ms  # nothing to reduce on 1 rank: the compute alone
+    top = base = simulate(run, 1, topo).step_ms  # nothing to reduce on 1 rank: the compute alone
     for i, (label, variant, buckets) in enumerate(what_ifs(run, caps_mib)):
         steps = [simulate(variant, n, topo, buckets).step_ms for n in ranks]
+        own_base = simulate(variant, 1, topo, buckets).step_ms  # each against itself on 1 rank: <= 100%
+        top = max(top, *steps)
         style = {"linewidth": 2.5, "color": "k"} if i == 0 else {"linestyle": "--", "linewidth": 1.2}
         ax_step.plot(ranks, steps, marker="o", label=label, **style)
-        ax_eff.plot(ranks, [100 * base / s for s in steps], marker="o", label=label, **style)
+        ax_eff.plot(ranks, [100 * own_base / s for s in steps], marker="o", label=label, **style)
     ax_step.axhline(base, color="grey", linewidth=0.8, label="compute only (1 rank)")
+    # From zero: a rise of a fraction of a millisecond on a 300 ms step must not look like a slope.
+    ax_step.set_ylim(0, 1.1 * top)
     links = topo.intra.name if topo.inter is topo.intra else f"{topo.intra.name}+{topo.inter.name}"
-    for ax, title, unit in ((ax_step, "step time", "ms"), (ax_eff, "scaling efficiency vs 1 rank", "%")):
+    for ax, title, unit in ((ax_step, "step time", "ms"), (ax_eff, "scaling efficiency (each vs its own 1 rank)", "%")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(list(ranks), [str(n) for n in ranks])
         ax.set_xlabel(f"ranks ({topo.gpus_per_node} per node, {links})")
@@ -264,8 +295,7 @@ def plot(run: Measured, topo: Topology, ranks: Sequence[int], caps_mib: Sequence
     ax_eff.set_ylim(0, 105)
     ax_step.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    return out
+    return fig
 
 
 def _rank_list(text: str) -> list[int]:

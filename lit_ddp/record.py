@@ -7,9 +7,12 @@ forecast, the benchmarks, the notebook and the tests read back, by field name.
 ``phases.json`` is a ``PhaseRecord`` (PhaseTimer), ``comm.json`` a ``CommRecord`` (CommMonitor); both carry
 ``schema`` (``SCHEMA_VERSION``) and a ``RunMeta``. Times are milliseconds.
 
-Steps. Step 0 is warm-up (the allocator, kernel selection, Adam's state, DDP's bucket rebuild); the steps
-PhaseTimer profiled for GPU-busy time are slowed by the profiler. Every other step is *steady*
-(``is_steady``), and every median, minimum and maximum the tool reports is over the steady steps.
+Steps. A step is an optimizer step: with gradient accumulation its phases are summed over its micro-batches
+(``StepRow.micro_batches``), and validation run inside fit is kept out of them (``RankPhases.outside``). Step 0
+is warm-up (the allocator, kernel selection, Adam's state, DDP's bucket rebuild); the steps PhaseTimer profiled
+for GPU-busy time are slowed by the profiler, and a step the 16-mixed grad scaler skipped (inf/NaN gradients)
+did no update (``PhaseRecord.skipped_steps``). Every other step is *steady* (``is_steady``), and every median,
+minimum and maximum the tool reports is over the steady steps.
 
 A record that scales with the job. A rank keeps the per-step detail of a bounded window of steps
 (``Window``: the first ``HEAD_STEPS``, the profiled ones and the last ``TAIL_STEPS``), and for all steady steps
@@ -36,6 +39,7 @@ PHASES = ("forward", "backward", "update", "data", "other", "step")
 BOUNDARIES = ("forward_start", "forward_end", "backward_start", "backward_end", "update_start", "update_end",
               "data_start", "end")  # fmt: skip
 WARMUP_STEPS = 1
+MAX_SKIPPED_KEPT = 100  # skipped steps named in a record (all are counted)
 HEAD_STEPS = 10
 TAIL_STEPS = 50
 
@@ -192,8 +196,10 @@ class RunMeta:
 
 @dataclass(frozen=True)
 class StepPhases:
-    """One step's phases on one rank, in milliseconds; ``other`` = ``step`` minus the four phases; ``data`` runs
-    from the end of the step's batch to the start of the next one (fetching it, Lightning's loop)."""
+    """One optimizer step's phases on one rank, in milliseconds, each summed over the step's micro-batches;
+    ``other`` = ``step`` minus the four phases; ``data`` runs from the end of each batch to the start of the next
+    one (fetching it, Lightning's loop). Validation inside fit is in none of them, ``step`` included.
+    ``backward_last``: the last micro-batch's backward, which DDP all-reduces (the others run under ``no_sync``)."""
 
     forward: float
     backward: float
@@ -201,6 +207,7 @@ class StepPhases:
     other: float
     step: float
     data: float = 0.0
+    backward_last: float = 0.0
 
 
 @dataclass
@@ -211,6 +218,7 @@ class StepRow:
     step: int
     ms: StepPhases
     offsets_ms: list[float]
+    micro_batches: int = 1  # batches (forward + backward) in this optimizer step: gradient accumulation
 
 
 @dataclass
@@ -222,6 +230,8 @@ class RankPhases:
     rows: list[StepRow]
     summaries: dict[str, Summary]
     busy_ms: list[StepRow] = field(default_factory=list)  # profiled steps; offsets_ms unused (empty)
+    # Work inside fit that is no training step's, kept out of the phases: "validation" -> one value per run (ms).
+    outside: dict[str, Summary] = field(default_factory=dict)
 
     def row(self, step: int) -> Optional[StepRow]:
         return next((r for r in self.rows if r.step == step), None)
@@ -229,7 +239,9 @@ class RankPhases:
 
 @dataclass
 class Roofline:
-    """The work of one step on one rank, and the device's peaks (None where unknown)."""
+    """The work of one optimizer step on one rank (all its micro-batches), and the device's peaks (None where
+    unknown) for the dtype the matmuls run in (``compute_dtype``: the precision's, e.g. bfloat16 under
+    ``bf16-mixed``)."""
 
     rows_per_rank: int
     forward_flop: float
@@ -238,6 +250,8 @@ class Roofline:
     peak_tflops: Optional[float] = None
     peak_gbps: Optional[float] = None
     peak_label: Optional[str] = None
+    micro_batches: int = 1
+    compute_dtype: Optional[str] = None
 
 
 @dataclass
@@ -249,6 +263,8 @@ class PhaseRecord:
     profiled_steps: list[int] = field(default_factory=list)
     roofline: Optional[Roofline] = None
     kind: str = "phases"
+    skipped_steps: list[int] = field(default_factory=list)  # the first MAX_SKIPPED_KEPT the grad scaler skipped
+    skipped_count: int = 0  # all of them
 
     @property
     def steps(self) -> list[int]:
@@ -256,7 +272,8 @@ class PhaseRecord:
         return [r.step for r in self.ranks[0].rows]
 
     def steady_rows(self, rank: int = 0) -> list[StepRow]:
-        return [r for r in self.ranks[rank].rows if is_steady(r.step, self.profiled_steps)]
+        left_out = {*self.profiled_steps, *self.skipped_steps}
+        return [r for r in self.ranks[rank].rows if is_steady(r.step, left_out)]
 
 
 @dataclass
@@ -272,6 +289,8 @@ class StepBuckets:
     busy_ms: float
     exposed_ms: float
     arrival_s: list[float] = field(default_factory=list)  # each hand-over on this rank's host clock (seconds)
+    micro_batches: int = 1  # backward passes in this optimizer step (gradient accumulation)
+    synced: list[int] = field(default_factory=lambda: [0])  # the micro-batches whose backward handed buckets over
 
 
 @dataclass
@@ -303,6 +322,7 @@ class CommRecord:
     unused_every_step: bool = False  # the same ones in every step rank 0 ran
     straggler: Optional[dict[str, Any]] = None  # lit_ddp.stragglers.Straggler's fields, with phases.json's cause
     kind: str = "comm"
+    wire_dtype: Optional[str] = None  # the buckets' dtype as the all-reduce saw them (after any compression)
 
 
 Record = TypeVar("Record", PhaseRecord, CommRecord)
@@ -328,13 +348,15 @@ def save(record: PhaseRecord | CommRecord, path: Path) -> Path:
 
 
 def _phases_from(data: dict[str, Any]) -> PhaseRecord:
+    # Fields added within schema 2 come with defaults: a record written before them loads as it was.
     def rows(items: list[dict]) -> list[StepRow]:
-        return [StepRow(r["step"], StepPhases(**r["ms"]), r["offsets_ms"]) for r in items]
+        return [StepRow(r["step"], StepPhases(**r["ms"]), r["offsets_ms"], r.get("micro_batches", 1)) for r in items]
 
-    ranks = [RankPhases(r["rank"], rows(r["rows"]), _summaries(r["summaries"]), rows(r["busy_ms"]))
-             for r in data["ranks"]]  # fmt: skip
+    ranks = [RankPhases(r["rank"], rows(r["rows"]), _summaries(r["summaries"]), rows(r["busy_ms"]),
+                        _summaries(r.get("outside", {}))) for r in data["ranks"]]  # fmt: skip
     roof = Roofline(**data["roofline"]) if data.get("roofline") else None
-    return PhaseRecord(RunMeta(**data["meta"]), ranks, data["profiled_steps"], roof)
+    return PhaseRecord(RunMeta(**data["meta"]), ranks, data["profiled_steps"], roof,
+                       skipped_steps=data.get("skipped_steps", []), skipped_count=data.get("skipped_count", 0))
 
 
 def _comm_from(data: dict[str, Any]) -> CommRecord:
@@ -343,7 +365,8 @@ def _comm_from(data: dict[str, Any]) -> CommRecord:
     return CommRecord(RunMeta(**data["meta"]), ranks, data["layout"], data["param_bytes"], data["compression"],
                       data["first_layout"], data["profiled_steps"], data["clock_offset_s"], data["clock_error_s"],
                       data["find_unused_parameters"], data["unused"], data["unused_bytes"],
-                      data["unused_every_step"], data["straggler"])  # fmt: skip
+                      data["unused_every_step"], data["straggler"],
+                      wire_dtype=data.get("wire_dtype"))  # fmt: skip
 
 
 def _summaries(data: dict[str, Any]) -> dict[str, Summary]:

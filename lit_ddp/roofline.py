@@ -101,6 +101,49 @@ def count_step_flops(pl_module: LightningModule, batch: Any, batch_idx: int = 0)
     return StepFlops(forward=forward, backward=backward)
 
 
+class RealStepFlops:
+    """Counts the FLOPs of a real training step while it runs, for manual optimization: its ``training_step`` runs
+    its own ``manual_backward`` and ``optimizer.step()``, so it cannot be run again as a probe
+    (``count_step_flops``: that would train the model once more, outside the fit).
+
+    ``start`` before the step's first forward, ``backward_start`` / ``backward_end`` around each backward (what is
+    counted between them is backward, the rest forward), ``stop`` when the step is done. The optimizer's update
+    runs inside the count; its elementwise ops are not in ``FlopCounterMode``'s table (matmuls, convolutions,
+    attention), so it adds nothing. The count's own cost falls in the step it counts: step 0, the warm-up.
+    """
+
+    def __init__(self) -> None:
+        self._counter: Optional[FlopCounterMode] = None
+        self._backward = 0
+        self._since: Optional[int] = None
+
+    @property
+    def active(self) -> bool:
+        return self._counter is not None
+
+    def start(self) -> None:
+        self._counter = FlopCounterMode(display=False)
+        self._counter.__enter__()
+
+    def backward_start(self) -> None:
+        if self._counter is not None:
+            self._since = self._counter.get_total_flops()
+
+    def backward_end(self) -> None:
+        if self._counter is not None and self._since is not None:
+            self._backward += self._counter.get_total_flops() - self._since
+            self._since = None
+
+    def stop(self) -> Optional[StepFlops]:
+        """The step's FLOPs (None if it was not started); the count ends, also when the step failed."""
+        counter, self._counter = self._counter, None
+        if counter is None:
+            return None
+        counter.__exit__(None, None, None)
+        total = counter.get_total_flops()
+        return StepFlops(forward=total - self._backward, backward=self._backward)
+
+
 def _loss_of(output: Any) -> Optional[Tensor]:
     """The loss of a ``training_step`` output, as Lightning's automatic optimization reads it."""
     if output is None or isinstance(output, Tensor):

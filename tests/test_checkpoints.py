@@ -46,6 +46,18 @@ def test_bad_checkpoints_are_refused_in_one_line(kind, tmp_path, monkeypatch, ca
     assert code == 2
     assert len(err.splitlines()) == 1 and str(path) in err, err
     assert not (tmp_path / "PWNED").exists(), "the checkpoint's pickle ran code"
+    # One whole sentence that says why, never torch's page that ends in advice to set weights_only=False.
+    unreadable = f"lit-ddp-fit: error: --ckpt_path: {path} is not a readable checkpoint: "
+    cut = "not a whole file written by torch.save (no zip archive: cut short, or another format)"
+    expected = {
+        "empty": f"lit-ddp-fit: error: --ckpt_path: {path} is empty",
+        "truncated": unreadable + cut,
+        "garbage": unreadable + cut,
+        "malicious": unreadable + "it holds a Python object (posix.system); checkpoints are loaded as data only "
+        "(weights_only=True)",
+        "not_lightning": f"lit-ddp-fit: error: --ckpt_path: {path} is not a Lightning checkpoint (no state_dict)",
+    }
+    assert err == expected[kind]
 
 
 def test_resume_from_nothing_is_an_error(tmp_path, monkeypatch, capsys):
@@ -117,3 +129,31 @@ def test_runs_save_through_the_atomic_writer(tmp_path, monkeypatch, capsys):
                                   "3", "--checkpoint.every_n_steps", "1")  # fmt: skip
     assert code == 0, err
     assert [Path(p).name for p in saved] == ["last.ckpt"] * 3
+
+
+@pytest.mark.timeout(150)
+def test_a_mid_epoch_resume_in_a_users_trainer_is_resumable_and_exact(make_trainer, tmp_path, capfd):
+    """Outside the CLI (whose console drops known noise) Lightning warns on a mid-epoch resume unless the loader
+    is resumable: RepeatBatch is (every batch is the same one; Lightning's restored batch counter ends the epoch),
+    so no warning, and the run ends bitwise equal to an uninterrupted one, epochs included (6 steps per epoch)."""
+    from lightning.pytorch import seed_everything
+
+    from lit_ddp import FixedBatchDataModule, LinearRegression
+    from lit_ddp.checkpointing import LastCheckpoint
+
+    def fit(name, max_steps, every, ckpt_path=None):
+        seed_everything(0)
+        saver = LastCheckpoint(every_n_steps=every, dirpath=str(tmp_path / name))
+        trainer = make_trainer(max_steps=max_steps, callbacks=[saver])
+        trainer.fit(LinearRegression(dim=16), FixedBatchDataModule(dim=16, batch_size=4, steps_per_epoch=6),
+                    ckpt_path=ckpt_path)  # fmt: skip
+        return tmp_path / name / "last.ckpt"
+
+    straight = fit("straight", 9, 9)
+    fit("resumed", 4, 4)
+    capfd.readouterr()
+    resumed = fit("resumed", 9, 9, ckpt_path=tmp_path / "resumed" / "last.ckpt")
+    out = capfd.readouterr()
+    assert "not resumable" not in out.out + out.err, out.err[-2000:]
+    assert_same_checkpoint(straight, resumed, global_step=9)
+    assert torch.load(resumed, weights_only=True)["epoch"] == 1  # the second epoch, as uninterrupted

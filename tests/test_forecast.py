@@ -347,3 +347,18 @@ def test_real_probe_two_gloo_ranks(tmp_path):
         assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"])  # 2(n-1)/n = 1 on 2 ranks
     link = links.load_probe(out)
     assert link.busbw_gbps > 0 and link.hop_latency_us >= 0 and math.isfinite(link.busbw_gbps)
+
+
+@pytest.mark.timeout(30)
+def test_picture_starts_the_step_axis_at_zero_and_no_efficiency_passes_100():
+    """forecast.png: a 0.6 ms rise on a 170 ms step must not look like a slope (the axis from 0), and
+    gradient_as_bucket_view, faster than the measured run at every N, is measured against its own 1-rank step."""
+    pytest.importorskip("matplotlib")
+    run = measured([Bucket(1e6, 10.0)], tail=5.0)
+    ax_step, ax_eff = forecast.figure(run, one_node(), [1, 2, 8], []).axes
+    assert ax_step.get_ylim()[0] == 0
+    lines = {line.get_label(): list(line.get_ydata()) for line in ax_eff.get_lines()}
+    view = lines["gradient_as_bucket_view (no copy-back)"]
+    assert view[0] == pytest.approx(100.0) and max(max(v) for v in lines.values()) <= 100.0 + 1e-9
+    assert "Efficiency: the 1-rank step over the N-rank step of the same configuration" in forecast.report(
+        run, one_node(), [1, 2], [], "test")

@@ -15,6 +15,13 @@ sends in a ring all-reduce, 2(n-1)/n * S (the notes' "2x the parameter size per 
 communication was busy, and how much was exposed: from the hand-over of the last bucket (backward's compute
 is done by then) to the end of the last all-reduce. Earlier buckets overlap with the remaining backward
 compute; that part is hidden.
+
+A step is an optimizer step. With gradient accumulation Lightning runs every micro-batch but the last under
+DDP's ``no_sync``: their backward reduces nothing, and the step's one all-reduce follows the last backward. Each
+step records how many backward passes it ran and which of them handed buckets over (``StepBuckets.synced``),
+so the table shows it; ready times count from the start of the backward that handed the bucket over. The
+record also names the dtype on the wire: in ``bf16-mixed`` / ``16-mixed`` the parameters, hence their
+gradients, stay fp32, so fp32 is all-reduced unless ``compression`` casts it.
 """
 
 import threading
@@ -55,6 +62,7 @@ class BucketTiming:
     start: Any  # handed to the hook: the bucket's gradients are ready
     arrival: float  # the same moment on the host clock (``clock.host_now``), comparable across ranks
     end: Any = None  # the all-reduce's future completed
+    micro: int = 0  # the step's backward pass (micro-batch) that handed the bucket over
 
 
 class CommMonitor(Callback):
@@ -73,6 +81,8 @@ class CommMonitor(Callback):
         self._clock: Any = HostClock()
         self._step = 0
         self._backward_start: Any = None
+        self._backwards: dict[int, int] = {}  # step -> backward passes it ran so far
+        self._wire_dtype: Optional[str] = None
         self._lock: Optional[threading.Lock] = None  # made in setup: ddp_spawn pickles callbacks, locks don't
         self._timings: list[BucketTiming] = []  # appended by the futures' callbacks, taken by _collect
         self._pending: dict[int, list[BucketTiming]] = {}  # steps whose marks are not resolved yet
@@ -120,6 +130,7 @@ class CommMonitor(Callback):
         distributed = trainer.world_size > 1 and dist.is_initialized()
         self._offsets = clock.offsets_to_rank0(trainer.strategy.root_device) if distributed else []
         self._timings, self._pending, self._summaries, self._profiled = [], {}, {}, None
+        self._backwards, self._wire_dtype = {}, None
         self.record, self.ended = None, False
         self._unused, self._unused_sets = [], set()
         self._window = Window()
@@ -129,8 +140,9 @@ class CommMonitor(Callback):
             buffer = bucket.buffer()
             timing = BucketTiming(
                 self._step, bucket.index(), buffer.numel() * buffer.element_size(), self._backward_start,
-                self._clock.mark(), clock.host_now(),
+                self._clock.mark(), clock.host_now(), micro=self._backwards.get(self._step, 1) - 1,
             )  # fmt: skip
+            self._wire_dtype = str(buffer.dtype).removeprefix("torch.")
 
             def done(fut):
                 timing.end = self._clock.mark()
@@ -151,6 +163,7 @@ class CommMonitor(Callback):
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         self._backward_start = self._clock.mark()
+        self._backwards[self._step] = self._backwards.get(self._step, 0) + 1
 
     @override
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -186,6 +199,7 @@ class CommMonitor(Callback):
             unused=[name for name, _ in self._unused],
             unused_bytes=sum(nbytes for _, nbytes in self._unused),
             unused_every_step=len(self._unused_sets) == 1,
+            wire_dtype=self._wire_dtype,
         )
         report_timers(trainer, self)
 
@@ -217,6 +231,8 @@ class CommMonitor(Callback):
             busy_ms=union_ms(spans),
             exposed_ms=max(end for _, end in spans) - max(start for start, _ in spans),
             arrival_s=[b.arrival for b in buckets],
+            micro_batches=self._backwards.pop(step, 1),
+            synced=sorted({b.micro for b in buckets}),
         )
         self._window.add(step, row)
         if self._profiled is None:  # PhaseTimer's on_train_start has run by the first step's end, wherever listed

@@ -6,6 +6,11 @@ Each rank's ``training_step`` returns the mean over its own rows; the printed lo
 over all ranks, i.e. the loss of the global batch, which is what a single process with the whole batch
 would print. The losses travel in the step's one collective (``StepSync``): every step with ``check_finite``,
 else only on the steps that print.
+
+A step is an optimizer step. With gradient accumulation (``--trainer.accumulate_grad_batches 4``) its line
+carries the mean loss over its micro-batches (Lightning hands the hooks each micro-batch's loss divided by
+``accumulate_grad_batches``; that is undone here), one line per optimizer step. Under ``16-mixed`` a step whose
+update the grad scaler skipped (inf/NaN gradients: ``optimizer.step()`` not called) says so on its line.
 """
 
 from typing import Any
@@ -37,22 +42,65 @@ class LossMonitor(Callback):
         self.every_n_steps = every_n_steps
         self.check_finite = check_finite
         self._sync: StepSync | None = None
+        self._losses: list[Tensor] = []  # the running optimizer step's micro-batch losses
+        self._batch_step = 0
+        self._handles: list[Any] = []
+        self._updating = self._updated = False
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":  # trainer.validate / test / predict: nothing of this callback runs
+            return
         self._sync = StepSync.attach(trainer, self)
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._losses, self._updating, self._updated = [], False, False
+        if _scaler(trainer) is not None:  # 16-mixed: whether optimizer.step() ran tells a skipped step
+            self._handles = [opt.register_step_post_hook(self._on_step_end) for opt in trainer.optimizers]
+
+    def _on_step_end(self, optimizer, args, kwargs) -> None:
+        self._updated = True
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
+        self._updating = True
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._batch_step = trainer.global_step
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.on_exception(trainer, pl_module, None)
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
     ) -> None:
-        step = trainer.global_step - 1  # the optimizer step has already advanced global_step
-        due = bool(self.every_n_steps) and (step % self.every_n_steps == 0 or is_last_step(trainer, batch_idx))
-        if not (due or self.check_finite):
-            return
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        local = loss.detach().float().reshape(1)
+        if loss is not None:
+            # Automatic optimization hands over the loss divided by accumulate_grad_batches (what backward got).
+            scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+            self._losses.append(loss.detach().float().reshape(1) * scale)
+        if trainer.global_step == self._batch_step:  # no optimizer step yet: a micro-batch of the running step
+            return
+        step = trainer.global_step - 1  # the optimizer step has already advanced global_step
+        losses, self._losses = self._losses, []
+        skipped = self._updating and not self._updated and _scaler(trainer) is not None
+        self._updating = self._updated = False
+        due = bool(self.every_n_steps) and (step % self.every_n_steps == 0 or is_last_step(trainer, batch_idx))
+        if not (due or self.check_finite) or not losses:
+            return
+        local = torch.cat(losses).mean().reshape(1)
         row = torch.cat([local, (~torch.isfinite(local)).float()])
+        note = " (update skipped: the grad scaler found inf/NaN gradients)" if skipped else ""
 
         def report(gathered: Tensor) -> None:  # [world_size, 2]: loss, non-finite flag
             bad = [rank for rank, flag in enumerate(gathered[:, 1].tolist()) if flag]
@@ -62,7 +110,12 @@ class LossMonitor(Callback):
                     f"loss is {global_mean} at step {step}: non-finite on rank(s) {bad}; training stopped"
                 )
             if due:
-                say(trainer, f"Step {step}, Loss {global_mean:.4f}")
+                say(trainer, f"Step {step}, Loss {global_mean:.4f}{note}")
                 log_metrics(trainer, {"train/loss": global_mean}, step=step)
 
         self._sync.put("loss", row, report)
+
+
+def _scaler(trainer: Trainer) -> Any:
+    """The 16-mixed grad scaler of Lightning's ``MixedPrecision`` plugin, or None."""
+    return getattr(getattr(trainer, "precision_plugin", None), "scaler", None)

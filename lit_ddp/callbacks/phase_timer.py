@@ -19,6 +19,11 @@ then the update)::
     next on_train_batch_start (or train end)   step ends: everything done per step counts, whatever the
                                                order of the callbacks
 
+A step is an optimizer step: with gradient accumulation its micro-batches' marks are summed, and validation
+inside fit is kept out of it (``step_marks.py``); under ``16-mixed`` a step whose ``optimizer.step()`` the grad
+scaler skipped is counted; manual optimization is marked by the same hooks (``manual_backward`` runs the backward
+ones, ``optimizer.step()`` the update's) and its FLOPs are counted in its real step 0 (``RealStepFlops``).
+
 ``other`` is the step minus the three phases, so the phases add up to the step. On CUDA the marks are CUDA
 events resolved without blocking once they complete (see ``clock.py``); on CPU, ``perf_counter``. Each rank keeps
 a bounded window of steps and running summaries (``lit_ddp.record``); they go to rank 0 once, at the end of
@@ -42,8 +47,9 @@ from lit_ddp import analysis, roofline
 from lit_ddp.callbacks.clock import HostClock, clock_for
 from lit_ddp.callbacks.profiling import LightningProfilerTraces, TraceRecorder, describe, read_busy
 from lit_ddp.callbacks.results import gather_to_zero, log_metrics, meta, report_timers, say
+from lit_ddp.callbacks.step_marks import StepMarks, close_micro_batch, phases_of
 from lit_ddp.record import (
-    BOUNDARIES,
+    MAX_SKIPPED_KEPT,
     PHASES,
     PhaseRecord,
     RankPhases,
@@ -56,7 +62,6 @@ from lit_ddp.record import (
 )
 
 FIRST_PROFILED_STEP = 2  # after the warm-up step and one more (allocator, DDP's bucket rebuild)
-MARKS = ("start", *BOUNDARIES[:-2])  # what a step must mark; data_start may be missing, its end is the next start
 METRICS = tuple(f"time/{phase}_ms" for phase in PHASES)
 
 
@@ -102,7 +107,16 @@ class PhaseTimer(Callback):
         self._clock: Any = HostClock()
         self._step = -1
         self._marks: dict[str, Any] = {}
-        self._pending: list[tuple[int, dict[str, Any]]] = []  # steps whose marks are not resolved yet
+        self._pending: list[StepMarks] = []  # steps whose marks are not resolved yet
+        self._micro: list[dict[str, Any]] = []  # the running step's finished micro-batches (gradient accumulation)
+        self._outside: list[tuple[str, Any, Any]] = []  # the running step's spans of no training step's work
+        self._outside_start: Any = None
+        self._outside_summaries: dict[str, Summary] = {}
+        self._batch_step, self._stepped = 0, True  # global_step at the batch's start; its end made an optimizer step
+        self._skipped: list[int] = []  # steps the grad scaler skipped (16-mixed: inf/NaN gradients)
+        self._skipped_count = 0
+        self._real_flops = roofline.RealStepFlops()  # manual optimization: counted in its real step 0
+        self._update_bytes: Optional[int] = None
         self._window = Window()
         self._summaries: dict[str, Summary] = {}
         self.profiled_steps = range(0)
@@ -117,7 +131,9 @@ class PhaseTimer(Callback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._clock = clock_for(trainer.strategy.root_device)
-        self._pending, self._marks = [], {}
+        self._pending, self._marks, self._micro, self._outside, self._outside_start = [], {}, [], [], None
+        self._outside_summaries, self._batch_step, self._stepped = {}, 0, True
+        self._skipped, self._skipped_count, self._update_bytes = [], 0, None
         self.record, self.ended = None, False
         self._flops, self._counted = None, False
         self._busy, self._recorder = [], None
@@ -144,9 +160,13 @@ class PhaseTimer(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self._counted and not pl_module.automatic_optimization:
+            # training_step runs its own backward and update: counted as it runs, in step 0 (the warm-up).
+            self._counted, self._rows = True, _rows(batch)
+            self._real_flops.start()
         if not self._counted:
             # Once, on the real batch, before the first step's marks: FlopCounterMode runs an extra forward and
-            # backward that must not count as step 0.
+            # backward that must not count as step 0. One micro-batch's: the step's are that times their number.
             self._counted, self._rows = True, _rows(batch)
             try:
                 self._flops = roofline.count_step_flops(pl_module, batch, batch_idx)
@@ -154,12 +174,19 @@ class PhaseTimer(Callback):
                 rank_zero_warn(f"PhaseTimer: no roofline, counting FLOPs failed: {type(err).__name__}: {err}")
             self._marks = {}  # the count's forward went through the forward pre-hook
         step = trainer.global_step
+        self._batch_step = step
+        if not self._stepped and self._marks:  # no optimizer step yet: the next micro-batch of the same step
+            mark = self._clock.mark()
+            self._micro.append(close_micro_batch(self._marks, mark))
+            self._marks = {"start": mark}
+            return
         mark = self._mark("start")  # ends the step that ran
         self._close_step(mark)
         if self._toggle_recorder(step):
             mark = self._mark("start")  # the profiler's start-up or stop is in neither step
         self._step = step
         self._marks = {"start": mark}
+        self._stepped = False
         self._resolve(trainer, block=False)
 
     def _toggle_recorder(self, step: int) -> bool:
@@ -207,33 +234,57 @@ class PhaseTimer(Callback):
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         self._mark_once("forward_end")  # no zero_grad (e.g. accumulation): forward ends here
         self._marks["backward_start"] = self._mark("backward_start")
+        self._real_flops.backward_start()
 
     @override
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._marks["backward_end"] = self._mark("backward_end")
+        self._real_flops.backward_end()
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
         self._marks["update_start"] = self._mark("update_start")
+        self._marks.pop("update_end", None)  # a second optimizer step in one batch (manual): its own update
 
     def _on_optimizer_step_end(self, optimizer, args, kwargs) -> None:
         self._marks["update_end"] = self._mark("update_end")
+        if self._update_bytes is None:  # the state exists now and the gradients still do (manual: zeroed later)
+            self._update_bytes = roofline.optimizer_update_bytes(optimizer)
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
+        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+        if "update_start" in self._marks and "update_end" not in self._marks and scaler is not None:
+            # 16-mixed: the grad scaler found inf/NaN gradients and did not call optimizer.step() (no post-hook).
+            self._skipped_count += 1
+            self._skipped += [self._step][: MAX_SKIPPED_KEPT - len(self._skipped)]
         if "update_start" in self._marks:  # an optimizer without step post-hooks: the update ends by here
             self._mark_once("update_end")
-        self._mark_once("data_start")  # from here to the next step's start: the next batch, Lightning's loop
+        self._mark_once("data_start")  # from here to the next batch's start: fetching it, Lightning's loop
+        # A step is an optimizer step: with gradient accumulation the batches before it are its micro-batches.
+        self._stepped = trainer.global_step != self._batch_step
+        if self._stepped and self._real_flops.active:
+            self._flops, self._rows = self._real_flops.stop(), self._rows * (len(self._micro) + 1)
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking and self._marks:  # inside fit, after a training batch
+            self._outside_start = self._clock.mark()
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._outside_start is not None:  # kept out of the step it falls in: reported apart
+            self._outside.append(("validation", self._outside_start, self._clock.mark()))
+            self._outside_start = None
 
     def _close_step(self, end_mark: Any) -> None:
         """The step that was running ends where the next one starts (or training ends)."""
         if not self._marks:
             return
-        self._marks.setdefault("forward_start", self._marks["start"])
-        self._marks.setdefault("data_start", end_mark)  # no batch end (the step raised, or a hand-driven timer)
-        if all(b in self._marks for b in MARKS):  # a skipped optimizer step has no phases to report
-            self._pending.append((self._step, {**self._marks, "end": end_mark}))
-        self._marks = {}
+        marks = StepMarks(self._step, [*self._micro, close_micro_batch(self._marks, end_mark)], self._outside)
+        if marks.complete():  # a step without an optimizer step, or that raised, has no phases to report
+            self._pending.append(marks)
+        self._marks, self._micro, self._outside = {}, [], []
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -244,10 +295,11 @@ class PhaseTimer(Callback):
         self._resolve(trainer, block=True)
         self.log_dir = trainer.log_dir  # a broadcast: every rank asks
         ranks = gather_to_zero(trainer, RankPhases(trainer.global_rank, [row for _, row in self._window.items()],
-                                                   self._summaries, self._busy))  # fmt: skip
+                                                   self._summaries, self._busy, self._outside_summaries))  # fmt: skip
         if ranks is not None and ranks[0].rows:
             self.record = PhaseRecord(meta(trainer, self._clock.name), ranks, list(self.profiled_steps),
-                                      self._roofline(trainer, pl_module))  # fmt: skip
+                                      self._roofline(trainer, pl_module), skipped_steps=self._skipped,
+                                      skipped_count=self._skipped_count)  # fmt: skip
         self.ended = True
         report_timers(trainer, self)
 
@@ -262,27 +314,28 @@ class PhaseTimer(Callback):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._real_flops.stop()  # a fit that failed in step 0 leaves no FLOP counter running either
 
     def _resolve(self, trainer: Trainer, block: bool) -> None:
         """Turns marks into milliseconds, oldest first, as far as they have completed."""
         while self._pending:
-            step, marks = self._pending[0]
+            marks = self._pending[0]
+            end = marks.outside[-1][2] if marks.outside else marks.end  # a validation span may end last (CUDA)
             if block:
-                self._clock.wait(marks["end"])
-            elif not self._clock.ready(marks["end"]):
+                self._clock.wait(marks.end)
+                self._clock.wait(end)
+            elif not (self._clock.ready(marks.end) and self._clock.ready(end)):
                 return
             self._pending.pop(0)
-            ms = self._clock.elapsed_ms
-            forward = ms(marks["forward_start"], marks["forward_end"])
-            backward = ms(marks["backward_start"], marks["backward_end"])
-            update = ms(marks["update_start"], marks["update_end"])
-            data = ms(marks["data_start"], marks["end"])
-            total = ms(marks["start"], marks["end"])
-            phases = StepPhases(forward, backward, update, total - forward - backward - update - data, total, data)
-            self._window.add(step, StepRow(step, phases, [ms(marks["start"], marks[b]) for b in BOUNDARIES]))
-            if is_steady(step, self.profiled_steps):
-                for name in PHASES:
-                    self._summaries[name].add(getattr(phases, name))
+            step = marks.step
+            phases, offsets, outside = phases_of(marks, self._clock.elapsed_ms)
+            self._window.add(step, StepRow(step, phases, offsets, len(marks.micro)))
+            for what, values in outside.items():
+                for value in values:
+                    self._outside_summaries.setdefault(what, Summary()).add(value)
+            if is_steady(step, {*self.profiled_steps, *self._skipped}):
+                for name in (*PHASES, "backward_last"):
+                    self._summaries.setdefault(name, Summary()).add(getattr(phases, name))
             self._publish(trainer, step, phases)
 
     def _publish(self, trainer: Trainer, step: int, phases: StepPhases) -> None:
@@ -291,16 +344,21 @@ class PhaseTimer(Callback):
         log_metrics(trainer, {metric: getattr(phases, p) for metric, p in zip(METRICS, PHASES, strict=True)}, step=step)
 
     def _roofline(self, trainer: Trainer, pl_module: LightningModule) -> Roofline:
-        peak = roofline.peak_for(_device_name(trainer.strategy.root_device), _compute_dtype(trainer, pl_module))
+        dtype = _compute_dtype(trainer, pl_module)
+        peak = roofline.peak_for(_device_name(trainer.strategy.root_device), dtype)
         flops = self._flops or roofline.StepFlops(0, 0)
+        # A step's work: the probe counted one micro-batch (automatic optimization), the real count the whole step.
+        micro = getattr(trainer, "accumulate_grad_batches", 1) if pl_module.automatic_optimization else 1
         return Roofline(
-            rows_per_rank=self._rows,
-            forward_flop=flops.forward,
-            backward_flop=flops.backward,
-            update_bytes=roofline.optimizer_update_bytes(trainer.optimizers[0]),
+            rows_per_rank=self._rows * micro,
+            forward_flop=flops.forward * micro,
+            backward_flop=flops.backward * micro,
+            update_bytes=self._update_bytes or roofline.optimizer_update_bytes(trainer.optimizers[0]),
             peak_tflops=self.peak_tflops or (peak.tflops if peak else None),
             peak_gbps=self.peak_gbps or (peak.gbps if peak else None),
             peak_label="given" if self.peak_tflops or self.peak_gbps else (peak.label if peak else None),
+            micro_batches=micro,
+            compute_dtype=str(dtype).removeprefix("torch."),
         )
 
 

@@ -5,7 +5,9 @@
 At fit start: the optimizer holds exactly the DDP-wrapped module's parameters (the notes' "optimizer after
 wrapping" pitfall), and all ranks start from the same weights (DDP's initial broadcast). After every
 ``every_n_steps``-th step and the last: all ranks hold bitwise-equal parameters. Optionally, after
-backward: bitwise-equal gradients (the all-reduce happened).
+backward: bitwise-equal gradients (the all-reduce happened). A step is an optimizer step: with gradient
+accumulation the weights are checked after the update that ends the micro-batches, the gradients before it
+(the micro-batches before the last run under DDP's ``no_sync``, their gradients are this rank's own).
 
 A check after a step costs one pass over the parameters and two numbers in the step's one collective
 (``StepSync``): the model's fingerprint, built from two per parameter (the wrapping integer sum of its raw
@@ -76,6 +78,7 @@ class SyncCheck(Callback):
         self.mode = mode
         self.check_setup = check_setup
         self._last_checked_step: int | None = None
+        self._batch_step = 0
         self._max_diff = 0.0
         self._out_of_sync = 0  # checks that found the ranks apart (mode="warn")
 
@@ -93,10 +96,18 @@ class SyncCheck(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":  # trainer.validate / test / predict: nothing of this callback runs
+            return
         self._sync = StepSync.attach(trainer, self)
 
     @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+        self._batch_step = trainer.global_step
+
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self._batch_step:  # no optimizer step yet: a micro-batch, nothing changed
+            return
         step = trainer.global_step - 1
         last = is_last_step(trainer, batch_idx)
         if trainer.world_size == 1 or not (last or (self.every_n_steps and step % self.every_n_steps == 0)):

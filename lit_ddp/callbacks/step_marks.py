@@ -1,0 +1,69 @@
+"""One optimizer step as PhaseTimer marks it, and its phases: PhaseTimer's helper.
+
+    python -m lit_ddp.fit --config configs/mini_train_profile.yaml --devices 2 --trainer.accumulate_grad_batches 4
+
+A step is an optimizer step. With gradient accumulation it runs several batches (micro-batches), each with its
+own forward, backward and data boundaries (``lit_ddp.record.BOUNDARIES``), and one update, in the last one. Each
+phase of the step is the sum of its spans over the micro-batches. Work inside fit that is no training step's
+(validation, run by Lightning between two batches) is marked as a span of its own and taken out of the step and
+of the ``data`` phase it falls in: it is reported apart (``RankPhases.outside``).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lit_ddp.record import BOUNDARIES, StepPhases
+
+# What a step must have marked, in some micro-batch, for its phases to be reported (data_start may be missing:
+# its span then ends where it starts). A step without them (the step raised, no optimizer step) is left out.
+MARKS = ("start", *BOUNDARIES[:-2])
+SPANS = {"forward": ("forward_start", "forward_end"), "backward": ("backward_start", "backward_end"),
+         "update": ("update_start", "update_end"), "data": ("data_start", "end")}  # fmt: skip
+
+
+@dataclass
+class StepMarks:
+    """The marks of one optimizer step: per micro-batch, boundary -> mark (``start`` and ``end`` included), and
+    the spans that belong to no training step, ``(what, start, end)``."""
+
+    step: int
+    micro: list[dict[str, Any]]
+    outside: list[tuple[str, Any, Any]] = field(default_factory=list)
+
+    @property
+    def end(self) -> Any:
+        return self.micro[-1]["end"]
+
+    def complete(self) -> bool:
+        marked = {name for m in self.micro for name in m}
+        return all(b in marked for b in MARKS)
+
+
+def close_micro_batch(marks: dict[str, Any], end: Any) -> dict[str, Any]:
+    """A micro-batch's marks, ended at ``end`` (the next batch's start, or the end of training)."""
+    marks.setdefault("forward_start", marks["start"])
+    marks.setdefault("data_start", end)  # no batch end (the step raised, or a hand-driven timer)
+    return {**marks, "end": end}
+
+
+def phases_of(marks: StepMarks, elapsed: Callable[[Any, Any], float]) -> tuple[StepPhases, list[float], dict]:
+    """The step's phases (ms), where each boundary fell (ms from the step's start; for each boundary the last
+    micro-batch's that has it: the one DDP all-reduces after) and the outside spans' ms by what they were."""
+    sums = {}
+    for phase, (a, b) in SPANS.items():
+        sums[phase] = sum(elapsed(m[a], m[b]) for m in marks.micro if a in m and b in m)
+    backwards = [elapsed(m["backward_start"], m["backward_end"]) for m in marks.micro
+                 if "backward_start" in m and "backward_end" in m]  # fmt: skip
+    outside: dict[str, list[float]] = {}
+    for what, start, end in marks.outside:
+        outside.setdefault(what, []).append(elapsed(start, end))
+    away = sum(sum(v) for v in outside.values())  # inside a data span: between one batch's end and the next start
+    step = elapsed(marks.micro[0]["start"], marks.end) - away
+    data = max(0.0, sums["data"] - away)
+    other = step - sums["forward"] - sums["backward"] - sums["update"] - data
+    phases = StepPhases(sums["forward"], sums["backward"], sums["update"], other, step, data,
+                        backwards[-1] if backwards else 0.0)  # fmt: skip
+    start = marks.micro[0]["start"]
+    offsets = [elapsed(start, next(m[b] for m in reversed(marks.micro) if b in m)) for b in BOUNDARIES]
+    return phases, offsets, outside

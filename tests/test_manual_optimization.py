@@ -1,0 +1,97 @@
+"""Manual optimization (``automatic_optimization = False``, ``manual_backward``, ``optimizer.step()``) in a user's
+script on 2 CPU ranks (``strategy="ddp"``): every phase timed as in automatic optimization, the roofline's FLOPs
+counted in the real step (running the step again as a probe would train the model once more: the losses show it
+does not), the all-reduce, the sync check and one line per optimizer step. With the step taken every second
+batch, both batches are micro-batches of one step, and CommMonitor shows that each backward all-reduced (manual
+optimization has no no_sync unless the step asks for it)."""
+
+import re
+
+import pytest
+
+from lit_ddp import record
+from tests.runner import run_module, step_losses, step_numbers
+
+SCRIPT = """
+import sys
+
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.loggers import CSVLogger
+
+from lit_ddp import FixedBatchDataModule, LinearRegression
+from lit_ddp.callbacks import CommMonitor, LossMonitor, PhaseTimer, SyncCheck
+
+
+class Manual(LinearRegression):
+    def __init__(self, every=1, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+        self.every = every
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        loss = ((self(x) - y) ** 2).mean()
+        self.manual_backward(loss / self.every)
+        if (batch_idx + 1) % self.every == 0:
+            opt.step()
+            opt.zero_grad()
+        return loss
+
+
+if __name__ == "__main__":
+    seed_everything(0)
+    mode, every = sys.argv[1], int(sys.argv[2])
+    model = Manual(every=every, dim=32) if mode == "manual" else LinearRegression(dim=32)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=4,
+                      logger=CSVLogger("out", name=mode, version=0), enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[PhaseTimer(), CommMonitor(), SyncCheck(), LossMonitor()])
+    trainer.fit(model, FixedBatchDataModule(dim=32, batch_size=8))
+"""
+
+
+def run(tmp_path, mode, every=1):
+    (tmp_path / "manual_script.py").write_text(SCRIPT)
+    result = run_module("manual_script", mode, str(every), cwd=tmp_path, timeout=140)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout + result.stderr  # Lightning's own log handler writes to stderr
+    assert "counting FLOPs failed" not in out, out[-3000:]
+    return out, record.load_run(tmp_path / "out" / mode / "version_0")
+
+
+def check_phases(phases, micro):
+    for rank in phases.ranks:
+        assert [row.step for row in rank.rows] == [0, 1, 2, 3]
+        for row in rank.rows:
+            ms = row.ms
+            assert row.micro_batches == micro
+            assert min(ms.forward, ms.backward, ms.update, ms.data, ms.step) > 0, ms
+            assert ms.forward + ms.backward + ms.update + ms.data + ms.other == pytest.approx(ms.step, abs=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_manual_optimization_is_timed_as_automatic(tmp_path):
+    out, (phases, comm) = run(tmp_path, "manual")
+    auto_out, (auto_phases, _) = run(tmp_path, "auto")
+    check_phases(phases, micro=1)
+    # The FLOPs of the real step equal the probe's in automatic optimization, and counting them did not train:
+    # the same losses, step for step.
+    for field in ("forward_flop", "backward_flop", "rows_per_rank", "update_bytes"):
+        assert getattr(phases.roofline, field) == getattr(auto_phases.roofline, field), field
+    assert phases.roofline.forward_flop == 2 * 8 * 32 * 32
+    assert step_numbers(out) == [0, 1, 2, 3]
+    assert step_losses(out) == step_losses(auto_out)
+    assert re.search(r"^forward\s+16.4 kFLOP", out, re.M), out[-2000:]
+    assert {tuple(row.synced) for rank in comm.ranks for row in rank.rows} == {(0,)}
+    assert out.count("weights in sync across 2 ranks after step 3") == 1
+
+
+@pytest.mark.timeout(150)
+def test_manual_accumulation_over_two_batches(tmp_path):
+    out, (phases, comm) = run(tmp_path, "manual", every=2)
+    check_phases(phases, micro=2)
+    assert step_numbers(out) == [0, 1, 2, 3]
+    assert phases.roofline.rows_per_rank == 16 and phases.roofline.forward_flop == 2 * 2 * 8 * 32 * 32
+    assert {(row.micro_batches, tuple(row.synced)) for rank in comm.ranks for row in rank.rows} == {(2, (0, 1))}
+    assert "gradient accumulation: 2 micro-batches per step, and micro-batches [0, 1] all-reduced: 2x the bytes" in out

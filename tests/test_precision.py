@@ -1,0 +1,120 @@
+"""Mixed precision as users run it, on 2 CPU ranks: ``--trainer.precision bf16-mixed`` through the CLI, and
+``16-mixed`` with its grad scaler in a script of one's own (Lightning turns ``precision="16-mixed"`` on CPU into
+bf16; its ``MixedPrecision("16-mixed", "cpu")`` plugin runs fp16 autocast and a CPU GradScaler). The tables name
+the precision, the roofline takes the matching dtype's peak, the all-reduce table the dtype on the wire (fp32:
+mixed precision keeps fp32 gradients), and a step the grad scaler skipped is counted and said. The same on a GPU
+with ``precision="16-mixed"`` is ``skipif(no CUDA)``."""
+
+import re
+
+import pytest
+import torch
+
+from lit_ddp import analysis, record, roofline
+from lit_ddp.callbacks.phase_timer import _compute_dtype
+from tests.records import phase_record
+from tests.runner import run_fit, run_module, step_losses
+
+DIM = 32
+
+
+@pytest.mark.timeout(150)
+def test_bf16_mixed_through_the_cli(tmp_path):
+    result = run_fit("--devices", "2", "--model.dim", str(DIM), "--data.batch_size", "8", "--trainer.max_steps", "4",
+                     "--trainer.precision", "bf16-mixed", "--trainer.callbacks+=lit_ddp.callbacks.PhaseTimer",
+                     "--trainer.callbacks+=lit_ddp.callbacks.CommMonitor", cwd=tmp_path, timeout=140)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "Phase times (perf_counter: host time), 2 rank(s), precision bf16-mixed, step 0 = warm-up" in out, out
+    assert "Roofline (rank 0, steady median; bf16-mixed: matmuls in bfloat16):" in out
+    assert "Gradient all-reduce per step (2 ranks, float32 on the wire, compression none, all ranks" in out
+    assert ("bf16-mixed runs the matmuls in 16 bits but keeps the parameters and their gradients in float32: the "
+            "all-reduce moves float32") in out  # fmt: skip
+    phases, comm = record.load_run(tmp_path / "runs" / "mini_train" / "version_0")
+    assert phases.meta.precision == "bf16-mixed" and phases.roofline.compute_dtype == "bfloat16"
+    assert comm.wire_dtype == "float32" and sum(comm.layout) == (DIM * DIM + DIM) * 4  # 4 bytes per gradient
+    assert phases.skipped_count == 0 and "skipped" not in out
+
+
+SCRIPT = """
+import sys
+
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins import MixedPrecision
+
+from lit_ddp import FixedBatchDataModule, LinearRegression
+from lit_ddp.callbacks import CommMonitor, LossMonitor, PhaseTimer, SyncCheck
+
+
+class InfGradient(Callback):
+    # After step 2's backward (the all-reduce is done: every rank holds the same inf), as an fp16 overflow would.
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_step == 2:
+            next(pl_module.parameters()).grad.view(-1)[0] = float("inf")
+
+
+if __name__ == "__main__":
+    seed_everything(0)
+    accelerator = sys.argv[1]
+    plugins = [MixedPrecision("16-mixed", "cpu")] if accelerator == "cpu" else []
+    trainer = Trainer(accelerator=accelerator, devices=2 if accelerator == "cpu" else 1, max_steps=5,
+                      strategy="ddp", plugins=plugins, precision=None if plugins else "16-mixed",
+                      logger=CSVLogger("out", name="run", version=0), enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[PhaseTimer(), CommMonitor(compression="fp16"), SyncCheck(), LossMonitor(),
+                                 InfGradient()])
+    trainer.fit(LinearRegression(dim=32), FixedBatchDataModule(dim=32, batch_size=8))
+"""
+
+
+def run_16_mixed(tmp_path, accelerator):
+    (tmp_path / "sixteen.py").write_text(SCRIPT)
+    result = run_module("sixteen", accelerator, cwd=tmp_path, timeout=140)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout + result.stderr  # Lightning's own log handler writes to stderr
+
+
+def check_16_mixed(out, tmp_path):
+    assert re.search(r"^Step 2, Loss [0-9.]+ \(update skipped: the grad scaler found inf/NaN gradients\)$", out, re.M)
+    losses = step_losses("\n".join(line.split(" (update")[0] for line in out.splitlines()))
+    assert len(losses) == 5 and losses[3] == losses[2]  # no update at step 2: step 3 starts from the same weights
+    assert ("1 optimizer step(s) skipped by the 16-mixed grad scaler (inf/NaN gradients, no update; the scale was "
+            "lowered): step(s) 2; left out of the medians") in out  # fmt: skip
+    assert "precision 16-mixed, step 0 = warm-up, then 3 steady step(s)" in out  # steps 1, 3, 4
+    assert "Roofline (rank 0, steady median; 16-mixed: matmuls in float16" in out
+    assert re.search(r"^Gradient all-reduce per step \([12] ranks, float16 on the wire, compression fp16", out, re.M)
+    phases, comm = record.load_run(tmp_path / "out" / "run" / "version_0")
+    assert (phases.skipped_count, phases.skipped_steps) == (1, [2])
+    assert [row.step for row in phases.steady_rows()] == [1, 3, 4]
+    assert phases.roofline.compute_dtype == "float16" and comm.wire_dtype == "float16"
+
+
+@pytest.mark.timeout(150)
+def test_16_mixed_grad_scaler_skip_in_a_users_script_on_cpu(tmp_path):
+    out = run_16_mixed(tmp_path, "cpu")
+    check_16_mixed(out, tmp_path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.timeout(150)
+def test_16_mixed_on_a_gpu(tmp_path):
+    out = run_16_mixed(tmp_path, "gpu")
+    check_16_mixed(out, tmp_path)
+
+
+def test_the_roofline_takes_the_precisions_peak():
+    model = torch.nn.Linear(2, 2)
+    for precision, dtype in (("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16), ("32-true", torch.float32)):
+        assert _compute_dtype(type("T", (), {"precision": precision})(), model) == dtype
+    assert roofline.peak_for("NVIDIA H200", torch.bfloat16).label == "H200 SXM, bf16 dense"
+    roof = record.Roofline(rows_per_rank=8, forward_flop=1e12, backward_flop=2e12, update_bytes=1e9,
+                           peak_tflops=989.5, peak_gbps=4800.0, peak_label="H200 SXM, bf16 dense",
+                           compute_dtype="bfloat16")  # fmt: skip
+    phases = phase_record([[(0, 0, 0, 0), (2.0, 4.0, 1.0, 0.0)]], roofline=roof)
+    phases.meta.precision = "bf16-mixed"
+    table = analysis.roofline_table(phases)
+    assert table.startswith("Roofline (rank 0, steady median; bf16-mixed: matmuls in bfloat16; peak H200 SXM, "
+                            "bf16 dense):")  # fmt: skip
+    assert re.search(r"^forward\s+1.00 TFLOP\s+2.00 ms\s+500.0 TFLOP/s\s+50.5%$", table, re.M), table

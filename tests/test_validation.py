@@ -1,0 +1,99 @@
+"""Validation inside fit (``val_check_interval``): Lightning runs it between two training batches, so its time
+fell into the ``data`` phase of the step it followed. PhaseTimer keeps it out of the steps' phases and reports it
+on a line of its own (time, how many runs). A patched clock checks the arithmetic; a user's script
+(``strategy="ddp"``, 2 CPU ranks, a 50 ms validation every 4 steps) checks what is printed and recorded."""
+
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lit_ddp import LinearRegression, record
+from lit_ddp.callbacks import PhaseTimer
+from tests.runner import run_module
+from tests.test_accumulation import FakeTrainer
+
+SCRIPT = """
+import time
+
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.loggers import CSVLogger
+
+from lit_ddp import FixedBatchDataModule, LinearRegression
+from lit_ddp.callbacks import LossMonitor, PhaseTimer
+from lit_ddp.data import RepeatBatch
+
+
+class Validated(LinearRegression):
+    def validation_step(self, batch, batch_idx):
+        time.sleep(0.05)  # a 50 ms validation
+
+
+class WithValidation(FixedBatchDataModule):
+    def val_dataloader(self):
+        return RepeatBatch(self.batch, 1)
+
+
+if __name__ == "__main__":
+    seed_everything(0)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=8, val_check_interval=4,
+                      logger=CSVLogger("out", name="run", version=0), enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[PhaseTimer(), LossMonitor()])
+    trainer.fit(Validated(dim=32), WithValidation(dim=32, batch_size=8))
+"""
+
+
+@pytest.mark.timeout(150)
+def test_validation_is_kept_out_of_the_steps_and_reported_apart(tmp_path):
+    (tmp_path / "validated.py").write_text(SCRIPT)
+    result = run_module("validated", cwd=tmp_path, timeout=140)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout + result.stderr  # Lightning's own log handler writes to stderr
+    found = re.search(r"^validation inside fit, kept out of the steps above: 2 run\(s\), ([0-9.]+) ms in all, "
+                      r"([0-9.]+) ms median \(rank \d, the longest\)$", out, re.M)  # fmt: skip
+    assert found, out[-3000:]
+    assert float(found.group(1)) >= 100 and float(found.group(2)) >= 50
+    phases, _ = record.load_run(tmp_path / "out" / "run" / "version_0")
+    for rank in phases.ranks:
+        validation = rank.outside["validation"]  # after steps 3 and 7; the sanity check before training is not
+        assert validation.count == 2 and validation.min >= 50
+        for step in (3, 7):  # the steps it followed: none of its 50 ms in their data phase, nor in the step
+            ms = rank.row(step).ms
+            assert ms.data < 40 and ms.step < 45, (step, ms)
+            assert ms.forward + ms.backward + ms.update + ms.data + ms.other == pytest.approx(ms.step, abs=1e-6)
+
+
+def test_validation_time_leaves_the_data_phase_and_the_step(monkeypatch, tmp_path):
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr("lit_ddp.callbacks.clock.perf_counter", lambda: clock.now)
+    model = LinearRegression(dim=8)
+    trainer = FakeTrainer(model, tmp_path, micro=1)
+    timer, opt = PhaseTimer(print_steps=0), trainer.optimizers[0]
+    batch = (torch.zeros(4, 8), torch.zeros(4, 8))
+    timer.on_train_start(trainer, model)
+    for i in range(3):
+        timer.on_train_batch_start(trainer, model, batch, i)
+        t0 = clock.now
+        timer._on_forward_start(model, (batch,))
+        clock.now = t0 + 0.010
+        timer.on_before_backward(trainer, model, torch.tensor(1.0))
+        clock.now = t0 + 0.030
+        timer.on_after_backward(trainer, model)
+        timer.on_before_optimizer_step(trainer, model, opt)
+        clock.now = t0 + 0.035
+        timer._on_optimizer_step_end(opt, (), {})
+        trainer.global_step += 1
+        timer.on_train_batch_end(trainer, model, {"loss": torch.tensor(1.0)}, batch, i)
+        clock.now += 0.002
+        if i == 1:  # Lightning's validation after the batch: 500 ms
+            timer.on_validation_start(trainer, model)
+            clock.now += 0.5
+            timer.on_validation_end(trainer, model)
+        clock.now += 0.003
+    timer.on_train_end(trainer, model)
+    phases = record.load(tmp_path / "phases.json")
+    for row in phases.ranks[0].rows:
+        assert (row.ms.data, row.ms.step, row.ms.other) == pytest.approx((5.0, 40.0, 0.0)), row.step
+    validation = phases.ranks[0].outside["validation"]
+    assert (validation.count, validation.total) == (1, pytest.approx(500.0))

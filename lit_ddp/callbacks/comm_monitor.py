@@ -34,6 +34,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.profiler import record_function
 from typing_extensions import override
 
 from lit_ddp import _lightning
@@ -42,8 +43,10 @@ from lit_ddp.callbacks.clock import ClockOffset, HostClock, clock_for
 from lit_ddp.callbacks.phase_timer import PhaseTimer
 from lit_ddp.callbacks.profiling import union_ms
 from lit_ddp.callbacks.results import gather_to_zero, log_metrics, meta, report_timers
+from lit_ddp.callbacks.step_sync import StepSync
 from lit_ddp.gradients import check_all_used, without_grad
 from lit_ddp.record import CommRecord, RankComm, StepBuckets, Summary, Window, is_steady
+from lit_ddp.trace import BUCKET_PREFIX
 
 COMPRESSION_WRAPPERS = {
     "fp16": default_hooks.fp16_compress_wrapper,
@@ -85,6 +88,7 @@ class CommMonitor(Callback):
         self._wire_dtype: Optional[str] = None
         self._lock: Optional[threading.Lock] = None  # made in setup: ddp_spawn pickles callbacks, locks don't
         self._timings: list[BucketTiming] = []  # appended by the futures' callbacks, taken by _collect
+        self._open: list[BucketTiming] = []  # handed over, all-reduce not done yet
         self._pending: dict[int, list[BucketTiming]] = {}  # steps whose marks are not resolved yet
         self._window = Window()
         self._summaries: dict[tuple[int, ...], dict[str, Summary]] = {}  # per bucket layout
@@ -114,6 +118,9 @@ class CommMonitor(Callback):
             raise MisconfigurationException(reason)
         self._clock = clock_for(trainer.strategy.root_device)
         self._lock = threading.Lock()  # gloo completes futures on its own threads
+        # Lightning 2.6 broadcasts a SIGTERM flag from rank 0 at every step: every rank would wait for a straggler
+        # there, between steps, and arrive together at the all-reduce. StepSync replaces it (and carries SIGTERM).
+        StepSync.attach(trainer, self)
         # Take over the hook the strategy would register (DDP accepts one only) and time it.
         configured = _lightning.configured_comm_hook(trainer.strategy)
         hook = configured.hook or default_hooks.allreduce_hook
@@ -135,6 +142,12 @@ class CommMonitor(Callback):
         self._unused, self._unused_sets = [], set()
         self._window = Window()
 
+    def waiting_for(self) -> Optional[str]:
+        """The all-reduce this rank is waiting for, if any (``lit_ddp.hangs`` names it after a timeout)."""
+        with self._lock:
+            first = min(self._open, key=lambda t: (t.step, t.index), default=None)
+        return f"the all-reduce of bucket {first.index} in step {first.step}" if first else None
+
     def _timed(self, hook):
         def timed(state, bucket):
             buffer = bucket.buffer()
@@ -143,14 +156,19 @@ class CommMonitor(Callback):
                 self._clock.mark(), clock.host_now(), micro=self._backwards.get(self._step, 1) - 1,
             )  # fmt: skip
             self._wire_dtype = str(buffer.dtype).removeprefix("torch.")
+            with self._lock:
+                self._open.append(timing)
 
             def done(fut):
                 timing.end = self._clock.mark()
                 with self._lock:
+                    self._open.remove(timing)
                     self._timings.append(timing)
                 return fut.value()
 
-            return hook(state, bucket).then(done)
+            # A range of a stable name, for any trace viewer and lit_ddp.trace: the all-reduce this bucket queued.
+            with record_function(f"{BUCKET_PREFIX}{bucket.index()}"):
+                return hook(state, bucket).then(done)
 
         # The cast happens outside the timed hook: the timed all-reduce sees the compressed buffer.
         return COMPRESSION_WRAPPERS[self.compression](timed) if self.compression else timed

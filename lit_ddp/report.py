@@ -115,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     if phases is None and comm is None:
         parser.error(f"{args.run_dir} holds neither phases.json nor comm.json: was PhaseTimer or CommMonitor on?")
     if phases is not None:
-        print(phase_table(phases))
+        print(phase_table(phases, comm))
     if comm is not None:
-        print(comm_table(comm))
+        print(comm_table(comm, phases))
     if phases is not None and not args.no_plot:
         try:
             out = plot(phases, comm, args.run_dir / "phases.png")
@@ -130,6 +130,13 @@ def main(argv: list[str] | None = None) -> int:
             print(forecast.run(args, args.run_dir))
         except forecast.ForecastError as err:
             parser.error(str(err))
+        straggler = comm.straggler if comm is not None else None
+        if straggler and straggler["rank"] is not None:
+            # The model takes each phase from the slowest rank and models backward from the buckets' ready times
+            # (before any wait): the straggler's slow phase is in every step at every N, its victims' wait is not.
+            print(f"straggler: rank {straggler['rank']} ({straggler['cause'] or 'its phases'} "
+                  f"{straggler['cause_extra_ms']:+.1f} ms) paces every step above: each phase is the slowest rank's, "
+                  f"and the others' {max(straggler['wait_ms']):.1f} ms wait for it is not counted again")  # fmt: skip
     return 0
 
 

@@ -9,7 +9,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lit_ddp import FixedBatchDataModule, stragglers
 from lit_ddp.callbacks import CommMonitor, PhaseTimer
 from lit_ddp.record import CommRecord, RankComm, RunMeta, StepBuckets, load_run
-from tests.runner import ROOT, run_fit
+from tests.runner import ROOT, run_fit, run_module
 from tests.slow_ranks import ShiftClock, SlowData, SlowRegression
 
 DIM, STEPS = 256, 16
@@ -136,3 +136,13 @@ def test_under_the_cli_the_verdict_names_it(tmp_path):
                      r"is \+\d+\.\d ms over the other ranks' median; rank\(s\) 0 wait \d+\.\d ms per step; the "
                      r"all-reduce itself takes \d+\.\d ms$", result.stdout, re.M), result.stdout[-3000:]  # fmt: skip
     assert "smaller buckets" not in result.stdout  # no bucket advice when a straggler is the cause
+
+
+def test_the_report_and_the_forecast_name_it(make_trainer, tmp_path):
+    fit(make_trainer, tmp_path, SlowRegression(DIM, slow_rank=1, phase="update", delay_ms=30.0),
+        FixedBatchDataModule(DIM, 8))  # fmt: skip
+    result = run_module("lit_ddp.report", str(tmp_path / "run" / "version_0"), "--no-plot", "--forecast", "8",
+                        cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^Verdict: straggler: rank 1 arrives .* its update phase", result.stdout, re.M), result.stdout
+    assert re.search(r"^straggler: rank 1 \(update \+\d+\.\d ms\) paces every step above", result.stdout, re.M)

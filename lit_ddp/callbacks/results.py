@@ -2,6 +2,7 @@
 and the end of training of the timers (every rank's part of the record to rank 0, with the run's
 ``lit_ddp.record.RunMeta``)."""
 
+import sys
 from pathlib import Path
 from typing import Optional, TypeVar
 
@@ -27,8 +28,9 @@ def say(trainer: Trainer, text: str) -> None:
         return
     bar = trainer.progress_bar_callback
     if isinstance(bar, TQDMProgressBar) and bar.is_enabled:
-        # Above the bar while one is drawn, plainly when none is (the bar's own print() drops text then).
-        tqdm.write(text)
+        # Above the bar while one is drawn, plainly when none is (the bar's own print() drops text then). Into a
+        # file or a pipe the bar cannot be cleared ("\r" moves nothing there): start a line of our own.
+        tqdm.write(text if sys.stdout.isatty() else "\n" + text)
     elif bar is not None and bar.is_enabled:
         bar.print(text)
     else:

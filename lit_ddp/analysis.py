@@ -215,7 +215,9 @@ def comm_table(record: CommRecord, phases: Optional[PhaseRecord] = None) -> str:
         + f"\n{len(record.layout)} bucket(s){rebuilt}, {total:,} bytes reduced per step "
         f"({record.param_bytes:,} bytes of gradients); each rank sends 2(n-1)/n x S = {ring * total:,.0f} bytes "
         f"in a ring all-reduce.\ncommunication {fmt_ms(busy)} per step, of which {fmt_ms(exposed)} exposed "
-        f"(not hidden under backward compute)" + _precision_line(record) + _accumulation_line(record)
+        f"(not hidden under backward compute)"
+        + _precision_line(record)
+        + _accumulation_line(record)
         + _unused_line(record)
         # A straggler is the phase table's verdict when there is one; otherwise it is said here.
         + (f"\n{stragglers.verdict_line(found)}" if found and (phases is None or found.rank is None) else "")
@@ -242,8 +244,10 @@ def _accumulation_line(record: CommRecord) -> str:
         return (f"\ngradient accumulation: {n} micro-batches per step; only the last one's backward all-reduced "
                 f"(micro-batch {n - 1}), the other {n - 1} ran under DDP's no_sync: the bytes above move once "
                 f"per {n} micro-batches")  # fmt: skip
-    return (f"\ngradient accumulation: {n} micro-batches per step, and micro-batches {synced} all-reduced: "
-            f"{len(synced)}x the bytes above per step (no no_sync)")
+    return (
+        f"\ngradient accumulation: {n} micro-batches per step, and micro-batches {synced} all-reduced: "
+        f"{len(synced)}x the bytes above per step (no no_sync)"
+    )
 
 
 def _unused_line(record: CommRecord) -> str:
@@ -256,8 +260,11 @@ def _unused_line(record: CommRecord) -> str:
     names = ", ".join(record.unused[:5]) + (f" and {len(record.unused) - 5} more" if len(record.unused) > 5 else "")
     share = record.unused_bytes / record.param_bytes if record.param_bytes else 0.0
     when = "in every step" if record.unused_every_step else "in the last step (the set changes between steps)"
-    fix = "or static_graph=True, since the same ones are unused every step" if record.unused_every_step else \
-        "or keep find_unused_parameters=True (the set changes, so static_graph cannot replace it)"
+    fix = (
+        "or static_graph=True, since the same ones are unused every step"
+        if record.unused_every_step
+        else "or keep find_unused_parameters=True (the set changes, so static_graph cannot replace it)"
+    )
     return (f"\nfind_unused_parameters=True: {len(record.unused)} parameter(s), {record.unused_bytes:,} bytes "
             f"({share:.0%} of the gradients), got no gradient {when}: {names}. They are all-reduced all the same "
             f"(zeros, {share:.0%} of the bytes above), and DDP searches the autograd graph for them after every "

@@ -33,10 +33,7 @@ first bandwidth term), and between nodes an all-reduce of each GPU's S/g shard o
 in parallel (the second). NCCL pipelines chunks through the stages, so the slower stage sets the bandwidth
 and the latencies add. Between nodes the latency is that of NCCL's tree (intra-node chains, a double binary
 tree across nodes: 2 ceil(log2 m) network steps), which NCCL picks over the ring's 2(m-1) steps at scale.
-``busbw`` is nccl-tests' bus bandwidth (``doc/PERFORMANCE.md``), the figure that does not depend on n; ``a``
-is the latency of one step. Check against nccl-tests: 2 nodes x 8 H100 with the presets give busbw
-2(15/16) / max(1.75 / 450, (1/8) / 45) = 482 GB/s, NVLink-bound, where nccl-tests reports 400-450 GB/s for
-such nodes: the model is about 10% optimistic for large messages there.
+``busbw`` and ``a`` (the latency of one step) are a link's: ``lit_ddp.links``, checked there against nccl-tests.
 
 Gradient accumulation (k micro-batches per step): DDP all-reduces after the last backward only (``no_sync``
 before): step = forward + backward_before (the k - 1 earlier backwards, compute) + backward(N) + update + other,
@@ -250,8 +247,10 @@ def report(run: Measured, topo: Topology, ranks: Sequence[int], caps_mib: Sequen
         cells.append((label, *[f"{fmt_ms(f.step_ms)} ({fmt_ms(f.exposed_ms)})"
                                for f in (simulate(variant, n, topo, buckets) for n in ranks)]))  # fmt: skip
     lines += ["What if (step time, exposed communication in brackets):", table(header, cells)]
-    lines.append("Efficiency: the 1-rank step over the N-rank step of the same configuration (the picture's what-ifs "
-                 "each against their own 1-rank step: removing the copy-back shortens every N, 1 included).")
+    lines.append(
+        "Efficiency: the 1-rank step over the N-rank step of the same configuration (the picture's what-ifs "
+        "each against their own 1-rank step: removing the copy-back shortens every N, 1 included)."
+    )
     total = sum(b.nbytes for b in run.buckets)
     copy = f"{total / run.tail_ms / GB:.1f} GB/s" if run.tail_ms > 0 else "-"
     lines.append(

@@ -23,7 +23,6 @@ and it is brought to rank 0 only, once, at the end of training.
 
 import dataclasses
 import json
-import math
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any, Optional, TypeVar
 
 from lit_ddp.errors import RecordError
+from lit_ddp.summary import Summary
 
 SCHEMA_VERSION = 2
 
@@ -47,116 +47,6 @@ TAIL_STEPS = 50
 def is_steady(step: int, profiled: Iterable[int] = ()) -> bool:
     """After the warm-up step, and not slowed by the profiler."""
     return step >= WARMUP_STEPS and step not in profiled
-
-
-class Summary:
-    """count, sum, min, max and quantiles of a stream of floats, in bounded memory.
-
-    The quantile sketch is DDSketch's (Masson et al., VLDB 2019): a value x > 0 falls in bin
-    ``ceil(log(x) / log(gamma))`` with ``gamma = (1 + a) / (1 - a)``, and a bin's representative is within a
-    relative ``a`` of every value in it, so every quantile is within ``a`` of the exact one (negative values
-    mirror, zeros count apart). Bins grow with the log of the value range, not with the count.
-    """
-
-    RELATIVE_ACCURACY = 0.005
-    _GAMMA = (1 + RELATIVE_ACCURACY) / (1 - RELATIVE_ACCURACY)
-    _LOG_GAMMA = math.log(_GAMMA)
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.total = 0.0
-        self.min = math.inf
-        self.max = -math.inf
-        self._bins: dict[int, int] = {}  # bin key -> count (see add: even keys positive, odd negative)
-        self._zeros = 0
-
-    __hash__ = None  # mutable; equal when they saw the same values (to the sketch's bins)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Summary) and self.to_json() == other.to_json()
-
-    def add(self, value: float) -> None:
-        if math.isnan(value):
-            return
-        self.count += 1
-        self.total += value
-        self.min, self.max = min(self.min, value), max(self.max, value)
-        if value == 0:
-            self._zeros += 1
-            return
-        key = math.ceil(math.log(abs(value)) / self._LOG_GAMMA)
-        key = 2 * key if value > 0 else 2 * key + 1  # even: positive, odd: negative
-        self._bins[key] = self._bins.get(key, 0) + 1
-
-    def _value(self, key: int) -> float:
-        k, negative = divmod(key, 2)
-        magnitude = 2 * self._GAMMA**k / (self._GAMMA + 1)  # the bin's centre in relative terms
-        return -magnitude if negative else magnitude
-
-    def quantile(self, q: float) -> float:
-        """The ``q``-quantile (0 <= q <= 1): the sketch's value for the ``floor(q (count - 1))``-th smallest value
-        (for an even count, the median is the lower of the two middle ones), clamped to the exact min and max;
-        NaN if empty."""
-        if not self.count:
-            return math.nan
-        values = sorted(((self._value(k), n) for k, n in self._bins.items()), key=lambda vn: vn[0])
-        if self._zeros:
-            values.append((0.0, self._zeros))
-            values.sort(key=lambda vn: vn[0])
-        rank = q * (self.count - 1)
-        seen = 0
-        for value, n in values:
-            seen += n
-            if seen > rank:
-                return min(max(value, self.min), self.max)
-        return self.max
-
-    @property
-    def median(self) -> float:
-        return self.quantile(0.5)
-
-    @property
-    def mean(self) -> float:
-        return self.total / self.count if self.count else math.nan
-
-    def to_json(self) -> dict[str, Any]:
-        return {"count": self.count, "total": self.total, "min": self.min if self.count else None,
-                "max": self.max if self.count else None, "zeros": self._zeros,
-                "bins": [[k, n] for k, n in sorted(self._bins.items())]}  # fmt: skip
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Summary":
-        summary = cls()
-        summary.count, summary.total, summary._zeros = data["count"], data["total"], data["zeros"]
-        if summary.count:
-            summary.min, summary.max = data["min"], data["max"]
-        summary._bins = {int(k): int(n) for k, n in data["bins"]}
-        return summary
-
-    @classmethod
-    def merged(cls, summaries: Iterable["Summary"]) -> "Summary":
-        """One summary of all the values the ``summaries`` saw (the sketch merges exactly: bins add up)."""
-        merged = cls()
-        for s in summaries:
-            merged.count, merged.total, merged._zeros = (
-                merged.count + s.count,
-                merged.total + s.total,
-                merged._zeros + s._zeros,
-            )
-            merged.min, merged.max = min(merged.min, s.min), max(merged.max, s.max)
-            for key, n in s._bins.items():
-                merged._bins[key] = merged._bins.get(key, 0) + n
-        return merged
-
-    @classmethod
-    def of(cls, values: Iterable[float]) -> "Summary":
-        summary = cls()
-        for value in values:
-            summary.add(value)
-        return summary
-
-
-T = TypeVar("T")
 
 
 class Window:
@@ -355,8 +245,14 @@ def _phases_from(data: dict[str, Any]) -> PhaseRecord:
     ranks = [RankPhases(r["rank"], rows(r["rows"]), _summaries(r["summaries"]), rows(r["busy_ms"]),
                         _summaries(r.get("outside", {}))) for r in data["ranks"]]  # fmt: skip
     roof = Roofline(**data["roofline"]) if data.get("roofline") else None
-    return PhaseRecord(RunMeta(**data["meta"]), ranks, data["profiled_steps"], roof,
-                       skipped_steps=data.get("skipped_steps", []), skipped_count=data.get("skipped_count", 0))
+    return PhaseRecord(
+        RunMeta(**data["meta"]),
+        ranks,
+        data["profiled_steps"],
+        roof,
+        skipped_steps=data.get("skipped_steps", []),
+        skipped_count=data.get("skipped_count", 0),
+    )
 
 
 def _comm_from(data: dict[str, Any]) -> CommRecord:

@@ -89,4 +89,3 @@ class SleepInHook(Callback):
     def _maybe_sleep(self, trainer, *args, **kwargs):
         if trainer.global_rank == self.rank:
             _sleep(self.delay_ms)
-

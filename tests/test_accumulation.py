@@ -206,7 +206,7 @@ def test_micro_batches_put_nothing_and_the_step_puts_its_mean_loss(kind):
         if i == 2:
             trainer.global_step += 1
         callback.on_train_batch_end(trainer, model, {"loss": torch.tensor(loss / 3)}, None, i)
-    (key, row), = callback._sync.puts
+    ((key, row),) = callback._sync.puts
     assert key == kind
     if kind == "loss":
         assert row.tolist() == pytest.approx([3.0, 0.0])  # mean 3, finite

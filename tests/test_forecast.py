@@ -361,4 +361,5 @@ def test_picture_starts_the_step_axis_at_zero_and_no_efficiency_passes_100():
     view = lines["gradient_as_bucket_view (no copy-back)"]
     assert view[0] == pytest.approx(100.0) and max(max(v) for v in lines.values()) <= 100.0 + 1e-9
     assert "Efficiency: the 1-rank step over the N-rank step of the same configuration" in forecast.report(
-        run, one_node(), [1, 2], [], "test")
+        run, one_node(), [1, 2], [], "test"
+    )

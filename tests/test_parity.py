@@ -54,7 +54,8 @@ def test_at_the_size_readme_shows(make_trainer, tmp_path):
         model = LinearRegression(dim=1024)
         logger = CSVLogger(tmp_path, name=f"d{devices}", version=0)
         make_trainer(devices=devices, max_steps=5, callbacks=[LossMonitor()], logger=logger).fit(
-            model, FixedBatchDataModule(dim=1024, batch_size=batch_size))
+            model, FixedBatchDataModule(dim=1024, batch_size=batch_size)
+        )
         with open(tmp_path / f"d{devices}" / "version_0" / "metrics.csv") as f:
             losses.append([float(row["train/loss"]) for row in csv.DictReader(f) if row.get("train/loss")])
         weights.append({k: v.clone() for k, v in model.net.state_dict().items()})

@@ -28,7 +28,6 @@ def host_now() -> float:
     return time.perf_counter()
 
 
-
 class HostClock:
     """Marks are ``perf_counter`` seconds; always resolved."""
 

@@ -49,9 +49,7 @@ class LossMonitor(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage != "fit":  # trainer.validate / test / predict: nothing of this callback runs
-            return
-        self._sync = StepSync.attach(trainer, self)
+        self._sync = StepSync.attach(trainer, self, stage)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -63,7 +63,7 @@ class Ranges:
         self._open: list[Any] = []  # the step's range, then its phase's
 
     def begin_step(self, step: int) -> None:
-        self.close()
+        self._end_ranges()
         self._open = [self._enter(f"{trace.STEP_PREFIX}{step}"), self._enter(trace.OTHER)]
 
     def mark(self, boundary: str) -> None:
@@ -73,11 +73,14 @@ class Ranges:
             self._open.append(self._enter(name))
 
     def close(self) -> None:
+        self._end_ranges()
+
+    def _end_ranges(self) -> None:
         while self._open:  # the phase first: ranges end in the order they nest
             self._open.pop().__exit__(None, None, None)
 
 
-class TraceRecorder:
+class TraceRecorder(Ranges):
     """PhaseTimer's own profiler from ``start`` to ``stop`` (CPU activity, and CUDA's on a CUDA device) with the
     tool's ranges; ``stop`` writes the trace to ``path``. ``close`` ends it without a trace (a failed fit)."""
 
@@ -87,7 +90,7 @@ class TraceRecorder:
         self.path, self.rank = Path(path), rank
         self.where = self.path.parent  # where the ranks' traces go
         self.activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
-        self.ranges = Ranges()
+        super().__init__()
         self._profile: Optional[profile] = None
 
     @property
@@ -99,14 +102,8 @@ class TraceRecorder:
         self._profile = profile(activities=self.activities, record_shapes=True)
         self._profile.__enter__()
 
-    def begin_step(self, step: int) -> None:
-        self.ranges.begin_step(step)
-
-    def mark(self, boundary: str) -> None:
-        self.ranges.mark(boundary)
-
     def close(self) -> None:
-        self.ranges.close()
+        super().close()
         if self._profile is not None:
             self._profile.__exit__(None, None, None)  # on CUDA this synchronizes: every op queued so far is in
             self._profile = None
@@ -121,7 +118,7 @@ class TraceRecorder:
         return [self.path]
 
 
-class LightningProfilerTraces:
+class LightningProfilerTraces(Ranges):
     """While Lightning's ``PyTorchProfiler`` profiles, the tool's ranges in every step (``start`` to ``stop``), and
     at ``stop`` the Chrome traces it wrote into ``dirpath`` since this object was made."""
 
@@ -130,7 +127,7 @@ class LightningProfilerTraces:
     def __init__(self, dirpath: Optional[str | Path], rank: int) -> None:
         self.dirpath, self.rank = (Path(dirpath) if dirpath else None), rank
         self.where = self.dirpath
-        self.ranges = Ranges()
+        super().__init__()
         self.active = False
         self._before = set(self._written())
 
@@ -142,14 +139,8 @@ class LightningProfilerTraces:
     def start(self) -> None:
         self.active = True
 
-    def begin_step(self, step: int) -> None:
-        self.ranges.begin_step(step)
-
-    def mark(self, boundary: str) -> None:
-        self.ranges.mark(boundary)
-
     def close(self) -> None:
-        self.ranges.close()
+        super().close()
         self.active = False
 
     def stop(self) -> list[Path]:

@@ -92,12 +92,15 @@ class StepSync(Callback):
         self._alive_at = time.monotonic()  # the last step boundary (or validation batch) this rank reached
 
     @staticmethod
-    def attach(trainer: Trainer, caller: Callback) -> "StepSync":
-        """The Trainer's StepSync, added to its callbacks if it has none; call from ``caller``'s ``setup``.
+    def attach(trainer: Trainer, caller: Callback, stage: str = "fit") -> Optional["StepSync"]:
+        """The Trainer's StepSync, added to its callbacks if it has none; call from ``caller``'s ``setup`` with its
+        ``stage``: outside ``fit`` (validate, test, predict) there is no training step to sync, and None.
 
         The StepSync's batch end must come after the callers', which ``put`` into it there: one listed before
         ``caller`` is moved right after it (so it stays before callbacks that come later, a checkpoint say).
         """
+        if stage != "fit":
+            return None
         callbacks = trainer.callbacks  # Lightning iterates trainer.callbacks afresh for every hook
         sync = next((c for c in callbacks if isinstance(c, StepSync)), None)
         if sync is None:

@@ -96,9 +96,7 @@ class SyncCheck(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage != "fit":  # trainer.validate / test / predict: nothing of this callback runs
-            return
-        self._sync = StepSync.attach(trainer, self)
+        self._sync = StepSync.attach(trainer, self, stage)
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:

@@ -9,6 +9,7 @@ asked for.
 """
 
 import logging
+import os
 import re
 import sys
 import warnings
@@ -63,8 +64,21 @@ class DropBanners(logging.Filter):
         return not BANNERS.match(record.getMessage())
 
 
+# Set by ``setup`` for the ranks this process starts: a ddp_spawn rank is a fresh interpreter that set none of
+# this up, and sets it up again (when it unpickles the CLI's own ``RunSummary``, whatever the strategy).
+CONSOLE_ENV = "LIT_DDP_CONSOLE"
+
+
+def setup_in_spawned_rank() -> None:
+    """``setup`` again in a rank that ``ddp_spawn`` started from a process that had set it up (the variable holds
+    that process's pid; while a spawned rank unpickles, ``multiprocessing.parent_process()`` is not set yet)."""
+    if os.environ.get(CONSOLE_ENV, str(os.getpid())) != str(os.getpid()):
+        setup()
+
+
 def setup() -> None:
     """Lightning's and lit_ddp's log lines to stdout, bare, banners dropped; known-noise warnings off."""
+    os.environ[CONSOLE_ENV] = str(os.getpid())
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
     handler.addFilter(DropBanners())

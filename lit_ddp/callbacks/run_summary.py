@@ -15,6 +15,7 @@ import time
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
+from lit_ddp import console
 from lit_ddp.callbacks.results import say
 
 
@@ -32,6 +33,11 @@ class RunSummary(Callback):
 
     def measure_from(self, t0: float) -> None:
         self._start = t0
+
+    def __setstate__(self, state: dict) -> None:
+        # Unpickled first thing in a ddp_spawn rank, before Lightning's start-up lines: filter them as elsewhere.
+        self.__dict__.update(state)
+        console.setup_in_spawned_rank()
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -1,0 +1,20 @@
+"""What ``python -m lit_ddp.fit`` shows is the same whichever way its ranks start: with ``ddp_spawn`` each rank is
+a fresh interpreter, which sets up the console again when it unpickles the CLI's RunSummary."""
+
+from tests.runner import STEP_LINE, run_fit
+
+
+def shown(stdout: str) -> list[str]:
+    """The lines, without the numbers that change from run to run."""
+    return [STEP_LINE.sub("Step N, Loss X", line).split(", wall ")[0] for line in stdout.splitlines()]
+
+
+def test_spawned_ranks_print_what_forked_ranks_print(tmp_path):
+    for name in ("fork", "spawn"):
+        (tmp_path / name).mkdir()
+    forked = run_fit("--devices", "2", "--model.dim", "32", cwd=tmp_path / "fork")
+    spawned = run_fit("--devices", "2", "--model.dim", "32", "--trainer.strategy", "ddp_spawn", cwd=tmp_path / "spawn")
+    assert forked.returncode == spawned.returncode == 0, spawned.stderr[-2000:]
+    assert shown(spawned.stdout) == shown(forked.stdout), spawned.stdout
+    assert "Trainer.fit` stopped" not in spawned.stdout and "Initializing distributed" not in spawned.stdout
+    assert spawned.stderr.strip() == "", spawned.stderr[-2000:]

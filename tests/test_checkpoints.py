@@ -131,6 +131,7 @@ def test_runs_save_through_the_atomic_writer(tmp_path, monkeypatch, capsys):
     assert [Path(p).name for p in saved] == ["last.ckpt"] * 3
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_mid_epoch_resume_in_a_users_trainer_is_resumable_and_exact(make_trainer, tmp_path, capfd):
     """Outside the CLI (whose console drops known noise) Lightning warns on a mid-epoch resume unless the loader

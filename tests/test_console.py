@@ -1,6 +1,8 @@
 """What ``python -m lit_ddp.fit`` shows is the same whichever way its ranks start: with ``ddp_spawn`` each rank is
 a fresh interpreter, which sets up the console again when it unpickles the CLI's RunSummary."""
 
+import pytest
+
 from tests.runner import STEP_LINE, run_fit
 
 
@@ -9,6 +11,7 @@ def shown(stdout: str) -> list[str]:
     return [STEP_LINE.sub("Step N, Loss X", line).split(", wall ")[0] for line in stdout.splitlines()]
 
 
+@pytest.mark.slow
 def test_spawned_ranks_print_what_forked_ranks_print(tmp_path):
     for name in ("fork", "spawn"):
         (tmp_path / name).mkdir()

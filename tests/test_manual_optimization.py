@@ -70,6 +70,7 @@ def check_phases(phases, micro):
             assert ms.forward + ms.backward + ms.update + ms.data + ms.other == pytest.approx(ms.step, abs=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_manual_optimization_is_timed_as_automatic(tmp_path):
     out, (phases, comm) = run(tmp_path, "manual")

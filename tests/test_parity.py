@@ -42,6 +42,7 @@ def test_ddp_two_ranks_equals_one_process_with_the_global_batch(make_trainer, tm
     assert_same_weights(ddp_weights, one_weights)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_at_the_size_readme_shows(make_trainer, tmp_path):
     """README's pair: ``--devices 2`` and ``--devices 1 --data.batch_size 64`` at dim 1024, 5 steps, lr 1e-3. The

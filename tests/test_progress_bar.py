@@ -3,6 +3,8 @@ a line of its own (tqdm cannot clear its bar there, and the table was glued onto
 
 import re
 
+import pytest
+
 from tests.runner import run_module
 
 SCRIPT = """
@@ -17,6 +19,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_tables_start_their_own_lines_below_a_bar_in_a_file(tmp_path):
     (tmp_path / "user_script.py").write_text(SCRIPT)
     result = run_module("user_script", cwd=tmp_path, timeout=120)

@@ -327,6 +327,7 @@ def fit_noisy(tmp_path: Path, callbacks: list[Callback]) -> dict[str, Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)  # two fits of two spawned processes each: about 10 s apiece on a loaded CPU
 def test_counting_inside_a_ddp_fit_does_not_change_training(tmp_path):
     plain = fit_noisy(tmp_path, [])

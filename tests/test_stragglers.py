@@ -12,7 +12,7 @@ from lit_ddp.record import CommRecord, RankComm, RunMeta, StepBuckets, load_run
 from tests.runner import ROOT, run_fit, run_module
 from tests.slow_ranks import ShiftClock, SlowData, SlowRegression
 
-DIM, STEPS = 256, 16
+DIM, STEPS = 1024, 16  # a 4 MB bucket: its transfer (~5 ms on gloo) is steadier than a small one
 
 
 def fit(make_trainer, tmp_path, model, data, devices=2, callbacks=()):
@@ -38,7 +38,15 @@ def even_busbw(tmp_path_factory):
     return transfer_busbw(comm, found)
 
 
-@pytest.mark.parametrize("phase", ["data", "forward", "backward", "update"])
+@pytest.mark.parametrize(
+    "phase",
+    [
+        "data",
+        pytest.param("forward", marks=pytest.mark.slow),
+        pytest.param("backward", marks=pytest.mark.slow),
+        "update",
+    ],
+)
 def test_a_slow_rank_is_named_with_its_phase(make_trainer, tmp_path, phase, even_busbw):
     delay = 30.0
     model = SlowRegression(DIM, slow_rank=1, phase=phase, delay_ms=0 if phase == "data" else delay)
@@ -111,6 +119,7 @@ def test_a_rank_late_half_the_time_is_no_straggler():
     assert found.rank is None and found.share == pytest.approx(0.5, abs=0.1)
 
 
+@pytest.mark.slow
 def test_in_a_users_script_with_lightnings_own_ddp(tmp_path):
     from lightning.pytorch import Trainer
     from lightning.pytorch.strategies import DDPStrategy
@@ -138,6 +147,7 @@ def test_under_the_cli_the_verdict_names_it(tmp_path):
     assert "smaller buckets" not in result.stdout  # no bucket advice when a straggler is the cause
 
 
+@pytest.mark.slow
 def test_the_report_and_the_forecast_name_it(make_trainer, tmp_path):
     fit(make_trainer, tmp_path, SlowRegression(DIM, slow_rank=1, phase="update", delay_ms=30.0),
         FixedBatchDataModule(DIM, 8))  # fmt: skip

@@ -12,7 +12,8 @@ from lit_ddp.record import CommRecord, RankComm, RunMeta, StepBuckets, load_run
 from tests.runner import ROOT, run_fit, run_module
 from tests.slow_ranks import ShiftClock, SlowData, SlowRegression
 
-DIM, STEPS = 1024, 16  # a 4 MB bucket: its transfer (~5 ms on gloo) is steadier than a small one
+DIM, STEPS = 256, 16
+BW_DIM = 1024  # where bandwidth is compared: a 4 MB bucket's transfer (~5 ms on gloo) is steadier than 263 KB's
 
 
 def fit(make_trainer, tmp_path, model, data, devices=2, callbacks=()):
@@ -33,8 +34,8 @@ def even_busbw(tmp_path_factory):
     from tests.trainers import fast_trainer
 
     tmp = tmp_path_factory.mktemp("even")
-    found, comm = fit(lambda **kw: fast_trainer(tmp, **kw), tmp, SlowRegression(DIM, delay_ms=0),
-                      FixedBatchDataModule(dim=DIM, batch_size=8))  # fmt: skip
+    found, comm = fit(lambda **kw: fast_trainer(tmp, **kw), tmp, SlowRegression(BW_DIM, delay_ms=0),
+                      FixedBatchDataModule(dim=BW_DIM, batch_size=8))  # fmt: skip
     return transfer_busbw(comm, found)
 
 
@@ -49,8 +50,8 @@ def even_busbw(tmp_path_factory):
 )
 def test_a_slow_rank_is_named_with_its_phase(make_trainer, tmp_path, phase, even_busbw):
     delay = 30.0
-    model = SlowRegression(DIM, slow_rank=1, phase=phase, delay_ms=0 if phase == "data" else delay)
-    data = SlowData(DIM, slow_rank=1, fetch_ms=delay if phase == "data" else 0)
+    model = SlowRegression(BW_DIM, slow_rank=1, phase=phase, delay_ms=0 if phase == "data" else delay)
+    data = SlowData(BW_DIM, slow_rank=1, fetch_ms=delay if phase == "data" else 0)
     found, comm = fit(make_trainer, tmp_path, model, data)
     assert (found.rank, found.cause) == (1, phase), stragglers.verdict_line(found)
     assert found.share >= 0.9

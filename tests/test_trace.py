@@ -20,7 +20,7 @@ DATA = Path(__file__).parent / "data"
 A100 = DATA / "a100_nccl_2rank_rank0.json.gz"
 
 # The oracle: HTA 0.5.0's figures for this very file (TraceAnalysis(trace_dir=...).get_temporal_breakdown() and
-# .get_comm_comp_overlap(), rank 0), as shared/traces/README.md publishes them (source: tests/data/README.md).
+# .get_comm_comp_overlap(), rank 0), as the trace's source publishes them (tests/data/README.md).
 HTA = {"idle_us": 338_781, "compute_us": 75_169, "non_compute_us": 21_636, "span_us": 435_586, "overlap_pct": 14.31}
 
 

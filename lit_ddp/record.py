@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional
 
 from lit_ddp.errors import RecordError
 from lit_ddp.summary import Summary
@@ -213,9 +213,6 @@ class CommRecord:
     straggler: Optional[dict[str, Any]] = None  # lit_ddp.stragglers.Straggler's fields, with phases.json's cause
     kind: str = "comm"
     wire_dtype: Optional[str] = None  # the buckets' dtype as the all-reduce saw them (after any compression)
-
-
-Record = TypeVar("Record", PhaseRecord, CommRecord)
 
 
 def as_json(value: Any) -> Any:

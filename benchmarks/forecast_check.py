@@ -35,7 +35,7 @@ if not __package__:  # run as a file: the repository on sys.path instead of benc
 from benchmarks.common import ROOT, child_env  # noqa: E402
 from lit_ddp.errors import ForecastError  # noqa: E402
 from lit_ddp.forecast import Bucket, Measured, load_run, simulate  # noqa: E402
-from lit_ddp.links import topology  # noqa: E402
+from lit_ddp.scaling.links import topology  # noqa: E402
 
 CONFIG = ROOT / "configs" / "mini_train_profile.yaml"
 TARGET = 0.15  # the target: the step within 15%

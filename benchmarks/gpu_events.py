@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_check.py out.txt --sections events
 
-It reads PhaseTimer's figures from the record of ``gpu_fits.profiled_fit`` (``lit_ddp.record``, by field name)
+It reads PhaseTimer's figures from the record of ``gpu_fits.profiled_fit`` (``lit_ddp.records.schema``, by field name)
 and times the same model in a loop of its own; ``events_section`` says what each clock includes.
 """
 
@@ -16,10 +16,10 @@ from torch.nn.parallel import DistributedDataParallel
 from benchmarks.common import fmt_num, fmt_share, median, ratio
 from benchmarks.gpu_fits import BATCH, DIM, KERNEL_STEPS, Budget, Section, in_process_run, profiled_fit
 from lit_ddp import LinearRegression
+from lit_ddp.analysis.tables import table
 from lit_ddp.callbacks.phase_timer import FIRST_PROFILED_STEP
-from lit_ddp.data import shard
-from lit_ddp.record import PHASES, PhaseRecord, StepRow
-from lit_ddp.tables import table
+from lit_ddp.lab.data import shard
+from lit_ddp.records.schema import PHASES, PhaseRecord, StepRow
 
 TIMED = PHASES[:3]  # forward, backward, update: what the synchronized loop times as well
 

@@ -30,9 +30,10 @@ from torch.profiler import profile
 from typing_extensions import override
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
-from lit_ddp.callbacks import CommMonitor, LossMonitor, PhaseTimer, profiling
-from lit_ddp.record import PhaseRecord, load_run
-from lit_ddp.strategy import LitDDPStrategy
+from lit_ddp.callbacks import CommMonitor, LossMonitor, PhaseTimer
+from lit_ddp.measure import profiling
+from lit_ddp.records.schema import PhaseRecord, load_run
+from lit_ddp.run.strategy import LitDDPStrategy
 
 DIM, BATCH = 4096, 32  # the profile config's model (configs/mini_train_profile.yaml), the notes' batch
 KERNEL_STEPS = 3  # PhaseTimer's default number of profiled steps on CUDA
@@ -165,7 +166,7 @@ class ProfiledFit(NamedTuple):
 @functools.cache
 def profiled_fit(steps: int) -> ProfiledFit:
     """A fit with PhaseTimer(kernel_steps=3) + CommMonitor, keeping the very profiler PhaseTimer ran (its
-    ``TraceRecorder`` makes it with ``lit_ddp.callbacks.profiling.profile``, wrapped here to keep a reference) and
+    ``TraceRecorder`` makes it with ``lit_ddp.measure.profiling.profile``, wrapped here to keep a reference) and
     the trace it wrote. Shared by the busy and events sections."""
     kept: list[profile] = []
 

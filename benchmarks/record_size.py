@@ -30,9 +30,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROOT, child_env, clock_args, read_rank_files  # noqa: E402
-from lit_ddp import analysis  # noqa: E402
-from lit_ddp.record import load_run, save  # noqa: E402
-from lit_ddp.tables import fmt_ms, fmt_si, table  # noqa: E402
+from lit_ddp.analysis import phases as analysis  # noqa: E402
+from lit_ddp.analysis.tables import fmt_ms, fmt_si, table  # noqa: E402
+from lit_ddp.records.schema import load_run, save  # noqa: E402
 
 PROFILE = ROOT / "configs" / "mini_train_profile.yaml"
 

@@ -46,7 +46,7 @@ if not __package__:  # run as a file: the repository on sys.path instead of benc
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks import common  # noqa: E402
-from lit_ddp.tables import table  # noqa: E402
+from lit_ddp.analysis.tables import table  # noqa: E402
 
 Command = Callable[[Path], list[str]]  # the command of one run, given its scratch directory
 PLAIN = "plain loop (torchrun)"

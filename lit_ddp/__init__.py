@@ -8,7 +8,7 @@ import time
 # `python -m lit_ddp.fit` imports this package first: a run's wall time counts from here, imports included.
 STARTED = time.perf_counter()
 
-from lit_ddp.data import FixedBatchDataModule  # noqa: E402 (after STARTED, on purpose)
-from lit_ddp.module import LinearRegression  # noqa: E402
+from lit_ddp.lab.data import FixedBatchDataModule  # noqa: E402 (after STARTED, on purpose)
+from lit_ddp.lab.module import LinearRegression  # noqa: E402
 
 __all__ = ["FixedBatchDataModule", "LinearRegression"]

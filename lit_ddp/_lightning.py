@@ -2,7 +2,7 @@
 
     pytest tests/test_private_apis.py      # fails loudly, naming the name, when the installed Lightning changed
 
-Tested with lightning 2.6 (pyproject allows >=2.6,<2.7). ``lit_ddp/strategy.py`` overrides three private
+Tested with lightning 2.6 (pyproject allows >=2.6,<2.7). ``lit_ddp/run/strategy.py`` overrides three private
 methods of ``DDPStrategy`` (``_configure_launcher``, ``_setup_model``, ``_register_ddp_hooks``) and sets its
 ``_start_method`` before the launcher is made; everything else private is reached through the functions below
 and nowhere else. ``PRIVATE_NAMES`` lists them all for the test.

@@ -2,7 +2,7 @@
 
     pytest tests/test_private_apis.py      # fails loudly, naming the name, when the installed torch changed
 
-Tested with torch 2.11 (the GPU image) and 2.13. Reading profiler traces uses none: ``lit_ddp.trace`` reads the
+Tested with torch 2.11 (the GPU image) and 2.13. Reading profiler traces uses none: ``lit_ddp.analysis.trace`` reads the
 Chrome-trace JSON that ``torch.profiler`` writes, a public format.
 """
 

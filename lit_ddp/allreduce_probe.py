@@ -3,7 +3,7 @@
     python -m lit_ddp.allreduce_probe --nproc 2 --out probe.json
 
 Starts ``--nproc`` ranks with ``torch.multiprocessing`` on loopback (a free port, the store bound to
-127.0.0.1 as in ``lit_ddp.rendezvous``), gloo on CPU and NCCL on GPUs (one GPU per rank), and all-reduces fp32
+127.0.0.1 as in ``lit_ddp.run.rendezvous``), gloo on CPU and NCCL on GPUs (one GPU per rank), and all-reduces fp32
 buffers of 1 KiB, 2 KiB, ... up to ``--max-bytes``. Each size gets a few warm-up iterations, then timed
 ones: a barrier first so the ranks start together, then one all-reduce (on GPUs followed by a
 ``synchronize``, which a probe may add). An iteration takes as long as its slowest rank; the size's time is
@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lit_ddp.links import ProbePoint, fit_probe
-from lit_ddp.rendezvous import init_loopback_process_group
+from lit_ddp.run.rendezvous import init_loopback_process_group
+from lit_ddp.scaling.links import ProbePoint, fit_probe
 
 KIB = 1024
 

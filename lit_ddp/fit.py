@@ -22,14 +22,14 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lit_ddp
-from lit_ddp import console, lifecycle
-from lit_ddp.arguments import check_devices, expand_shorthands
 from lit_ddp.callbacks import DeviceMap, LossMonitor, RunSummary, StepSync, SyncCheck
-from lit_ddp.checkpointing import LastCheckpoint, checkpoint_dir, resume_path
-from lit_ddp.data import FixedBatchDataModule
 from lit_ddp.errors import Ending, UsageError
-from lit_ddp.module import LinearRegression
-from lit_ddp.run_dir import claim_version
+from lit_ddp.lab.data import FixedBatchDataModule
+from lit_ddp.lab.module import LinearRegression
+from lit_ddp.run import console, lifecycle
+from lit_ddp.run.arguments import check_devices, expand_shorthands
+from lit_ddp.run.checkpointing import LastCheckpoint, checkpoint_dir, resume_path
+from lit_ddp.run.run_dir import claim_version
 
 
 def _prog() -> str:
@@ -38,7 +38,7 @@ def _prog() -> str:
 
 
 TRAINER_DEFAULTS = {
-    "strategy": {"class_path": "lit_ddp.strategy.LitDDPStrategy"},
+    "strategy": {"class_path": "lit_ddp.run.strategy.LitDDPStrategy"},
     "accelerator": "auto",
     "devices": "auto",
     "max_steps": 5,
@@ -99,7 +99,7 @@ class LitDDPCLI(LightningCLI):
 
 def build_cli(args: list[str], claim_log_version: bool = False) -> LitDDPCLI:
     """Parses and validates ``args`` and instantiates model, data and Trainer; launches nothing. With
-    ``claim_log_version``, the run's log folder is claimed first (``lit_ddp.run_dir``).
+    ``claim_log_version``, the run's log folder is claimed first (``lit_ddp.run.run_dir``).
 
     Raises:
         UsageError: For anything wrong with the command line or the config files.

@@ -33,7 +33,7 @@ first bandwidth term), and between nodes an all-reduce of each GPU's S/g shard o
 in parallel (the second). NCCL pipelines chunks through the stages, so the slower stage sets the bandwidth
 and the latencies add. Between nodes the latency is that of NCCL's tree (intra-node chains, a double binary
 tree across nodes: 2 ceil(log2 m) network steps), which NCCL picks over the ring's 2(m-1) steps at scale.
-``busbw`` and ``a`` (the latency of one step) are a link's: ``lit_ddp.links``, checked there against nccl-tests.
+``busbw`` and ``a`` (the latency of one step) are a link's: ``lit_ddp.scaling.links``, checked there against nccl-tests.
 
 Gradient accumulation (k micro-batches per step): DDP all-reduces after the last backward only (``no_sync``
 before): step = forward + backward_before (the k - 1 earlier backwards, compute) + backward(N) + update + other,
@@ -53,12 +53,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from lit_ddp.analysis import comm_summary, micro_batches, phase_summary
+from lit_ddp.analysis.phases import comm_summary, micro_batches, phase_summary
+from lit_ddp.analysis.tables import fmt_ms, table
 from lit_ddp.errors import ForecastError, RecordError
-from lit_ddp.links import GB, LINK_NAMES, Topology, allreduce_ms, check_ranks, topology
-from lit_ddp.record import PHASES, StepRow
-from lit_ddp.record import load_run as load_record
-from lit_ddp.tables import fmt_ms, table
+from lit_ddp.records.schema import PHASES, StepRow
+from lit_ddp.records.schema import load_run as load_record
+from lit_ddp.scaling.links import GB, LINK_NAMES, Topology, allreduce_ms, check_ranks, topology
 
 MIB = 1024**2
 
@@ -139,7 +139,7 @@ def rebucket(buckets: Sequence[Bucket], cap_bytes: float) -> tuple[Bucket, ...]:
 
 
 def load_run(run_dir: Path) -> Measured:
-    """Reads the run's ``phases.json`` and ``comm.json`` (``lit_ddp.record``) into the model's inputs: per rank
+    """Reads the run's ``phases.json`` and ``comm.json`` (``lit_ddp.records.schema``) into the model's inputs: per rank
     the steady medians (see the module docstring), then the slowest rank."""
     try:
         phases, comm = load_record(run_dir)

@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 4 -m lit_ddp.reference --dim 4096 --steps 50
 
 Same seeds and data convention as ``lit_ddp.fit`` (``torch.manual_seed(seed)`` before the model, the global
-batch of ``lit_ddp.data``), so both print the same ``Step i, Loss x`` lines (the global mean loss) and
+batch of ``lit_ddp.lab.data``), so both print the same ``Step i, Loss x`` lines (the global mean loss) and
 end with the same weights. Without torchrun it runs as a single process.
 """
 
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lit_ddp.data import shard
+from lit_ddp.lab.data import shard
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -4,8 +4,8 @@
     python -m lit_ddp.report runs/mini_train_profile/version_0 --forecast 8,64,512 --link nvlink+ib400
     python -m lit_ddp.report --trace DIR --json trace.json
 
-Reads ``phases.json`` (PhaseTimer) and ``comm.json`` (CommMonitor) from a run directory (``lit_ddp.record``),
-prints the same tables the callbacks print at the end of training (``lit_ddp.analysis``), and writes
+Reads ``phases.json`` (PhaseTimer) and ``comm.json`` (CommMonitor) from a run directory (``lit_ddp.records.schema``),
+prints the same tables the callbacks print at the end of training (``lit_ddp.analysis.phases``), and writes
 ``phases.png``: stacked forward / backward / update / other bars per kept step (rank 0) and a timeline of one
 steady step per rank, with each bucket's all-reduce and its exposed part. With ``--trace``, reads a folder of
 per-rank ``torch.profiler`` traces instead (``lit_ddp.trace_report``). The pictures need matplotlib
@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Optional
 
 from lit_ddp import forecast, trace_report
-from lit_ddp.analysis import comm_table, phase_table
+from lit_ddp.analysis.phases import comm_table, phase_table
 from lit_ddp.errors import RecordError
-from lit_ddp.record import BOUNDARIES, PHASES, CommRecord, PhaseRecord, load_run
+from lit_ddp.records.schema import BOUNDARIES, PHASES, CommRecord, PhaseRecord, load_run
 
 
 def plot(phases: PhaseRecord, comm: Optional[CommRecord], out: Path) -> Path:

@@ -5,7 +5,7 @@
 
 Finds the traces under DIR: ``*.pt.trace.json[.gz]`` at any depth (the names ``tensorboard_trace_handler`` and
 Lightning's ``PyTorchProfiler`` give them), else every ``*.json[.gz]`` in DIR itself (a directory of one trace
-per rank, as HTA reads one); DIR may also be one trace file. Each trace says its own rank (``lit_ddp.trace``,
+per rank, as HTA reads one); DIR may also be one trace file. Each trace says its own rank (``lit_ddp.analysis.trace``,
 where the figures are defined). Prints a table per rank, one per phase where the traces mark phases, the
 lowest rank's collectives per step, and a verdict; writes ``trace.png`` beside the traces (matplotlib's
 Figure API, ``pip install 'lit_ddp[plot]'``) and, with ``--json OUT``, every figure in microseconds.
@@ -24,10 +24,20 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
+from lit_ddp.analysis.tables import fmt_ms, table
+from lit_ddp.analysis.trace import (
+    GRADIENT,
+    PHASES,
+    Breakdown,
+    NoGpuEvents,
+    RankAnalysis,
+    TraceError,
+    analyze,
+    combine,
+    load,
+)
+from lit_ddp.analysis.trace import merge as merge_intervals
 from lit_ddp.errors import EXIT_USAGE
-from lit_ddp.tables import fmt_ms, table
-from lit_ddp.trace import GRADIENT, PHASES, Breakdown, NoGpuEvents, RankAnalysis, TraceError, analyze, combine, load
-from lit_ddp.trace import merge as merge_intervals
 
 PROG = "python -m lit_ddp.trace_report"
 EXIT_NO_PICTURE = 1
@@ -96,7 +106,7 @@ _HEADER = ("span", "busy", "compute", "communication", "overlap", "idle", "host 
 
 
 def rank_table(analyses: Sequence[RankAnalysis]) -> str:
-    """Per rank: the module docstring's figures of ``lit_ddp.trace`` over its counted steps."""
+    """Per rank: the module docstring's figures of ``lit_ddp.analysis.trace`` over its counted steps."""
     left_out = [s.step for a in analyses for s in a.steps if not s.counted]
     note = f"; the last step ({left_out[0]}) left out, as HTA leaves it out" if left_out else ""
     rows = [(a.rank, _steps(a), *_row("", a.total)[1:]) for a in analyses]
@@ -170,7 +180,7 @@ def report(analyses: Sequence[RankAnalysis]) -> str:
 
 
 def to_json(analyses: Sequence[RankAnalysis]) -> dict[str, Any]:
-    """``{"ranks": [...]}``: per rank its totals (``lit_ddp.trace.Breakdown``'s fields), counted steps, phases,
+    """``{"ranks": [...]}``: per rank its totals (``lit_ddp.analysis.trace.Breakdown``'s fields), counted steps, phases,
     every step's figures and its collectives, times in microseconds."""
 
     def ranks(a: RankAnalysis) -> dict[str, Any]:

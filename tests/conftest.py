@@ -11,7 +11,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 
 from tests.trainers import fast_trainer
 
-# Loggers that `lit_ddp.console.setup` (run by an in-process `main()`) points at the stdout of its time, a
+# Loggers that `lit_ddp.run.console.setup` (run by an in-process `main()`) points at the stdout of its time, a
 # capsys buffer that is closed after its test.
 _CONFIGURED_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lit_ddp", "torch.multiprocessing.spawn")
 

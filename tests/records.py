@@ -1,11 +1,11 @@
-"""Hand-made run records (``lit_ddp.record``) for the tests of their readers: per-step figures in, a
+"""Hand-made run records (``lit_ddp.records.schema``) for the tests of their readers: per-step figures in, a
 ``PhaseRecord`` or ``CommRecord`` out, its summaries made by the record's own rules (``is_steady``, the final
 bucket layout) as PhaseTimer and CommMonitor make them."""
 
 from collections.abc import Iterable, Sequence
 from typing import Optional
 
-from lit_ddp.record import (
+from lit_ddp.records.schema import (
     PHASES,
     CommRecord,
     PhaseRecord,

@@ -6,7 +6,7 @@ import time
 from lightning.pytorch import Callback
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
-from lit_ddp.data import RepeatBatch
+from lit_ddp.lab.data import RepeatBatch
 
 
 def _sleep(ms: float) -> None:
@@ -73,7 +73,7 @@ class ShiftClock(Callback):
 
     def setup(self, trainer, pl_module, stage):
         if trainer.global_rank == self.rank:
-            from lit_ddp.callbacks import clock
+            from lit_ddp.measure import clock
 
             original = clock.host_now
             clock.host_now = lambda: original() + self.shift_s

@@ -11,10 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lit_ddp import LinearRegression, forecast, record
+from lit_ddp import LinearRegression, forecast
 from lit_ddp.callbacks import PhaseTimer
 from lit_ddp.forecast import Bucket, Measured
-from lit_ddp.links import Link, Topology
+from lit_ddp.records import schema as record
+from lit_ddp.scaling.links import Link, Topology
 from tests.runner import run_fit, step_losses, step_numbers
 
 DIM, BATCH, STEPS, MICRO = 32, 8, 4, 4
@@ -120,7 +121,7 @@ def test_phases_are_summed_over_the_micro_batches(monkeypatch, tmp_path):
     """Lightning's hook order for 3 micro-batches per step on a patched clock: zero_grad in the first, the
     update in the last; each micro-batch's forward 10 ms, backward 20 ms, 4 ms from its end to the next start."""
     clock = SimpleNamespace(now=0.0)
-    monkeypatch.setattr("lit_ddp.callbacks.clock.perf_counter", lambda: clock.now)
+    monkeypatch.setattr("lit_ddp.measure.clock.perf_counter", lambda: clock.now)
     model, micro = LinearRegression(dim=8), 3
     trainer = FakeTrainer(model, tmp_path, micro)
     timer, opt = PhaseTimer(print_steps=0), trainer.optimizers[0]
@@ -161,7 +162,7 @@ def test_phases_are_summed_over_the_micro_batches(monkeypatch, tmp_path):
 
 def test_checkpoints_are_written_after_optimizer_steps_only(tmp_path, monkeypatch, capsys):
     """A micro-batch's accumulated gradients are in no checkpoint: LastCheckpoint saves after optimizer steps."""
-    from lit_ddp.checkpointing import AtomicCheckpointIO
+    from lit_ddp.run.checkpointing import AtomicCheckpointIO
     from tests.runner import run_main
 
     saved = []

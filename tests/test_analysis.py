@@ -5,9 +5,9 @@ import re
 import torch
 from lightning.pytorch import LightningModule, Trainer
 
-from lit_ddp import analysis
+from lit_ddp.analysis import phases as analysis
 from lit_ddp.callbacks import CommMonitor, LossMonitor, PhaseTimer, StepSync, SyncCheck
-from lit_ddp.record import CommRecord, RankComm, RunMeta, StepBuckets
+from lit_ddp.records.schema import CommRecord, RankComm, RunMeta, StepBuckets
 
 
 def comm_record(world_size: int, nbytes: int, ms: list[float]) -> CommRecord:

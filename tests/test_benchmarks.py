@@ -16,8 +16,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import common, gpu_busy, gpu_events, gpu_fits, gpu_scaling, gpu_syncs, step_time
-from lit_ddp.callbacks.profiling import union_ms
-from lit_ddp.record import PhaseRecord, RankPhases, RunMeta, StepPhases, StepRow
+from lit_ddp.measure.profiling import union_ms
+from lit_ddp.records.schema import PhaseRecord, RankPhases, RunMeta, StepPhases, StepRow
 from tests.runner import ROOT, pythonpath
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_ddp.checkpointing import AtomicCheckpointIO
+from lit_ddp.run.checkpointing import AtomicCheckpointIO
 from tests.runner import run_fit, run_main
 from tests.trainers import assert_same_checkpoint
 
@@ -140,7 +140,7 @@ def test_a_mid_epoch_resume_in_a_users_trainer_is_resumable_and_exact(make_train
     from lightning.pytorch import seed_everything
 
     from lit_ddp import FixedBatchDataModule, LinearRegression
-    from lit_ddp.checkpointing import LastCheckpoint
+    from lit_ddp.run.checkpointing import LastCheckpoint
 
     def fit(name, max_steps, every, ckpt_path=None):
         seed_everything(0)

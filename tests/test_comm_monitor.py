@@ -4,8 +4,9 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from lit_ddp import FixedBatchDataModule, LinearRegression, record
+from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp.callbacks import CommMonitor, PhaseTimer
+from lit_ddp.records import schema as record
 from tests.runner import ROOT, run_fit
 from tests.trainers import profile
 
@@ -73,7 +74,7 @@ def test_profile_config_prints_the_notes_format_and_tables(tmp_path):
 def test_gpu_profile_run_uses_cuda_events(tmp_path):
     from lightning.pytorch import Trainer
 
-    from lit_ddp.strategy import LitDDPStrategy
+    from lit_ddp.run.strategy import LitDDPStrategy
 
     trainer = Trainer(accelerator="gpu", devices=1, strategy=LitDDPStrategy(), max_steps=4,
                       callbacks=[PhaseTimer(), CommMonitor()], logger=CSVLogger(tmp_path, name="gpu", version=0),

@@ -5,7 +5,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp.callbacks import CommMonitor, PhaseTimer
-from lit_ddp.record import load_run
+from lit_ddp.records.schema import load_run
 from tests.faults import slow_allreduce_hook
 
 

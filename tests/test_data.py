@@ -5,7 +5,7 @@ import torch
 from lightning.pytorch import Callback
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
-from lit_ddp.data import global_batch, shard
+from lit_ddp.lab.data import global_batch, shard
 
 
 def test_shards_partition_the_global_batch():

@@ -1,4 +1,4 @@
-"""The scaling forecast: the model on inputs worked out by hand, the links it runs over (``lit_ddp.links``: the
+"""The scaling forecast: the model on inputs worked out by hand, the links it runs over (``lit_ddp.scaling.links``: the
 ring, NCCL's hierarchical form, topologies, the probe fit), the run loader on hand-made records, the CLI errors,
 and one real 2-rank gloo probe."""
 
@@ -8,11 +8,13 @@ import math
 
 import pytest
 
-from lit_ddp import forecast, links, record
+from lit_ddp import forecast
 from lit_ddp.errors import ForecastError
 from lit_ddp.forecast import Bucket, Measured
-from lit_ddp.links import Link, ProbePoint, Topology
-from lit_ddp.record import StepBuckets
+from lit_ddp.records import schema as record
+from lit_ddp.records.schema import StepBuckets
+from lit_ddp.scaling import links
+from lit_ddp.scaling.links import Link, ProbePoint, Topology
 from tests.records import comm_record, phase_record
 from tests.runner import ROOT, run_module
 

@@ -10,7 +10,8 @@ import re
 import pytest
 import torch
 
-from lit_ddp import record, roofline
+from lit_ddp.measure import roofline
+from lit_ddp.records import schema as record
 from tests.runner import ROOT, run_fit, step_losses
 from tests.trainers import assert_same_checkpoint
 

@@ -5,7 +5,8 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from lit_ddp import _torch, hangs
+from lit_ddp import _torch
+from lit_ddp.run import hangs
 
 
 def test_every_rank_that_arrived_names_the_ones_that_did_not(monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
 from lit_ddp.fit import build_cli
-from lit_ddp.placement import problems, this_rank
+from lit_ddp.measure.placement import problems, this_rank
 from tests.runner import STEP_LINE, TORCHRUN, free_port, run_fit, start_fit, start_long_run
 from tests.trainers import assert_same_checkpoint
 

@@ -12,7 +12,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp.callbacks import LossMonitor
-from lit_ddp.checkpointing import LastCheckpoint
+from lit_ddp.run.checkpointing import LastCheckpoint
 from tests.faults import NaNOnRank
 from tests.runner import STEP_LINE, run_main, step_losses, step_numbers
 

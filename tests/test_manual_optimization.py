@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from lit_ddp import record
+from lit_ddp.records import schema as record
 from tests.runner import run_module, step_losses, step_numbers
 
 SCRIPT = """

@@ -13,13 +13,15 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from lit_ddp import FixedBatchDataModule, LinearRegression, analysis, record
+from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp._torch import optimizer_step_post_hooks
+from lit_ddp.analysis import phases as analysis
+from lit_ddp.analysis.trace import BACKWARD, FORWARD, STEP_PREFIX, UPDATE
 from lit_ddp.callbacks import PhaseTimer
-from lit_ddp.callbacks.clock import HostClock
-from lit_ddp.callbacks.profiling import Ranges
-from lit_ddp.record import HEAD_STEPS, PHASES, TAIL_STEPS, Roofline, Summary, is_steady
-from lit_ddp.trace import BACKWARD, FORWARD, STEP_PREFIX, UPDATE
+from lit_ddp.measure.clock import HostClock
+from lit_ddp.measure.profiling import Ranges
+from lit_ddp.records import schema as record
+from lit_ddp.records.schema import HEAD_STEPS, PHASES, TAIL_STEPS, Roofline, Summary, is_steady
 from tests.records import phase_record
 
 
@@ -60,7 +62,7 @@ def drive_one_step(timer, trainer, model, clock):
 
 def test_every_boundary_with_a_patched_clock(monkeypatch, tmp_path, caplog):
     clock = SimpleNamespace(now=100.0)
-    monkeypatch.setattr("lit_ddp.callbacks.clock.perf_counter", lambda: clock.now)
+    monkeypatch.setattr("lit_ddp.measure.clock.perf_counter", lambda: clock.now)
     model = LinearRegression(dim=8)
     trainer = FakeTrainer(model, tmp_path)
     timer = PhaseTimer(print_steps=1)
@@ -95,7 +97,7 @@ class StandInRecorder:
     """TraceRecorder on the patched host clock (no GPU here): starting and stopping cost 1 s, as CUPTI's start-up
     and writing the trace can. Its ranges are PhaseTimer's real ones (``profiling.Ranges``), timed on the clock;
     each forward, backward and update range queues one 2 ms "kernel" as it opens. ``stop`` writes all of it as the
-    Chrome trace a GPU run would write, which PhaseTimer then reads through ``lit_ddp.trace``."""
+    Chrome trace a GPU run would write, which PhaseTimer then reads through ``lit_ddp.analysis.trace``."""
 
     owns_profiler = True
 
@@ -146,7 +148,7 @@ class StandInRecorder:
 def stand_in_gpu(monkeypatch):
     """A patched host clock that PhaseTimer takes for CUDA events, and the recorder it then builds."""
     clock = SimpleNamespace(now=0.0)
-    monkeypatch.setattr("lit_ddp.callbacks.clock.perf_counter", lambda: clock.now)
+    monkeypatch.setattr("lit_ddp.measure.clock.perf_counter", lambda: clock.now)
     monkeypatch.setattr("lit_ddp.callbacks.phase_timer.clock_for", lambda device: HostClockAsCuda())
     monkeypatch.setattr("lit_ddp.callbacks.phase_timer.TraceRecorder",
                         lambda device, path, rank: StandInRecorder(clock, path, rank))  # fmt: skip
@@ -166,7 +168,7 @@ def drive_steps(clock, tmp_path, kernel_steps: int, steps: int):
 
 def test_profiler_start_and_stop_are_in_no_step(stand_in_gpu, tmp_path, caplog):
     """The profiler starts before the first profiled step and stops after the last; its cost must land in no
-    step's time. The GPU-busy rows come from the trace it wrote, through lit_ddp.trace."""
+    step's time. The GPU-busy rows come from the trace it wrote, through lit_ddp.analysis.trace."""
     timer, trainer, model = drive_steps(stand_in_gpu, tmp_path, kernel_steps=2, steps=6)
     with caplog.at_level("INFO"):
         timer.on_train_end(trainer, model)
@@ -210,7 +212,7 @@ def test_a_failed_fit_leaves_no_profiler_and_no_hook(stand_in_gpu, tmp_path):
 
 def test_update_ends_at_batch_end_without_the_post_hook(monkeypatch, tmp_path):
     clock = SimpleNamespace(now=0.0)
-    monkeypatch.setattr("lit_ddp.callbacks.clock.perf_counter", lambda: clock.now)
+    monkeypatch.setattr("lit_ddp.measure.clock.perf_counter", lambda: clock.now)
     model = LinearRegression(dim=8)
     trainer = FakeTrainer(model, tmp_path)
     timer = PhaseTimer()
@@ -240,7 +242,7 @@ def test_kernel_steps_on_cpu_profile_the_cpu_and_keep_the_trace(monkeypatch, tmp
     """An explicit kernel_steps without CUDA: torch.profiler over the CPU only (real, in this process), its trace
     kept with PhaseTimer's ranges; no GPU events, so no GPU-busy rows, said once; the profiled steps are left out."""
     clock = SimpleNamespace(now=0.0)
-    monkeypatch.setattr("lit_ddp.callbacks.clock.perf_counter", lambda: clock.now)
+    monkeypatch.setattr("lit_ddp.measure.clock.perf_counter", lambda: clock.now)
     model = LinearRegression(dim=8)
     trainer = FakeTrainer(model, tmp_path)
     timer = PhaseTimer(kernel_steps=2)
@@ -256,7 +258,7 @@ def test_kernel_steps_on_cpu_profile_the_cpu_and_keep_the_trace(monkeypatch, tmp
     trace = json.loads(gzip.decompress((tmp_path / "traces" / "rank0.pt.trace.json.gz").read_bytes()))
     names = [e["name"] for e in trace["traceEvents"] if e.get("cat") == "user_annotation"]
     assert [n for n in names if n.startswith(STEP_PREFIX)] == [f"{STEP_PREFIX}2", f"{STEP_PREFIX}3"]
-    assert {FORWARD, BACKWARD, UPDATE, "lit_ddp.data", "lit_ddp.other"} <= set(names)
+    assert {FORWARD, BACKWARD, UPDATE, "lit_ddp.lab.data", "lit_ddp.other"} <= set(names)
     assert "GPU busy" not in analysis.phase_table(phases)
 
 
@@ -320,7 +322,7 @@ def test_real_run_summaries_agree_with_the_exact_medians(make_trainer, tmp_path)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_events_time_the_device_not_the_host(tmp_path):
     """A matmul queued between two marks: CUDA events see its device time, without a synchronize in between."""
-    from lit_ddp.callbacks.clock import CudaClock
+    from lit_ddp.measure.clock import CudaClock
 
     clock = CudaClock()
     a = torch.randn(4096, 4096, device="cuda")

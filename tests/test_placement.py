@@ -1,6 +1,6 @@
-"""The placement rules (``lit_ddp.placement``) on hand-made maps: the notes' device-indexing pitfalls."""
+"""The placement rules (``lit_ddp.measure.placement``) on hand-made maps: the notes' device-indexing pitfalls."""
 
-from lit_ddp.placement import RankPlacement, format_table, problems
+from lit_ddp.measure.placement import RankPlacement, format_table, problems
 
 
 def row(rank, local_rank, device, cvd=None, slurm=None, host="n0", node=0) -> RankPlacement:

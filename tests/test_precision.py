@@ -10,8 +10,10 @@ import re
 import pytest
 import torch
 
-from lit_ddp import analysis, record, roofline
+from lit_ddp.analysis import phases as analysis
 from lit_ddp.callbacks.phase_timer import _compute_dtype
+from lit_ddp.measure import roofline
+from lit_ddp.records import schema as record
 from tests.records import phase_record
 from tests.runner import run_fit, run_module, step_losses
 

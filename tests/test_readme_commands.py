@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from lit_ddp.arguments import expand_shorthands
+from lit_ddp.run.arguments import expand_shorthands
 from tests.runner import ROOT, run_main, run_module
 
 README = (ROOT / "README.md").read_text()
@@ -28,7 +28,7 @@ def test_every_option_readme_names_exists(monkeypatch, capsys):
     named = set(re.findall(r"`(--[\w.]+)", section("Options and configs")))
     assert {"--loss_monitor.every_n_steps", "--trainer.accumulate_grad_batches", "--trainer.precision"} <= named
     shown = run_main(monkeypatch, capsys, "--help").stdout
-    strategy = run_main(monkeypatch, capsys, "--trainer.strategy.help", "lit_ddp.strategy.LitDDPStrategy").stdout
+    strategy = run_main(monkeypatch, capsys, "--trainer.strategy.help", "lit_ddp.run.strategy.LitDDPStrategy").stdout
     missing = []
     for option in sorted(named):
         if option == "--devices":  # the tool's shorthand, expanded before parsing

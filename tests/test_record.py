@@ -1,4 +1,4 @@
-"""The run's record (``lit_ddp.record``): the quantile sketch against exact quantiles, merging, the bounded window
+"""The run's record (``lit_ddp.records.schema``): the quantile sketch against exact quantiles, merging, the bounded window
 of kept steps, the JSON round trip of both records, and the one-line refusal of a record of another schema (by
 ``load`` and by ``python -m lit_ddp.report``)."""
 
@@ -9,9 +9,9 @@ import random
 
 import pytest
 
-from lit_ddp import record
 from lit_ddp.errors import RecordError
-from lit_ddp.record import HEAD_STEPS, TAIL_STEPS, Roofline, StepBuckets, Summary, Window
+from lit_ddp.records import schema as record
+from lit_ddp.records.schema import HEAD_STEPS, TAIL_STEPS, Roofline, StepBuckets, Summary, Window
 from tests.records import comm_record, phase_record
 from tests.runner import run_module
 

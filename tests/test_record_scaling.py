@@ -4,7 +4,7 @@ the summaries' growth (their sketches add a bin per new magnitude, not per step)
 import json
 import random
 
-from lit_ddp.record import PHASES, RankPhases, StepPhases, StepRow, Summary, Window, as_json, is_steady
+from lit_ddp.records.schema import PHASES, RankPhases, StepPhases, StepRow, Summary, Window, as_json, is_steady
 
 
 def collect(steps: int, seed: int = 0) -> RankPhases:

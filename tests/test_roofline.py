@@ -16,9 +16,9 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
 
-from lit_ddp.data import FixedBatchDataModule
-from lit_ddp.module import LinearRegression
-from lit_ddp.roofline import GPU_PEAKS, StepFlops, count_step_flops, optimizer_update_bytes, peak_for
+from lit_ddp.lab.data import FixedBatchDataModule
+from lit_ddp.lab.module import LinearRegression
+from lit_ddp.measure.roofline import GPU_PEAKS, StepFlops, count_step_flops, optimizer_update_bytes, peak_for
 
 pytestmark = pytest.mark.timeout(60)
 

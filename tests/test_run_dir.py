@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from lit_ddp.run_dir import VERSION_ENV, claim_version
+from lit_ddp.run.run_dir import VERSION_ENV, claim_version
 from tests.runner import start_fit
 
 RUN = ("--model.dim", "16")

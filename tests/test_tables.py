@@ -2,7 +2,7 @@
 
 import pytest
 
-from lit_ddp.tables import fmt_si
+from lit_ddp.analysis.tables import fmt_si
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from lit_ddp import trace_report
-from lit_ddp.trace import GRADIENT, Breakdown, RankAnalysis
+from lit_ddp.analysis.trace import GRADIENT, Breakdown, RankAnalysis
 from tests.runner import run_fit, run_module
 from tests.test_trace import A100, event, synthetic
 

@@ -11,10 +11,11 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.multiprocessing import ProcessRaisedException
 
-from lit_ddp import FixedBatchDataModule, LinearRegression, analysis
+from lit_ddp import FixedBatchDataModule, LinearRegression
+from lit_ddp.analysis import phases as analysis
 from lit_ddp.callbacks import CommMonitor
-from lit_ddp.lifecycle import exit_code
-from lit_ddp.record import load_run
+from lit_ddp.records.schema import load_run
+from lit_ddp.run.lifecycle import exit_code
 
 
 class WithUnusedLayer(LinearRegression):

@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lit_ddp import LinearRegression, record
+from lit_ddp import LinearRegression
 from lit_ddp.callbacks import PhaseTimer
+from lit_ddp.records import schema as record
 from tests.runner import run_module
 from tests.test_accumulation import FakeTrainer
 
@@ -22,7 +23,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp.callbacks import LossMonitor, PhaseTimer
-from lit_ddp.data import RepeatBatch
+from lit_ddp.lab.data import RepeatBatch
 
 
 class Validated(LinearRegression):
@@ -66,7 +67,7 @@ def test_validation_is_kept_out_of_the_steps_and_reported_apart(tmp_path):
 
 def test_validation_time_leaves_the_data_phase_and_the_step(monkeypatch, tmp_path):
     clock = SimpleNamespace(now=0.0)
-    monkeypatch.setattr("lit_ddp.callbacks.clock.perf_counter", lambda: clock.now)
+    monkeypatch.setattr("lit_ddp.measure.clock.perf_counter", lambda: clock.now)
     model = LinearRegression(dim=8)
     trainer = FakeTrainer(model, tmp_path, micro=1)
     timer, opt = PhaseTimer(print_steps=0), trainer.optimizers[0]

@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
 
-from lit_ddp.strategy import LitDDPStrategy
+from lit_ddp.run.strategy import LitDDPStrategy
 from tests.recorders import RecordDDPBuckets
 
 
@@ -55,8 +55,9 @@ def assert_same_checkpoint(a: Path, b: Path, global_step: int) -> None:
 def profile(make_trainer, tmp_path, dim, num_layers=1, compression=None, steps=4, **strategy_kwargs):
     """A 2-rank ``ddp_spawn`` run with PhaseTimer and CommMonitor; returns its ``PhaseRecord`` and ``CommRecord``
     (as written to the log directory), DDP's own bucket sizes and the log directory."""
-    from lit_ddp import FixedBatchDataModule, LinearRegression, record
+    from lit_ddp import FixedBatchDataModule, LinearRegression
     from lit_ddp.callbacks import CommMonitor, PhaseTimer
+    from lit_ddp.records import schema as record
 
     log_dir = tmp_path / "run" / "version_0"
     trainer = make_trainer(

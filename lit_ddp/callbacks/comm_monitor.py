@@ -38,15 +38,14 @@ from torch.profiler import record_function
 from typing_extensions import override
 
 from lit_ddp import _lightning
-from lit_ddp.callbacks import clock
-from lit_ddp.callbacks.clock import ClockOffset, HostClock, clock_for
-from lit_ddp.callbacks.phase_timer import PhaseTimer
-from lit_ddp.callbacks.profiling import union_ms
-from lit_ddp.callbacks.results import gather_to_zero, log_metrics, meta, report_timers
+from lit_ddp.analysis.trace import BUCKET_PREFIX
+from lit_ddp.callbacks.shared import gather_to_zero, log_metrics, meta, profiled_steps, report_timers
 from lit_ddp.callbacks.step_sync import StepSync
-from lit_ddp.gradients import check_all_used, without_grad
-from lit_ddp.record import CommRecord, RankComm, StepBuckets, Summary, Window, is_steady
-from lit_ddp.trace import BUCKET_PREFIX
+from lit_ddp.measure import clock
+from lit_ddp.measure.clock import ClockOffset, HostClock, clock_for
+from lit_ddp.measure.gradients import check_all_used, without_grad
+from lit_ddp.measure.profiling import union_ms
+from lit_ddp.records.schema import CommRecord, RankComm, StepBuckets, Summary, Window, is_steady
 
 COMPRESSION_WRAPPERS = {
     "fp16": default_hooks.fp16_compress_wrapper,
@@ -143,7 +142,7 @@ class CommMonitor(Callback):
         self._window = Window()
 
     def waiting_for(self) -> Optional[str]:
-        """The all-reduce this rank is waiting for, if any (``lit_ddp.hangs`` names it after a timeout)."""
+        """The all-reduce this rank is waiting for, if any (``lit_ddp.run.hangs`` names it after a timeout)."""
         with self._lock:
             first = min(self._open, key=lambda t: (t.step, t.index), default=None)
         return f"the all-reduce of bucket {first.index} in step {first.step}" if first else None
@@ -166,7 +165,7 @@ class CommMonitor(Callback):
                     self._timings.append(timing)
                 return fut.value()
 
-            # A range of a stable name, for any trace viewer and lit_ddp.trace: the all-reduce this bucket queued.
+            # A range of a stable name, for any trace viewer and lit_ddp.analysis.trace: the all-reduce this bucket queued.
             with record_function(f"{BUCKET_PREFIX}{bucket.index()}"):
                 return hook(state, bucket).then(done)
 
@@ -254,7 +253,7 @@ class CommMonitor(Callback):
         )
         self._window.add(step, row)
         if self._profiled is None:  # PhaseTimer's on_train_start has run by the first step's end, wherever listed
-            self._profiled = next((c.profiled_steps for c in trainer.callbacks if isinstance(c, PhaseTimer)), range(0))
+            self._profiled = profiled_steps(trainer)
             self._window.profiled = set(self._profiled)
         if is_steady(step, self._profiled):
             # DDP's first step runs on its construction-time buckets, then it rebuilds them in the order gradients

@@ -3,15 +3,15 @@
     python -m lit_ddp.fit --devices 2
 
 The rules (two ranks on one GPU, ``CUDA_VISIBLE_DEVICES`` and ``device_ids`` mixed, ``SLURM_LOCALID`` !=
-``LOCAL_RANK``) live in ``lit_ddp.placement`` and are tested on hand-made maps there.
+``LOCAL_RANK``) live in ``lit_ddp.measure.placement`` and are tested on hand-made maps there.
 """
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_ddp import placement
-from lit_ddp.callbacks.results import gather_to_zero, say
+from lit_ddp.callbacks.shared import gather_to_zero, say
+from lit_ddp.measure import placement
 
 
 class DeviceMap(Callback):

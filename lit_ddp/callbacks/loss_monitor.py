@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
-from lit_ddp.callbacks.results import is_last_step, log_metrics, say
+from lit_ddp.callbacks.shared import is_last_step, log_metrics, say
 from lit_ddp.callbacks.step_sync import StepSync
 from lit_ddp.errors import NonFiniteLossError
 

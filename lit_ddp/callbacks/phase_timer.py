@@ -26,11 +26,11 @@ ones, ``optimizer.step()`` the update's) and its FLOPs are counted in its real s
 
 ``other`` is the step minus the three phases, so the phases add up to the step. On CUDA the marks are CUDA
 events resolved without blocking once they complete (see ``clock.py``); on CPU, ``perf_counter``. Each rank keeps
-a bounded window of steps and running summaries (``lit_ddp.record``); they go to rank 0 once, at the end of
+a bounded window of steps and running summaries (``lit_ddp.records.schema``); they go to rank 0 once, at the end of
 training, are written to ``phases.json`` (a ``PhaseRecord``) in the run's log dir and summarised by rank 0 in
-one table (``lit_ddp.analysis``); every step is logged as ``time/{forward,backward,update,other,step}_ms`` to
+one table (``lit_ddp.analysis.phases``); every step is logged as ``time/{forward,backward,update,other,step}_ms`` to
 every logger. With a roofline: FLOPs counted once by ``torch.utils.flop_counter`` on the real batch, the
-optimizer's bytes from its real state (``lit_ddp.roofline``).
+optimizer's bytes from its real state (``lit_ddp.measure.roofline``).
 """
 
 from pathlib import Path
@@ -43,12 +43,13 @@ from lightning.pytorch.profilers import PyTorchProfiler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lit_ddp import analysis, roofline
-from lit_ddp.callbacks.clock import HostClock, clock_for
-from lit_ddp.callbacks.profiling import LightningProfilerTraces, TraceRecorder, describe, read_busy
-from lit_ddp.callbacks.results import gather_to_zero, log_metrics, meta, report_timers, say
-from lit_ddp.callbacks.step_marks import StepMarks, close_micro_batch, phases_of
-from lit_ddp.record import (
+from lit_ddp.analysis import phases as analysis
+from lit_ddp.callbacks.shared import gather_to_zero, log_metrics, meta, report_timers, say
+from lit_ddp.measure import roofline
+from lit_ddp.measure.clock import HostClock, clock_for
+from lit_ddp.measure.profiling import LightningProfilerTraces, TraceRecorder, describe, read_busy
+from lit_ddp.measure.step_marks import StepMarks, close_micro_batch, phases_of
+from lit_ddp.records.schema import (
     MAX_SKIPPED_KEPT,
     PHASES,
     PhaseRecord,
@@ -71,13 +72,13 @@ class PhaseTimer(Callback):
     Args:
         print_steps: Rank 0 prints the notes' per-step breakdown for the first ``print_steps`` steps.
         peak_tflops: Peak matmul TFLOP/s of one device, for the roofline's fraction of peak. By default the
-            datasheet figure of a known GPU for the parameters' dtype (``lit_ddp.roofline.GPU_PEAKS``).
+            datasheet figure of a known GPU for the parameters' dtype (``lit_ddp.measure.roofline.GPU_PEAKS``).
         peak_gbps: Peak memory bandwidth (GB/s) of one device, for the update's fraction of peak; by default
             that of a known GPU.
         filename: Name of the JSON written in the run's log dir.
         kernel_steps: Profile this many steady steps (from step 2) with ``torch.profiler``, keep each rank's
             trace in ``<log_dir>/traces`` and read from it the GPU's busy time inside each phase
-            (``lit_ddp.callbacks.profiling``). ``None``: 3 on CUDA, 0 elsewhere; on CPU a number profiles the CPU
+            (``lit_ddp.measure.profiling``). ``None``: 3 on CUDA, 0 elsewhere; on CPU a number profiles the CPU
             only (traces, no GPU-busy column). With Lightning's ``PyTorchProfiler`` on, PhaseTimer reads its
             traces instead and starts no profiler.
     """

@@ -15,8 +15,8 @@ import time
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lit_ddp import console
-from lit_ddp.callbacks.results import say
+from lit_ddp.callbacks.shared import say
+from lit_ddp.run import console
 
 
 class RunSummary(Callback):

@@ -19,7 +19,7 @@ thread's collectives and hang. StepSync replaces both (through ``lit_ddp._lightn
 flag (and forwards the signal to the ranks Lightning launched), the flag rides in the step's row, and when any
 rank has it every rank sets ``trainer.should_stop`` at the same step and its ``ending`` to ``Ending.SIGTERM``:
 training ends after that step as if finished (``LastCheckpoint`` saves it), and the caller maps the ending to
-an exit (``lit_ddp.lifecycle``: ``python -m lit_ddp.fit`` exits 143). Lightning's own path raises
+an exit (``lit_ddp.run.lifecycle``: ``python -m lit_ddp.fit`` exits 143). Lightning's own path raises
 ``SIGTERMException`` (a ``SystemExit``) inside the ranks instead, which leaves a ``ddp_fork``/``ddp_spawn``
 parent waiting forever for rank 0's result. These two files are SIGTERM's whole story. One exception: a rank
 that gets SIGTERM after more than half the process group's timeout without a step boundary is hung (its peers'
@@ -52,7 +52,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_ddp import _lightning
-from lit_ddp.callbacks.results import all_gather, is_last_step
+from lit_ddp.callbacks.shared import all_gather, is_last_step
 from lit_ddp.errors import PROG, Ending
 
 

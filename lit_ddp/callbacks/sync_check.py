@@ -25,7 +25,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lit_ddp.callbacks.results import all_gather, is_last_step, say
+from lit_ddp.callbacks.shared import all_gather, is_last_step, say
 from lit_ddp.callbacks.step_sync import StepSync
 from lit_ddp.errors import SyncError
 

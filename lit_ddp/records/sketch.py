@@ -1,7 +1,7 @@
 """Running summaries of a stream of floats in bounded memory: count, sum, min, max and quantiles within a known
-relative error; what a run's record keeps of every steady step (``lit_ddp.record``).
+relative error; what a run's record keeps of every steady step (``lit_ddp.records.schema``).
 
-    from lit_ddp.summary import Summary
+    from lit_ddp.records.sketch import Summary
     s = Summary.of([1.0, 2.0, 3.0]); s.median, s.quantile(0.9)
 """
 

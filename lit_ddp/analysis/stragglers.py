@@ -29,7 +29,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Optional
 
-from lit_ddp.record import PHASES, CommRecord, PhaseRecord, is_steady
+from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, is_steady
 
 STRAGGLER_SHARE = 0.75
 # Below this a rank is not called a straggler whatever its lateness: two undelayed CPU ranks sharing two cores

@@ -2,7 +2,7 @@
 
     python -m lit_ddp.report runs/mini_train_profile/version_0     # prints these from phases.json / comm.json
 
-The callbacks print the same at the end of training. This module reads ``lit_ddp.record`` types only and pulls
+The callbacks print the same at the end of training. This module reads ``lit_ddp.records.schema`` types only and pulls
 in no command line, so collection (the callbacks) may import it; ``lit_ddp.report`` is the CLI and the picture.
 """
 
@@ -11,9 +11,9 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Optional
 
-from lit_ddp import stragglers
-from lit_ddp.record import PHASES, CommRecord, PhaseRecord, StepPhases, StepRow, Summary
-from lit_ddp.tables import fmt_ms, fmt_si, table
+from lit_ddp.analysis import stragglers
+from lit_ddp.analysis.tables import fmt_ms, fmt_si, table
+from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, StepPhases, StepRow, Summary
 
 CLOCKS = {  # what each clock's times mean
     "perf_counter": ": host time",
@@ -184,7 +184,7 @@ def comm_summary(record: CommRecord, rank: int, name: str) -> Summary:
 
 def comm_table(record: CommRecord, phases: Optional[PhaseRecord] = None) -> str:
     """Per bucket: bytes, all-reduce time, algbw and busbw (nccl-tests definitions); per step: totals; on
-    several ranks, the straggler verdict (``lit_ddp.stragglers``), with ``phases`` naming its slow phase.
+    several ranks, the straggler verdict (``lit_ddp.analysis.stragglers``), with ``phases`` naming its slow phase.
 
     Buckets are those of the final layout (DDP rebuilds its buckets after the first step), timed over the
     steady steps that used it. With several ranks, a bucket's time is its transfer (the shortest duration across

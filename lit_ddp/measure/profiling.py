@@ -1,5 +1,5 @@
 """The profiled steps' trace, kept: PhaseTimer's ``torch.profiler`` over a few steady steps writes each rank's
-Chrome trace into the run's log dir, and the GPU-busy time of each phase is read back from it by ``lit_ddp.trace``.
+Chrome trace into the run's log dir, and the GPU-busy time of each phase is read back from it by ``lit_ddp.analysis.trace``.
 PhaseTimer's helper.
 
     python -m lit_ddp.fit --config configs/mini_train_profile.yaml --devices 1    # on a GPU: steps 2-4 profiled
@@ -9,11 +9,11 @@ A CUDA event pair measures everything between its two records, idle time include
 Python between tiny kernels, "forward 0.6 ms" may hold 0.2 ms of work. So PhaseTimer opens ``record_function``
 ranges at the boundaries it marks: ``lit_ddp.step#N`` around each step and inside it always exactly one phase
 range (``lit_ddp.forward``, ``.backward``, ``.update``, ``.data``, and ``.other`` between them; the names are
-``lit_ddp.trace``'s). They show in any trace viewer (Perfetto, TensorBoard's profiler view, HTA). The trace goes
+``lit_ddp.analysis.trace``'s). They show in any trace viewer (Perfetto, TensorBoard's profiler view, HTA). The trace goes
 through ``export_chrome_trace`` to ``<log_dir>/traces/rank<r>.pt.trace.json.gz`` (gzip; ``distributedInfo`` names
-the rank) and is read as JSON by ``lit_ddp.trace``: no torch internals.
+the rank) and is read as JSON by ``lit_ddp.analysis.trace``: no torch internals.
 
-No marker kernels: ``lit_ddp.trace`` gives each GPU op to the phase whose CPU range was open when the CPU queued
+No marker kernels: ``lit_ddp.analysis.trace`` gives each GPU op to the phase whose CPU range was open when the CPU queued
 it, through the trace's own link (the op's correlation id is its launch's). That is the phase's own work,
 whenever the GPU ran it; a marker kernel bounded a phase on its own stream only, while NCCL runs on another, and
 finding it needed kineto's in-memory events (torch internals, which changed between 2.11 and 2.13). A phase's
@@ -34,12 +34,12 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from lit_ddp import trace
-from lit_ddp.record import StepPhases, StepRow
+from lit_ddp.analysis import trace
+from lit_ddp.records.schema import StepPhases, StepRow
 
 # The phase range each boundary opens, closing the one open before. One is open at every moment of a step, so an
 # op queued between two phases is "other", not given to a range around the phases (torch's Optimizer.step#...step
-# holds Lightning's whole closure). lit_ddp.trace takes the innermost range: one opened inside ours (Lightning's
+# holds Lightning's whole closure). lit_ddp.analysis.trace takes the innermost range: one opened inside ours (Lightning's
 # profiler's [Strategy]...training_step, begun just before the forward pre-hook) keeps what it holds.
 OPENS = {"forward_start": trace.FORWARD, "forward_end": trace.OTHER, "backward_start": trace.BACKWARD,
          "backward_end": trace.OTHER, "update_start": trace.UPDATE, "update_end": trace.OTHER,
@@ -159,7 +159,7 @@ class Busy(NamedTuple):
 
 def read_busy(paths: Iterable[Path], rank: int, steps: Optional[Collection[int]] = None) -> Busy:
     """GPU-busy ms of each phase and of the whole step, per ``lit_ddp.step#N`` range in the traces of ``rank``
-    among ``paths``, through ``lit_ddp.trace``. A trace that is not one, is another rank's, or holds none of the
+    among ``paths``, through ``lit_ddp.analysis.trace``. A trace that is not one, is another rank's, or holds none of the
     tool's step ranges is passed over.
 
     Args:

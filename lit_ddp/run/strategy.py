@@ -5,7 +5,7 @@
 ``DDPStrategy`` forwards ``**kwargs`` to ``DistributedDataParallel``, which LightningCLI cannot turn into
 options; this subclass names them, so they show in ``--help`` and YAML and are checked on parse. It also
 registers comm hooks on gloo (Lightning does on CUDA only), and hands the run's life (launcher, rendezvous,
-dead ranks) to ``lit_ddp.lifecycle``.
+dead ranks) to ``lit_ddp.run.lifecycle``.
 """
 
 import multiprocessing
@@ -21,11 +21,12 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lit_ddp import _lightning, lifecycle
-from lit_ddp.checkpointing import AtomicCheckpointIO
-from lit_ddp.gradients import check_all_used
-from lit_ddp.hangs import name_absent_ranks
-from lit_ddp.rendezvous import init_loopback_process_group
+from lit_ddp import _lightning
+from lit_ddp.measure.gradients import check_all_used
+from lit_ddp.run import lifecycle
+from lit_ddp.run.checkpointing import AtomicCheckpointIO
+from lit_ddp.run.hangs import name_absent_ranks
+from lit_ddp.run.rendezvous import init_loopback_process_group
 
 
 class LitDDPStrategy(DDPStrategy):

@@ -1,10 +1,10 @@
 """What the callbacks share: speaking on rank 0 the way Lightning's own callbacks do, metrics to every logger,
 and the end of training of the timers (every rank's part of the record to rank 0, with the run's
-``lit_ddp.record.RunMeta``)."""
+``lit_ddp.records.schema.RunMeta``)."""
 
 import sys
 from pathlib import Path
-from typing import Optional, TypeVar
+from typing import Optional, Protocol, TypeVar, Union, runtime_checkable
 
 import lightning
 import torch
@@ -15,8 +15,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from tqdm import tqdm
 
-from lit_ddp import analysis, stragglers
-from lit_ddp.record import RunMeta, as_json, save
+from lit_ddp.analysis import phases as analysis
+from lit_ddp.analysis import stragglers
+from lit_ddp.records.schema import CommRecord, PhaseRecord, RunMeta, as_json, save
 
 T = TypeVar("T")
 
@@ -94,27 +95,45 @@ def meta(trainer: Trainer, clock: str) -> RunMeta:
     )
 
 
-def report_timers(trainer: Trainer, caller: Callback) -> None:
-    """Once every PhaseTimer and CommMonitor of the Trainer has ended (each calls this at its end), rank 0 writes
-    their records and prints their tables, the phase table first: its verdict, and the straggler named in
-    ``comm.json``, need both records (``lit_ddp.stragglers``), whichever callback ends last."""
-    from lit_ddp.callbacks.comm_monitor import CommMonitor  # here: both import this module
-    from lit_ddp.callbacks.phase_timer import PhaseTimer
+@runtime_checkable
+class RecordKeeper(Protocol):
+    """A callback that ends with a part of the run's record (PhaseTimer, CommMonitor): what ``report_timers``
+    needs of it, so that it knows neither class."""
 
-    timers = [
-        c for c in {id(c): c for c in [*trainer.callbacks, caller]}.values() if isinstance(c, (PhaseTimer, CommMonitor))
-    ]
-    if not trainer.is_global_zero or not all(t.ended for t in timers):
+    ended: bool
+    record: Optional[Union[PhaseRecord, CommRecord]]
+    log_dir: Optional[str]
+    filename: str
+
+
+@runtime_checkable
+class ProfilesSteps(Protocol):
+    """A callback that profiles some steps (PhaseTimer): the others leave those steps out of their summaries."""
+
+    profiled_steps: range
+
+
+def profiled_steps(trainer: Trainer) -> range:
+    """The steps a callback of ``trainer`` profiles (none when no callback does)."""
+    return next((c.profiled_steps for c in trainer.callbacks if isinstance(c, ProfilesSteps)), range(0))
+
+
+def report_timers(trainer: Trainer, caller: Callback) -> None:
+    """Once every record keeper of the Trainer has ended (each calls this at its end), rank 0 writes their records
+    and prints their tables, the phase table first: its verdict, and the straggler named in ``comm.json``, need
+    both records (``lit_ddp.analysis.stragglers``), whichever callback ends last."""
+    keepers = [c for c in {id(c): c for c in [*trainer.callbacks, caller]}.values() if isinstance(c, RecordKeeper)]
+    if not trainer.is_global_zero or not all(k.ended for k in keepers):
         return
-    phases = next((t for t in timers if isinstance(t, PhaseTimer) and t.record is not None), None)
-    comm = next((t for t in timers if isinstance(t, CommMonitor) and t.record is not None), None)
+    phases = next((k.record for k in keepers if isinstance(k.record, PhaseRecord)), None)
+    comm = next((k.record for k in keepers if isinstance(k.record, CommRecord)), None)
     if comm is not None:
-        found = stragglers.analyse(comm.record, phases.record if phases else None)
-        comm.record.straggler = as_json(found) if found else None
-    for timer in (phases, comm):
-        if timer is not None and timer.log_dir is not None:
-            save(timer.record, Path(timer.log_dir) / timer.filename)
+        found = stragglers.analyse(comm, phases)
+        comm.straggler = as_json(found) if found else None
+    for keeper in keepers:
+        if keeper.record is not None and keeper.log_dir is not None:
+            save(keeper.record, Path(keeper.log_dir) / keeper.filename)
     if phases is not None:
-        say(trainer, analysis.phase_table(phases.record, comm.record if comm else None))
+        say(trainer, analysis.phase_table(phases, comm))
     if comm is not None:
-        say(trainer, analysis.comm_table(comm.record, phases.record if phases else None))
+        say(trainer, analysis.comm_table(comm, phases))

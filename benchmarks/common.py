@@ -1,5 +1,6 @@
 """What every benchmark shares: the repository's place, child-process environments, the step clock and its
-steady median, and the formatters of the benchmarks' tables (the tables themselves are ``lit_ddp.analysis.tables.table``).
+steady median, and the formatters of the benchmarks' tables (the tables are
+``lit_ddp.analysis.tables.table``).
 
     from benchmarks.common import ROOT, StepClock, child_env, steady_step_ms
 
@@ -116,7 +117,7 @@ def ratio(a: float, b: float) -> float:
 
 
 def fmt_num(value: float, digits: int = 3) -> str:
-    """A plain number for a column whose header names the unit; ``-`` for NaN. (``lit_ddp.analysis.tables.fmt_ms`` writes
+    """A plain number for a column whose header names the unit; ``-`` for NaN. (``analysis.tables.fmt_ms`` writes
     the unit into each cell, and switches to seconds.)"""
     return "-" if math.isnan(value) else f"{value:.{digits}f}"
 

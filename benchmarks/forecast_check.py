@@ -34,8 +34,8 @@ if not __package__:  # run as a file: the repository on sys.path instead of benc
 
 from benchmarks.common import ROOT, child_env  # noqa: E402
 from lit_ddp.errors import ForecastError  # noqa: E402
-from lit_ddp.forecast import Bucket, Measured, load_run, simulate  # noqa: E402
 from lit_ddp.scaling.links import topology  # noqa: E402
+from lit_ddp.scaling.model import Bucket, Measured, measured_run, simulate  # noqa: E402
 
 CONFIG = ROOT / "configs" / "mini_train_profile.yaml"
 TARGET = 0.15  # the issue's target: the step within 15%
@@ -70,7 +70,7 @@ def fit(devices: int, dim: int, steps: int, out: Path) -> Measured:
     """One profiled run, read back."""
     proc, log = _start(_fit_args(devices, dim, steps, out), out.with_suffix(".log"))
     _wait(proc, log, timeout=600)
-    return load_run(out / "mini_train_profile" / "version_0")
+    return measured_run(out / "mini_train_profile" / "version_0")
 
 
 def fit_side_by_side(dim: int, steps: int, out: Path) -> Measured:
@@ -79,7 +79,7 @@ def fit_side_by_side(dim: int, steps: int, out: Path) -> Measured:
     started = [_start(_fit_args(1, dim, steps, out / f"copy{i}"), out / f"copy{i}.log") for i in range(2)]
     for proc, log in started:
         _wait(proc, log, timeout=600)
-    a, b = (load_run(out / f"copy{i}" / "mini_train_profile" / "version_0") for i in range(2))
+    a, b = (measured_run(out / f"copy{i}" / "mini_train_profile" / "version_0") for i in range(2))
     slower = {f.name: max(getattr(a, f.name), getattr(b, f.name)) for f in fields(Measured)
               if f.name not in ("buckets", "compression", "rows_per_rank")}  # fmt: skip
     buckets = tuple(Bucket(x.nbytes, max(x.ready_ms, y.ready_ms)) for x, y in zip(a.buckets, b.buckets, strict=True))

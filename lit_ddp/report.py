@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Optional
 
 from lit_ddp import forecast, trace_report
-from lit_ddp.analysis.phases import comm_table, phase_table
+from lit_ddp.analysis.comm import comm_table
+from lit_ddp.analysis.phases import phase_table
 from lit_ddp.errors import RecordError
 from lit_ddp.records.schema import BOUNDARIES, PHASES, CommRecord, PhaseRecord, load_run
 

@@ -20,37 +20,24 @@ import json
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-from lit_ddp.analysis.tables import fmt_ms, table
 from lit_ddp.analysis.trace import (
     GRADIENT,
-    PHASES,
-    Breakdown,
     NoGpuEvents,
     RankAnalysis,
     TraceError,
-    analyze,
-    combine,
+    analyze_rank,
     load,
 )
 from lit_ddp.analysis.trace import merge as merge_intervals
+from lit_ddp.analysis.trace_tables import to_json, trace_report
 from lit_ddp.errors import EXIT_USAGE
 
-PROG = "python -m lit_ddp.trace_report"
+TRACE_REPORT_PROG = "python -m lit_ddp.trace_report"
 EXIT_NO_PICTURE = 1
 PICTURE = "trace.png"
-
-
-def fmt_us(value: float) -> str:
-    """Microseconds under 1 ms, else as ``fmt_ms``."""
-    return f"{value:.1f} us" if value < 1000 else fmt_ms(value / 1000)
-
-
-def _pct(part: float, whole: float) -> str:
-    return f"{100 * part / whole:.1f}%" if whole else "-"
 
 
 def find_traces(path: Path) -> list[Path]:
@@ -81,118 +68,7 @@ def load_ranks(paths: Sequence[Path]) -> list[RankAnalysis]:
         which = ", ".join(f"rank {t.rank} {t.path.name}" for t in cpu_only)
         raise NoGpuEvents(f"no GPU events (kernels, memcpy, memset) in {len(cpu_only)} of {len(traces)} trace(s), "
                           f"CPU-only profiles: {which}")  # fmt: skip
-    return [analyze(t) for t in sorted(traces, key=lambda t: t.rank)]
-
-
-def _steps(analysis: RankAnalysis) -> str:
-    counted = [s.step for s in analysis.steps if s.counted]
-    if not counted:
-        return "-"
-    return f"{counted[0]}" if len(counted) == 1 else f"{counted[0]}-{counted[-1]}"
-
-
-def _ms(us: float) -> str:
-    return fmt_ms(us / 1e3)
-
-
-def _row(label: object, b: Breakdown) -> tuple:
-    overlap = "-" if b.comm_comp_overlap_pct is None else f"{b.comm_comp_overlap_pct:.1f}%"
-    return (label, _ms(b.span_us), _ms(b.busy_us), _ms(b.compute_us), _ms(b.communication_us), overlap,
-            f"{_ms(b.idle_us)} ({_pct(b.idle_us, b.span_us)})", _ms(b.host_wait_us), _ms(b.kernel_wait_us),
-            _ms(b.other_wait_us))  # fmt: skip
-
-
-_HEADER = ("span", "busy", "compute", "communication", "overlap", "idle", "host wait", "kernel wait", "other wait")
-
-
-def rank_table(analyses: Sequence[RankAnalysis]) -> str:
-    """Per rank: the module docstring's figures of ``lit_ddp.analysis.trace`` over its counted steps."""
-    left_out = [s.step for a in analyses for s in a.steps if not s.counted]
-    note = f"; the last step ({left_out[0]}) left out, as HTA leaves it out" if left_out else ""
-    rows = [(a.rank, _steps(a), *_row("", a.total)[1:]) for a in analyses]
-    title = (f"GPU time per rank (union over every stream; overlap = share of communication under compute; "
-             f"idle split by what ended each gap{note}):")  # fmt: skip
-    text = title + "\n" + table(("rank", "steps", *_HEADER), rows)
-    world = {a.world_size for a in analyses} - {None}
-    if world and max(world) > len(analyses):
-        text += f"\n{len(analyses)} of {max(world)} ranks' traces found: the others are not in these figures"
-    return text
-
-
-def phase_table(analysis: RankAnalysis) -> Optional[str]:
-    """One rank's figures per phase (the ops each phase queued), summed over its counted steps; None without
-    phase ranges in its trace."""
-    if not analysis.phases:
-        return None
-    rows = [_row(p, analysis.phases[p]) for p in PHASES if p in analysis.phases]
-    title = f"Per phase, rank {analysis.rank} (the GPU ops each phase's CPU range queued, steps {_steps(analysis)}):"
-    return title + "\n" + table(("phase", *_HEADER), rows)
-
-
-def collective_table(analysis: RankAnalysis) -> Optional[str]:
-    """One rank's collectives, step by step, and each step's exposed communication; None without any."""
-    if not analysis.collectives:
-        return None
-    rows = [(c.step if c.step is not None else "-", c.name, c.kind, "?" if c.bytes is None else f"{c.bytes:,}",
-             fmt_us(c.duration_us), "-" if c.algbw_gbps is None else f"{c.algbw_gbps:.2f} GB/s",
-             "-" if c.busbw_gbps is None else f"{c.busbw_gbps:.2f} GB/s") for c in analysis.collectives]  # fmt: skip
-    text = (f"Collectives of rank {analysis.rank} ({len(analysis.collectives)} NCCL kernels; busbw by nccl-tests' "
-            "factors for the group size):\n" + table(("step", "collective", "kind", "bytes", "time", "algbw", "busbw"),
-                                                     rows))  # fmt: skip
-    exposed = [f"step {s.step} {fmt_us(s.exposed_comm_us)}" + ("" if s.counted else " (not counted)")
-               for s in analysis.steps if s.exposed_comm_us is not None]  # fmt: skip
-    if exposed:
-        text += ("\nExposed communication (gradient all-reduce time after backward's last compute kernel): "
-                 + ", ".join(exposed))  # fmt: skip
-    return text
-
-
-def verdict(analyses: Sequence[RankAnalysis]) -> str:
-    """One line: what bounds the GPUs (all ranks' figures added up) and what would help. The largest of idle
-    time, compute time and communication that no compute hides decides."""
-    t = combine(a.total for a in analyses)
-    exposed = t.communication_us - t.overlap_us
-    share = {"idle": t.idle_us, "compute": t.compute_us, "communication": exposed}
-    top = max(share, key=share.get)
-    of_span = {k: f"{v / t.span_us:.0%}" for k, v in share.items()}
-    if top == "compute":
-        return (f"Verdict: GPU-bound: compute kernels ran {of_span['compute']} of the GPUs' span; lower precision "
-                "(bf16), fewer FLOPs or faster kernels would help")  # fmt: skip
-    if top == "communication":
-        return (
-            f"Verdict: communication-bound: {of_span['communication']} of the span only communication ran; "
-            "smaller DDP buckets (more overlap with backward), a bf16 compression hook or a faster link would help"
-        )
-    waits = f"host wait {_pct(t.host_wait_us, t.idle_us)}, kernel wait {_pct(t.kernel_wait_us, t.idle_us)}"
-    if t.other_wait_us > t.host_wait_us + t.kernel_wait_us:
-        return (f"Verdict: stalled: the GPUs were idle {of_span['idle']} of their span with work queued (other wait "
-                f"{_pct(t.other_wait_us, t.idle_us)} of it): a slower rank or a host sync holds them back; compare "
-                "the ranks' rows")  # fmt: skip
-    return (f"Verdict: host-bound: the GPUs were idle {of_span['idle']} of their span ({waits} of it); larger "
-            "batches per rank, fewer kernel launches (CUDA graphs, torch.compile, a fused optimizer) or less "
-            "per-step Python would help")  # fmt: skip
-
-
-def report(analyses: Sequence[RankAnalysis]) -> str:
-    """Every table and the verdict, as printed."""
-    parts = [rank_table(analyses), *(phase_table(a) for a in analyses[:1]), collective_table(analyses[0])]
-    return "\n\n".join(p for p in parts if p) + "\n" + verdict(analyses)
-
-
-def to_json(analyses: Sequence[RankAnalysis]) -> dict[str, Any]:
-    """``{"ranks": [...]}``: per rank its totals (``lit_ddp.analysis.trace.Breakdown``'s fields), counted steps, phases,
-    every step's figures and its collectives, times in microseconds."""
-
-    def ranks(a: RankAnalysis) -> dict[str, Any]:
-        return {"rank": a.rank, "world_size": a.world_size, "file": str(a.path), **asdict(a.total),
-                "counted_steps": [s.step for s in a.steps if s.counted],
-                "phases": {p: asdict(b) for p, b in a.phases.items()},
-                "steps": [{"step": s.step, "counted": s.counted, **asdict(s.breakdown),
-                           "exposed_comm_us": s.exposed_comm_us, "phases": {p: asdict(b) for p, b in s.phases.items()}}
-                          for s in a.steps],
-                "collectives": [asdict(c) for c in a.collectives]}  # fmt: skip
-
-    return {"ranks": [ranks(a) for a in analyses]}
+    return [analyze_rank(t) for t in sorted(traces, key=lambda t: t.rank)]
 
 
 COLORS = {
@@ -269,9 +145,9 @@ def run(path: Path, json_out: Optional[Path] = None, picture: bool = True) -> in
             raise TraceError(f"{path}: no trace files in it, only {json_out}")
         analyses = load_ranks(found)
     except TraceError as err:
-        print(f"{PROG}: {err}", file=sys.stderr)
+        print(f"{TRACE_REPORT_PROG}: {err}", file=sys.stderr)
         return EXIT_USAGE
-    print(report(analyses))
+    print(trace_report(analyses))
     if json_out is not None:
         Path(json_out).write_text(json.dumps(to_json(analyses), indent=1) + "\n")
         print(f"wrote {json_out}")
@@ -289,7 +165,7 @@ def run(path: Path, json_out: Optional[Path] = None, picture: bool = True) -> in
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=TRACE_REPORT_PROG, description=__doc__.splitlines()[0])
     parser.add_argument("trace_dir", type=Path, metavar="DIR", help="one trace per rank under it, or one trace file")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write every figure (microseconds) to OUT")
     parser.add_argument("--no-plot", action="store_true", help=f"tables only, no {PICTURE}")

@@ -13,10 +13,10 @@ from lit_ddp.records.schema import (
     RankPhases,
     Roofline,
     RunMeta,
+    Sketch,
     StepBuckets,
     StepPhases,
     StepRow,
-    Summary,
     is_steady,
 )
 
@@ -47,7 +47,7 @@ def phase_record(
     for r, steps in enumerate(per_rank):
         rows = [step_row(i, *phases) for i, phases in enumerate(steps)]
         steady = [row.ms for row in rows if is_steady(row.step, profiled)]
-        summaries = {p: Summary.of(getattr(ms, p) for ms in steady) for p in PHASES}
+        summaries = {p: Sketch.of(getattr(ms, p) for ms in steady) for p in PHASES}
         busy_rows = [step_row(s, *phases) for s, phases in zip(profiled, busy, strict=False)] if r == 0 else []
         for row in busy_rows:
             row.offsets_ms = []  # PhaseTimer records no boundaries for the busy rows
@@ -55,7 +55,7 @@ def phase_record(
     return PhaseRecord(meta(len(per_rank), clock), ranks, profiled, roofline)
 
 
-def comm_summaries(rows: Sequence[StepBuckets], layout: Sequence[int], profiled: Iterable[int]) -> dict[str, Summary]:
+def comm_summaries(rows: Sequence[StepBuckets], layout: Sequence[int], profiled: Iterable[int]) -> dict[str, Sketch]:
     """What CommMonitor summarises: the steady steps with the final ``layout``."""
     profiled = list(profiled)
     kept = [r for r in rows if is_steady(r.step, profiled) and r.bytes == list(layout)]
@@ -64,7 +64,7 @@ def comm_summaries(rows: Sequence[StepBuckets], layout: Sequence[int], profiled:
     for b in range(len(layout)):
         figures[f"bucket{b}.ms"] = [r.ms[b] for r in kept]
         figures[f"bucket{b}.ready_ms"] = [r.ready_ms[b] for r in kept]
-    return {name: Summary.of(values) for name, values in figures.items()}
+    return {name: Sketch.of(values) for name, values in figures.items()}
 
 
 def comm_record(

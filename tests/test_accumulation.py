@@ -13,9 +13,10 @@ import torch
 
 from lit_ddp import LinearRegression, forecast
 from lit_ddp.callbacks import PhaseTimer
-from lit_ddp.forecast import Bucket, Measured
 from lit_ddp.records import schema as record
+from lit_ddp.scaling import model
 from lit_ddp.scaling.links import Link, Topology
+from lit_ddp.scaling.model import Bucket, Measured
 from tests.runner import run_fit, step_losses, step_numbers
 
 DIM, BATCH, STEPS, MICRO = 32, 8, 4, 4
@@ -84,7 +85,7 @@ def test_phase_table_roofline_and_records_count_optimizer_steps(runs):
 
 @pytest.mark.timeout(300)
 def test_forecast_of_an_accumulated_run(runs):
-    run = forecast.load_run(runs[MICRO].dir)
+    run = model.measured_run(runs[MICRO].dir)
     assert run.micro_batches == MICRO and run.rows_per_rank == MICRO * BATCH
     assert 0 < run.backward_before_ms < run.backward_ms
     text = forecast.report(run, Topology(SLOW, SLOW, 8), [1, 8], [], "test")
@@ -100,7 +101,7 @@ def test_forecast_model_keeps_the_earlier_backwards_out_of_the_overlap():
     run = Measured(forward_ms=4.0, update_ms=2.0, other_ms=1.0, tail_ms=0.0, buckets=(Bucket(1e6, 10.0),),
                    world_size=2, rows_per_rank=32, compression=None, backward_ms=40.0, exposed_ms=1.0, comm_ms=1.0,
                    step_ms=48.0, n_steps=3, backward_before_ms=30.0, micro_batches=4)  # fmt: skip
-    one, two = (forecast.simulate(run, n, Topology(SLOW, SLOW, 8)) for n in (1, 2))
+    one, two = (model.simulate(run, n, Topology(SLOW, SLOW, 8)) for n in (1, 2))
     assert one.step_ms == pytest.approx(4 + 30 + 10 + 2 + 1)
     assert two.exposed_ms == pytest.approx(1.0)  # 2(1)/2 x 1e6 B at 1 GB/s, after the last backward
     assert two.step_ms == pytest.approx(one.step_ms + 1.0)

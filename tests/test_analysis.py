@@ -5,7 +5,7 @@ import re
 import torch
 from lightning.pytorch import LightningModule, Trainer
 
-from lit_ddp.analysis import phases as analysis
+from lit_ddp.analysis.comm import comm_table
 from lit_ddp.callbacks import CommMonitor, LossMonitor, PhaseTimer, StepSync, SyncCheck
 from lit_ddp.records.schema import CommRecord, RankComm, RunMeta, StepBuckets
 
@@ -21,13 +21,13 @@ def comm_record(world_size: int, nbytes: int, ms: list[float]) -> CommRecord:
 
 def test_bandwidth_follows_the_nccl_tests_definitions():
     # 8 MB in 4 ms (the shortest duration across ranks: the transfer): algbw 2 GB/s; busbw = algbw x 2(n-1)/n.
-    text = analysis.comm_table(comm_record(4, 8_000_000, [4.0, 5.0, 4.5, 6.0]))
+    text = comm_table(comm_record(4, 8_000_000, [4.0, 5.0, 4.5, 6.0]))
     assert re.search(r"^0\s+8,000,000\s+4\.00 ms\s+2\.00 GB/s\s+3\.00 GB/s\s+0\.00 ms$", text, re.M), text
     assert "each rank sends 2(n-1)/n x S = 12,000,000 bytes in a ring all-reduce" in text
 
 
 def test_two_ranks_busbw_equals_algbw():
-    text = analysis.comm_table(comm_record(2, 1_000_000, [1.0, 1.0]))
+    text = comm_table(comm_record(2, 1_000_000, [1.0, 1.0]))
     assert re.search(r"^0\s+1,000,000\s+1\.00 ms\s+1\.00 GB/s\s+1\.00 GB/s", text, re.M), text
 
 

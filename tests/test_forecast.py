@@ -10,11 +10,11 @@ import pytest
 
 from lit_ddp import forecast
 from lit_ddp.errors import ForecastError
-from lit_ddp.forecast import Bucket, Measured
 from lit_ddp.records import schema as record
 from lit_ddp.records.schema import StepBuckets
-from lit_ddp.scaling import links
+from lit_ddp.scaling import links, model
 from lit_ddp.scaling.links import Link, ProbePoint, Topology
+from lit_ddp.scaling.model import Bucket, Measured
 from tests.records import comm_record, phase_record
 from tests.runner import ROOT, run_module
 
@@ -36,13 +36,13 @@ def one_node(link: Link = SLOW, g: int = 8) -> Topology:
 def test_one_bucket_no_overlap():
     # The single bucket is ready when backward's compute ends (10 ms): all of its all-reduce is exposed.
     run = measured([Bucket(1e6, 10.0)])
-    two = forecast.simulate(run, 2, one_node())
+    two = model.simulate(run, 2, one_node())
     assert two.exposed_ms == pytest.approx(1.0)  # 2(1)/2 x 1e6 B / 1 GB/s
     assert two.backward_ms == pytest.approx(10.0 + 1.0 + 0.25)
     assert two.step_ms == pytest.approx(1.0 + 11.25 + 2.0 + 0.5)
-    four = forecast.simulate(run, 4, one_node())
+    four = model.simulate(run, 4, one_node())
     assert four.exposed_ms == pytest.approx(1.5)  # 2(3)/4 x 1 ms
-    one = forecast.simulate(run, 1, one_node())
+    one = model.simulate(run, 1, one_node())
     assert (one.exposed_ms, one.comm_ms, one.step_ms) == (0.0, 0.0, pytest.approx(13.75))
 
 
@@ -51,20 +51,20 @@ def test_equal_buckets_overlap_and_queue():
     # 4 buckets of 1 ms each (2 ranks). Ready 2 ms apart: each is done before the next is ready, only the
     # last one shows.
     spread = measured([Bucket(1e6, t) for t in (2.0, 4.0, 6.0, 8.0)])
-    f = forecast.simulate(spread, 2, one_node())
+    f = model.simulate(spread, 2, one_node())
     assert (f.exposed_ms, f.comm_ms) == (pytest.approx(1.0), pytest.approx(4.0))
     # DDP copies each bucket back into .grad after its all-reduce (the 0.25 ms tail, 1/4 per bucket): three
     # copies follow the end of compute (8 ms), the last one the end of the last all-reduce (9 ms).
     assert f.backward_ms == pytest.approx(8.0 + 1.0 + 0.25 / 4)
-    assert forecast.simulate(spread, 1, one_node()).backward_ms == pytest.approx(8.0 + 0.25)  # no wait: all copies
+    assert model.simulate(spread, 1, one_node()).backward_ms == pytest.approx(8.0 + 0.25)  # no wait: all copies
     # Ready 0.5 ms apart: they queue on the one stream (ends 2, 3, 4, 5) and 5 - 2.5 ms is exposed; the copies
     # start at 2.5 ms: 2.5625, then after each end 3.0625, 4.0625, 5.0625.
     queued = measured([Bucket(1e6, t) for t in (1.0, 1.5, 2.0, 2.5)])
-    f = forecast.simulate(queued, 2, one_node())
+    f = model.simulate(queued, 2, one_node())
     assert (f.exposed_ms, f.backward_ms) == (pytest.approx(2.5), pytest.approx(5.0625))
     # DDP launches buckets in index order: a bucket "ready" before its predecessor waits for it.
     out_of_order = measured([Bucket(1e6, 8.0), Bucket(1e6, 2.0)])
-    assert forecast.simulate(out_of_order, 2, one_node()).exposed_ms == pytest.approx(2.0)
+    assert model.simulate(out_of_order, 2, one_node()).exposed_ms == pytest.approx(2.0)
 
 
 @pytest.mark.timeout(10)
@@ -73,10 +73,10 @@ def test_latency_bound_tiny_buckets():
     # 1 KB on 8 ranks: 2(7) x 10 us = 0.14 ms of latency, 2(7)/8 x 1e3 B / 1e6 B/ms = 0.00175 ms of bandwidth.
     assert links.ring_ms(1e3, 8, link) == pytest.approx(0.14175)
     tiny = measured([Bucket(1e3, 5.0)] * 100)
-    assert forecast.simulate(tiny, 8, one_node(link)).exposed_ms == pytest.approx(14.175)
+    assert model.simulate(tiny, 8, one_node(link)).exposed_ms == pytest.approx(14.175)
     # The same 100 KB in one bucket pays the latency once: 0.14 + 0.175 ms.
-    merged = forecast.rebucket(tiny.buckets, 1e5)
-    assert forecast.simulate(tiny, 8, one_node(link), merged).exposed_ms == pytest.approx(0.315)
+    merged = model.rebucket(tiny.buckets, 1e5)
+    assert model.simulate(tiny, 8, one_node(link), merged).exposed_ms == pytest.approx(0.315)
 
 
 @pytest.mark.timeout(10)
@@ -119,32 +119,32 @@ def test_topology_from_specs():
 def test_rebucket_merges_like_ddp():
     buckets = [Bucket(3, 1.0), Bucket(3, 2.0), Bucket(3, 3.0), Bucket(10, 4.0), Bucket(1, 5.0)]
     # A bucket closes once it reaches the cap; the merged one is ready with its last gradient.
-    assert forecast.rebucket(buckets, 6) == (Bucket(6, 2.0), Bucket(13, 4.0), Bucket(1, 5.0))
-    assert forecast.rebucket(buckets, 1e9) == (Bucket(20, 5.0),)
-    assert forecast.rebucket(buckets, 1) == tuple(buckets)  # finer than measured: left as they are
+    assert model.rebucket(buckets, 6) == (Bucket(6, 2.0), Bucket(13, 4.0), Bucket(1, 5.0))
+    assert model.rebucket(buckets, 1e9) == (Bucket(20, 5.0),)
+    assert model.rebucket(buckets, 1) == tuple(buckets)  # finer than measured: left as they are
     # Medians of ready times need not increase with the index; a merged bucket waits for its latest gradient.
-    assert forecast.rebucket([Bucket(3, 2.0), Bucket(3, 1.0)], 6) == (Bucket(6, 2.0),)
+    assert model.rebucket([Bucket(3, 2.0), Bucket(3, 1.0)], 6) == (Bucket(6, 2.0),)
     # What-if: one merged bucket can only start after backward's compute, so none of it overlaps.
     run = measured([Bucket(1e6, t) for t in (2.0, 4.0, 6.0, 8.0)])
-    merged = forecast.rebucket(run.buckets, 100 * forecast.MIB)
-    assert forecast.simulate(run, 2, one_node(), merged).exposed_ms == pytest.approx(4.0)
-    labels = [label for label, _, _ in forecast.what_ifs(run, [100.0])]
+    merged = model.rebucket(run.buckets, 100 * model.MIB)
+    assert model.simulate(run, 2, one_node(), merged).exposed_ms == pytest.approx(4.0)
+    labels = [label for label, _, _ in model.what_ifs(run, [100.0])]
     assert labels[:2] == ["as measured (4 buckets)", "bucket_cap_mb 100 (1 buckets)"]
 
 
 @pytest.mark.timeout(10)
 def test_compression_and_bucket_view_what_ifs():
     run = measured([Bucket(2e6, 10.0)])
-    rows = {label: (variant, buckets) for label, variant, buckets in forecast.what_ifs(run, [])}
+    rows = {label: (variant, buckets) for label, variant, buckets in model.what_ifs(run, [])}
     variant, buckets = rows["fp16/bf16 compression (1/2 bytes)"]
-    assert forecast.simulate(variant, 2, one_node(), buckets).exposed_ms == pytest.approx(1.0)  # half of 2 ms
+    assert model.simulate(variant, 2, one_node(), buckets).exposed_ms == pytest.approx(1.0)  # half of 2 ms
     # gradient_as_bucket_view: no copy-back, the 0.25 ms tail goes: 10 + 2 ms of backward instead of 12.25.
     variant, buckets = rows["gradient_as_bucket_view (no copy-back)"]
-    assert forecast.simulate(variant, 2, one_node(), buckets).backward_ms == pytest.approx(12.0)
+    assert model.simulate(variant, 2, one_node(), buckets).backward_ms == pytest.approx(12.0)
     already = measured([Bucket(2e6, 10.0)], compression="bf16")
-    rows = {label: (variant, buckets) for label, variant, buckets in forecast.what_ifs(already, [])}
+    rows = {label: (variant, buckets) for label, variant, buckets in model.what_ifs(already, [])}
     variant, buckets = rows["no compression (2x the bf16 bytes)"]
-    assert forecast.simulate(variant, 2, one_node(), buckets).exposed_ms == pytest.approx(4.0)
+    assert model.simulate(variant, 2, one_node(), buckets).exposed_ms == pytest.approx(4.0)
 
 
 # The hand-made run of the loader tests: 2 ranks, step 0 warm-up (on DDP's construction-time layout, one bucket),
@@ -186,8 +186,8 @@ def write_run(run_dir, profiled=0, exposed_ms=None):
 
 
 @pytest.mark.timeout(10)
-def test_load_run(tmp_path):
-    run = forecast.load_run(write_run(tmp_path))
+def test_measured_run(tmp_path):
+    run = model.measured_run(write_run(tmp_path))
     # Steady steps 1-3 only; per rank medians, then the slower rank: forward max(4, 3.8), backward max(11, 10.8).
     assert (run.forward_ms, run.update_ms, run.other_ms, run.backward_ms, run.step_ms) == (4, 3, 1, 11, 19)
     # Bucket ready times: rank 0 medians (4.5, 8), rank 1 (5, 7.5) -> (5, 8): the slowest rank per bucket.
@@ -197,22 +197,22 @@ def test_load_run(tmp_path):
     assert (run.tail_ms, run.exposed_ms, run.comm_ms) == (1, 2.5, 2.5)
     assert (run.world_size, run.rows_per_rank, run.n_steps, run.compression) == (2, 32, 3, None)
     # At 1 rank nothing is reduced: forward + (last ready + tail) + update + other.
-    assert forecast.simulate(run, 1, one_node()).step_ms == 4 + 8 + 1 + 3 + 1
+    assert model.simulate(run, 1, one_node()).step_ms == 4 + 8 + 1 + 3 + 1
 
 
 @pytest.mark.timeout(10)
 def test_load_run_leaves_out_the_steps_phase_timer_profiled(tmp_path):
     # Three profiled steps among three steady ones: were they in any median (the tail's, which the loader joins
     # from the kept steps of both records, included), it would move.
-    run = forecast.load_run(write_run(tmp_path / "profiled", profiled=3))
-    assert run == forecast.load_run(write_run(tmp_path / "plain"))
+    run = model.measured_run(write_run(tmp_path / "profiled", profiled=3))
+    assert run == model.measured_run(write_run(tmp_path / "plain"))
     assert run.n_steps == 3
 
 
 @pytest.mark.timeout(10)
 def test_load_run_clamps_a_negative_tail(tmp_path):
     # backward - last ready - exposed < 0: timer noise, not time
-    assert forecast.load_run(write_run(tmp_path, exposed_ms=5.0)).tail_ms == 0.0
+    assert model.measured_run(write_run(tmp_path, exposed_ms=5.0)).tail_ms == 0.0
 
 
 @pytest.mark.timeout(10)
@@ -221,16 +221,16 @@ def test_load_run_errors(tmp_path):
     old.mkdir()
     (old / "phases.json").write_text(json.dumps({"clock": "perf_counter", "world_size": 2, "ms": [[[1, 2, 3]]]}))
     with pytest.raises(ForecastError, match=r"phases.json: run record schema 1; this lit_ddp reads schema 2"):
-        forecast.load_run(old)
+        model.measured_run(old)
     with pytest.raises(ForecastError, match="no phases.json in .*: the forecast needs a run with PhaseTimer"):
-        forecast.load_run(tmp_path / "empty")
+        model.measured_run(tmp_path / "empty")
     (write_run(tmp_path / "phases_only") / "comm.json").unlink()
     with pytest.raises(ForecastError, match="no comm.json in"):
-        forecast.load_run(tmp_path / "phases_only")
+        model.measured_run(tmp_path / "phases_only")
     one_rank = write_run(tmp_path / "one_rank")
     record.save(phase_record([PHASES[0]]), one_rank / "phases.json")
     with pytest.raises(ForecastError, match="phases.json has world_size 1, comm.json 2"):
-        forecast.load_run(one_rank)
+        model.measured_run(one_rank)
 
 
 def probe_points(n, hop_us, busbw, noise=(1.0,)):

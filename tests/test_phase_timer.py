@@ -15,13 +15,13 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp._torch import optimizer_step_post_hooks
-from lit_ddp.analysis import phases as analysis
+from lit_ddp.analysis.phases import phase_table, roofline_table
 from lit_ddp.analysis.trace import BACKWARD, FORWARD, STEP_PREFIX, UPDATE
 from lit_ddp.callbacks import PhaseTimer
 from lit_ddp.measure.clock import HostClock
 from lit_ddp.measure.profiling import Ranges
 from lit_ddp.records import schema as record
-from lit_ddp.records.schema import HEAD_STEPS, PHASES, TAIL_STEPS, Roofline, Summary, is_steady
+from lit_ddp.records.schema import HEAD_STEPS, PHASES, TAIL_STEPS, Roofline, Sketch, is_steady
 from tests.records import phase_record
 
 
@@ -83,7 +83,7 @@ def test_every_boundary_with_a_patched_clock(monkeypatch, tmp_path, caplog):
         assert row.offsets_ms == pytest.approx([0.0, 10.0, 11.0, 31.0, 33.0, 38.0, 40.0, 100.0], abs=1e-6)
     summaries = phases.ranks[0].summaries
     assert {p: summaries[p].count for p in PHASES} == dict.fromkeys(PHASES, 2)  # steps 1-2: step 0 is warm-up
-    assert summaries["backward"].median == pytest.approx(20.0, rel=Summary.RELATIVE_ACCURACY)
+    assert summaries["backward"].median == pytest.approx(20.0, rel=Sketch.RELATIVE_ACCURACY)
     assert "Step 0\n forward : 10.00 ms\n backward: 20.00 ms\n update  : 5.00 ms" in caplog.text
     assert "Step 1\n" not in caplog.text  # print_steps=1
     assert "Phase times (perf_counter: host time), 1 rank(s)" in caplog.text
@@ -185,7 +185,7 @@ def test_profiler_start_and_stop_are_in_no_step(stand_in_gpu, tmp_path, caplog):
     assert figures == [pytest.approx((2.0, 2.0, 2.0, 0.0, 6.0, 0.0))] * 2  # one 2 ms kernel queued per phase
     assert phases.profiled_steps == [2, 3]
     assert phases.ranks[0].summaries["step"].count == 3  # steps 1, 4 and 5: not the profiled ones
-    table = analysis.phase_table(phases)
+    table = phase_table(phases)
     assert ("then 3 steady step(s) (steps 2-3 ran under the profiler for the GPU-busy column, left out of the "
             "others):") in table  # fmt: skip
     assert table.endswith("Verdict: host-bound: the GPU was busy 6% of the step; larger batches, fewer kernel "
@@ -195,7 +195,7 @@ def test_profiler_start_and_stop_are_in_no_step(stand_in_gpu, tmp_path, caplog):
 def test_a_profile_that_measured_nothing_says_so():
     # Steps 2-4 were to be profiled, the run ended after step 3, and no GPU-busy row came back.
     phases = phase_record([[(1.0, 2.0, 1.0, 1.0)] * 4], profiled=[2, 3, 4], clock="cuda_event")
-    table = analysis.phase_table(phases)
+    table = phase_table(phases)
     assert ("then 1 steady step(s) (steps 2-3 ran under the profiler without completing a GPU-busy measurement, "
             "left out of the others):") in table  # fmt: skip
     assert "GPU busy" not in table
@@ -231,7 +231,7 @@ def test_update_ends_at_batch_end_without_the_post_hook(monkeypatch, tmp_path):
 def test_roofline_fraction_of_peak():
     roof = Roofline(rows_per_rank=8, forward_flop=2e9, backward_flop=2e9, update_bytes=1e9, peak_tflops=2.0,
                     peak_gbps=2000.0)  # fmt: skip
-    table = analysis.roofline_table(phase_record([[(0, 0, 0, 0), (2.0, 4.0, 1.0, 0.0)]], roofline=roof))
+    table = roofline_table(phase_record([[(0, 0, 0, 0), (2.0, 4.0, 1.0, 0.0)]], roofline=roof))
     # 2 GFLOP in 2 ms, of 2 TFLOP/s; in 4 ms; 1 GB in 1 ms, of 2000 GB/s (units by magnitude)
     assert re.search(r"^forward\s+2.00 GFLOP\s+2.00 ms\s+1.00 TFLOP/s\s+50.0%$", table, re.M), table
     assert re.search(r"^backward\s+2.00 GFLOP\s+4.00 ms\s+500.0 GFLOP/s\s+25.0%$", table, re.M), table
@@ -259,7 +259,7 @@ def test_kernel_steps_on_cpu_profile_the_cpu_and_keep_the_trace(monkeypatch, tmp
     names = [e["name"] for e in trace["traceEvents"] if e.get("cat") == "user_annotation"]
     assert [n for n in names if n.startswith(STEP_PREFIX)] == [f"{STEP_PREFIX}2", f"{STEP_PREFIX}3"]
     assert {FORWARD, BACKWARD, UPDATE, "lit_ddp.lab.data", "lit_ddp.other"} <= set(names)
-    assert "GPU busy" not in analysis.phase_table(phases)
+    assert "GPU busy" not in phase_table(phases)
 
 
 def test_bad_arguments_are_refused():

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from lit_ddp.analysis import phases as analysis
+from lit_ddp.analysis.phases import roofline_table
 from lit_ddp.callbacks.phase_timer import _compute_dtype
 from lit_ddp.measure import roofline
 from lit_ddp.records import schema as record
@@ -116,7 +116,7 @@ def test_the_roofline_takes_the_precisions_peak():
                            compute_dtype="bfloat16")  # fmt: skip
     phases = phase_record([[(0, 0, 0, 0), (2.0, 4.0, 1.0, 0.0)]], roofline=roof)
     phases.meta.precision = "bf16-mixed"
-    table = analysis.roofline_table(phases)
+    table = roofline_table(phases)
     assert table.startswith("Roofline (rank 0, steady median; bf16-mixed: matmuls in bfloat16; peak H200 SXM, "
                             "bf16 dense):")  # fmt: skip
     assert re.search(r"^forward\s+1.00 TFLOP\s+2.00 ms\s+500.0 TFLOP/s\s+50.5%$", table, re.M), table

@@ -1,5 +1,5 @@
-"""The run's record (``lit_ddp.records.schema``): the quantile sketch against exact quantiles, merging, the bounded window
-of kept steps, the JSON round trip of both records, and the one-line refusal of a record of another schema (by
+"""The run's record (``lit_ddp.records.schema``): the quantile sketch against exact quantiles, merging, the bounded
+window of kept steps, the JSON round trip of both records, and the one-line refusal of a record of another schema (by
 ``load`` and by ``python -m lit_ddp.report``)."""
 
 import dataclasses
@@ -11,7 +11,7 @@ import pytest
 
 from lit_ddp.errors import RecordError
 from lit_ddp.records import schema as record
-from lit_ddp.records.schema import HEAD_STEPS, TAIL_STEPS, Roofline, StepBuckets, Summary, Window
+from lit_ddp.records.schema import HEAD_STEPS, TAIL_STEPS, Roofline, Sketch, StepBuckets, Window
 from tests.records import comm_record, phase_record
 from tests.runner import run_module
 
@@ -40,10 +40,10 @@ def exact_quantile(values: list[float], q: float) -> float:
 @pytest.mark.parametrize("name", list(distributions()))
 def test_summary_quantiles_are_within_the_relative_accuracy(name):
     values = distributions()[name]
-    summary = Summary.of(values)
+    summary = Sketch.of(values)
     for q in QUANTILES:
         exact = exact_quantile(values, q)
-        assert abs(summary.quantile(q) - exact) <= Summary.RELATIVE_ACCURACY * abs(exact) + 1e-12, (q, exact)
+        assert abs(summary.quantile(q) - exact) <= Sketch.RELATIVE_ACCURACY * abs(exact) + 1e-12, (q, exact)
     assert summary.median == summary.quantile(0.5)
     assert (summary.count, summary.min, summary.max) == (len(values), min(values), max(values))
     assert summary.mean == pytest.approx(sum(values) / len(values))
@@ -54,15 +54,15 @@ def test_summary_quantiles_are_within_the_relative_accuracy(name):
 
 @pytest.mark.timeout(10)
 def test_an_empty_summary_and_nan():
-    empty = Summary.of([math.nan])  # a NaN is not a time: left out
+    empty = Sketch.of([math.nan])  # a NaN is not a time: left out
     assert empty.count == 0 and math.isnan(empty.median) and math.isnan(empty.mean)
 
 
 @pytest.mark.timeout(10)
 def test_merge_equals_the_summary_of_the_concatenation():
     parts = list(distributions().values())
-    merged = Summary.merged([Summary.of(p) for p in parts] + [Summary()])  # an empty one changes nothing
-    whole = Summary.of(v for p in parts for v in p)
+    merged = Sketch.merged([Sketch.of(p) for p in parts] + [Sketch()])  # an empty one changes nothing
+    whole = Sketch.of(v for p in parts for v in p)
     assert {**merged.to_json(), "total": None} == {**whole.to_json(), "total": None}
     assert merged.total == pytest.approx(whole.total)  # summed in another order
     assert [merged.quantile(q) for q in QUANTILES] == [whole.quantile(q) for q in QUANTILES]
@@ -84,9 +84,9 @@ def test_window_keeps_the_head_the_profiled_steps_and_the_tail():
 
 
 def plain(value):
-    """A record as plain data with its types, Summaries by their contents (a Summary compares by identity)."""
-    if isinstance(value, Summary):
-        return "Summary", value.to_json()
+    """A record as plain data with its types, Summaries by their contents (a Sketch compares by identity)."""
+    if isinstance(value, Sketch):
+        return "Sketch", value.to_json()
     if dataclasses.is_dataclass(value):
         return type(value).__name__, {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, dict):

@@ -4,13 +4,13 @@ the summaries' growth (their sketches add a bin per new magnitude, not per step)
 import json
 import random
 
-from lit_ddp.records.schema import PHASES, RankPhases, StepPhases, StepRow, Summary, Window, as_json, is_steady
+from lit_ddp.records.schema import PHASES, RankPhases, Sketch, StepPhases, StepRow, Window, as_json, is_steady
 
 
 def collect(steps: int, seed: int = 0) -> RankPhases:
     """What PhaseTimer keeps on one rank for ``steps`` steps of lognormal phase times."""
     rng = random.Random(seed)
-    window, summaries = Window(profiled=range(2, 5)), {phase: Summary() for phase in PHASES}
+    window, summaries = Window(profiled=range(2, 5)), {phase: Sketch() for phase in PHASES}
     for step in range(steps):
         parts = [rng.lognormvariate(0, 0.3) for _ in range(4)]
         phases = StepPhases(*parts, sum(parts))

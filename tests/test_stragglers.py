@@ -22,7 +22,7 @@ def fit(make_trainer, tmp_path, model, data, devices=2, callbacks=()):
                            callbacks=[PhaseTimer(print_steps=0), CommMonitor(), *callbacks])  # fmt: skip
     trainer.fit(model, data)
     phases, comm = load_run(tmp_path / "run" / "version_0")
-    return stragglers.analyse(comm, phases), comm
+    return stragglers.find_straggler(comm, phases), comm
 
 
 def transfer_busbw(comm, found) -> float:
@@ -107,7 +107,7 @@ def test_waits_lateness_and_transfer_from_arrivals():
     steps = range(12)
     arrivals = [[100.0 * s for s in steps], [100.0 * s + 25.0 for s in steps]]  # rank 1 is 25 ms late every time
     durations = [[27.0] * 12, [2.0] * 12]  # rank 0 waits, then both transfer for 2 ms
-    found = stragglers.analyse(record(arrivals, durations, offsets_s=(0.0, 1e4)))  # the offset is taken out
+    found = stragglers.find_straggler(record(arrivals, durations, offsets_s=(0.0, 1e4)))  # the offset is taken out
     assert found.rank == 1 and found.late_ms == pytest.approx(25.0) and found.share == 1.0
     assert found.wait_ms == pytest.approx([25.0, 0.0]) and found.transfer_ms == pytest.approx(2.0)
     assert found.cause is None  # no phases.json to tell the phase
@@ -117,7 +117,7 @@ def test_a_rank_late_half_the_time_is_no_straggler():
     steps = range(12)
     arrivals = [[100.0 * s + (3.0 if s % 2 else 0.0) for s in steps], [100.0 * s + (0.0 if s % 2 else 3.0)
                                                                         for s in steps]]  # fmt: skip
-    found = stragglers.analyse(record(arrivals, [[2.0] * 12, [2.0] * 12]))
+    found = stragglers.find_straggler(record(arrivals, [[2.0] * 12, [2.0] * 12]))
     assert found.rank is None and found.share == pytest.approx(0.5, abs=0.1)
 
 
@@ -132,7 +132,7 @@ def test_in_a_users_script_with_lightnings_own_ddp(tmp_path):
                       enable_model_summary=False)  # fmt: skip
     trainer.fit(SlowRegression(DIM, slow_rank=1, phase="backward", delay_ms=30.0), FixedBatchDataModule(DIM, 8))
     phases, comm = load_run(tmp_path / "run" / "version_0")
-    found = stragglers.analyse(comm, phases)
+    found = stragglers.find_straggler(comm, phases)
     assert (found.rank, found.cause) == (1, "backward"), stragglers.verdict_line(found)
     assert comm.straggler["rank"] == 1 and comm.straggler["cause"] == "backward"  # kept in the record
 

@@ -1,5 +1,5 @@
-"""``lit_ddp.analysis.trace``: a kineto trace's figures, held against HTA on a real A100 NCCL trace and against hand-computed
-numbers on a trace built here; DDP's collectives; phases and steps from each family of range names."""
+"""``lit_ddp.analysis.trace``: a kineto trace's figures, held against HTA on a real A100 NCCL trace and against
+hand-computed numbers on a trace built here; DDP's collectives; phases and steps from each family of range names."""
 
 import gzip
 import json
@@ -26,7 +26,7 @@ HTA = {"idle_us": 338_781, "compute_us": 75_169, "non_compute_us": 21_636, "span
 
 @pytest.fixture(scope="module")
 def a100() -> T.RankAnalysis:
-    return T.analyze(T.load(A100))
+    return T.analyze_rank(T.load(A100))
 
 
 def assert_like_hta(total: T.Breakdown, hta: dict) -> None:
@@ -50,7 +50,7 @@ def test_with_htas_rounding_the_figures_are_htas_to_the_microsecond():
     exactly: the 1% above is rounding, not a different definition."""
     trace = T.load(A100)
     ops = tuple(replace(op, start_us=math.ceil(op.start_us), end_us=math.floor(op.end_us)) for op in trace.ops)
-    t = T.analyze(replace(trace, ops=ops)).total
+    t = T.analyze_rank(replace(trace, ops=ops)).total
     keys = ("span_us", "idle_us", "compute_us", "non_compute_us")
     assert {k: getattr(t, k) for k in keys} == {k: HTA[k] for k in keys}
     assert round(t.comm_comp_overlap_pct, 2) == HTA["overlap_pct"]
@@ -138,7 +138,7 @@ def synthetic(tmp_path: Path, names=NAMES["user"], step="ProfilerStep#{}", name=
 
 
 def test_synthetic_trace_against_hand_computed_figures(tmp_path):
-    a = T.analyze(T.load(synthetic(tmp_path)))
+    a = T.analyze_rank(T.load(synthetic(tmp_path)))
     assert (a.rank, a.world_size) == (3, 4)
     # Union [0,100) [150,255) [260,300) [400,420); gaps: 50 (B queued at 140, after the GPU went idle at 100: host
     # wait), 5 (C queued at 200, before: under 30 us, kernel wait), 100 (D queued at 250, before: other wait).
@@ -156,15 +156,17 @@ def test_synthetic_trace_against_hand_computed_figures(tmp_path):
     (n,) = a.collectives
     assert (n.step, n.name, n.kind, n.bytes, n.duration_us, n.group_size) == (1, "all_reduce", T.GRADIENT, 4000, 55, 4)
     assert n.algbw_gbps == pytest.approx(4000 / 55e-6 / 1e9) and n.busbw_gbps == pytest.approx(n.algbw_gbps * 1.5)
-    strict = T.analyze(T.load(tmp_path / "rank.json.gz"), kernel_wait_us=5).total  # the 5 us gap is no longer under
+    strict = T.analyze_rank(
+        T.load(tmp_path / "rank.json.gz"), kernel_wait_us=5
+    ).total  # the 5 us gap is no longer under
     assert (strict.kernel_wait_us, strict.other_wait_us) == (0, 105)
-    with pytest.raises(ValueError, match=r"`analyze\(kernel_wait_us=-1\)` must be >= 0"):
-        T.analyze(T.load(tmp_path / "rank.json.gz"), kernel_wait_us=-1)
+    with pytest.raises(ValueError, match=r"`analyze_rank\(kernel_wait_us=-1\)` must be >= 0"):
+        T.analyze_rank(T.load(tmp_path / "rank.json.gz"), kernel_wait_us=-1)
 
 
 @pytest.mark.parametrize("family", sorted(NAMES))
 def test_each_family_of_phase_names_gives_the_same_phases(tmp_path, family):
-    a = T.analyze(T.load(synthetic(tmp_path, names=NAMES[family])))
+    a = T.analyze_rank(T.load(synthetic(tmp_path, names=NAMES[family])))
     assert {p: b.busy_us for p, b in a.phases.items()} == {"forward": 100, "backward": 105, "update": 60}
 
 
@@ -175,14 +177,14 @@ def test_the_tools_own_steps_and_buckets_win(tmp_path):
         event("user_annotation", f"{T.STEP_PREFIX}7", -25, 375),
         event("user_annotation", f"{T.STEP_PREFIX}8", 349, 152),
     ]
-    a = T.analyze(T.load(synthetic(tmp_path, names=("x", "y", "z"), extra=[bucket, *own])))
+    a = T.analyze_rank(T.load(synthetic(tmp_path, names=("x", "y", "z"), extra=[bucket, *own])))
     assert [s.step for s in a.steps] == [7, 8] and a.phases == {}  # ProfilerStep#1/#2 give way; no phase names
     (n,) = a.collectives
     assert (n.step, n.bucket, n.kind, n.phase) == (7, 0, T.GRADIENT, None)
 
 
 def test_without_phase_ranges_every_all_reduce_of_a_step_is_a_gradient(tmp_path):
-    a = T.analyze(T.load(synthetic(tmp_path, names=("x", "y", "z"))))
+    a = T.analyze_rank(T.load(synthetic(tmp_path, names=("x", "y", "z"))))
     assert a.phases == {} and a.collectives[0].kind == T.GRADIENT and a.steps[0].exposed_comm_us is None
 
 
@@ -191,7 +193,7 @@ def test_an_all_gathers_bytes_are_its_output(tmp_path):
     args = {"Collective name": "_allgather_base", "In msg nelems": 250, "Out msg nelems": 1000, "dtype": "BFloat16",
             "Group size": 4}  # fmt: skip
     gather = gpu("ncclDevKernel_AllGather_RING_LL", 480, 10, 445, stream=20, **args)
-    a = T.analyze(T.load(synthetic(tmp_path, extra=gather)))
+    a = T.analyze_rank(T.load(synthetic(tmp_path, extra=gather)))
     assert [(c.name, c.bytes, c.kind, c.step) for c in a.collectives][1] == ("all_gather", 2000, "other", 2)
     assert a.collectives[1].busbw_gbps == pytest.approx(a.collectives[1].algbw_gbps * 3 / 4)
 
@@ -240,7 +242,7 @@ def test_a_cpu_only_trace_has_no_gpu_events_and_no_made_up_zeros(tmp_path):
     cpu = [event("cpu_op", "aten::mm", 0, 5), event("user_annotation", "ProfilerStep#1", 0, 9)]
     path.write_text(json.dumps({"traceEvents": cpu}))
     with pytest.raises(T.NoGpuEvents, match=r"rank0\.json: the trace has no GPU events"):
-        T.analyze(T.load(path))
+        T.analyze_rank(T.load(path))
 
 
 def test_the_analysis_runs_without_torch(tmp_path):
@@ -249,7 +251,7 @@ def test_the_analysis_runs_without_torch(tmp_path):
     code = ("import importlib.util, sys; sys.modules['torch'] = None\n"
             f"spec = importlib.util.spec_from_file_location('trace', {str(Path(T.__file__))!r})\n"
             "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
-            f"print(m.analyze(m.load({str(path)!r})).total.busy_us, sys.modules['torch'])")  # fmt: skip
+            f"print(m.analyze_rank(m.load({str(path)!r})).total.busy_us, sys.modules['torch'])")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["265.0", "None"]

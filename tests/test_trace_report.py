@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from lit_ddp import trace_report
+from lit_ddp.analysis import trace_tables
 from lit_ddp.analysis.trace import GRADIENT, Breakdown, RankAnalysis
 from tests.runner import run_fit, run_module
 from tests.test_trace import A100, event, synthetic
@@ -78,7 +79,7 @@ def test_several_ranks_in_rank_order(tmp_path, capsys):
 
 def one_line(err: str) -> str:
     assert err.endswith("\n") and err.count("\n") == 1, err
-    assert err.startswith(f"{trace_report.PROG}: ")
+    assert err.startswith(f"{trace_report.TRACE_REPORT_PROG}: ")
     return err
 
 
@@ -145,4 +146,4 @@ def breakdown(span: float, compute: float, comm: float, overlap: float, host: fl
 )
 def test_the_verdict_names_what_bounds_the_gpus(figures, says):
     ranks = [RankAnalysis(Path(f"rank{r}.json"), r, 2, breakdown(*figures), {}, (), ()) for r in (0, 1)]
-    assert trace_report.verdict(ranks).startswith(says)
+    assert trace_tables.trace_verdict(ranks).startswith(says)

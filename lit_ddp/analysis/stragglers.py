@@ -65,7 +65,7 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def analyse(comm: CommRecord, phases: Optional[PhaseRecord] = None) -> Optional[Straggler]:
+def find_straggler(comm: CommRecord, phases: Optional[PhaseRecord] = None) -> Optional[Straggler]:
     """The straggler verdict of a run of two or more ranks; None with one rank or no common steady step."""
     n = len(comm.ranks)
     steps = _common_steps(comm) if n > 1 else []

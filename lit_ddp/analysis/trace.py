@@ -1,7 +1,7 @@
 """Where one rank's GPU time went, from a torch.profiler (kineto) Chrome trace alone.
 
     python -m lit_ddp.trace_report runs/mini_train/version_0      # the report built on this analysis
-    analyze(load("rank0.pt.trace.json.gz"))                      # a RankAnalysis, times in microseconds
+    analyze_rank(load("rank0.pt.trace.json.gz"))                      # a RankAnalysis, times in microseconds
 
 Reads the traces torch.profiler and Lightning's ``PyTorchProfiler`` write (``.json``, gzipped or not) with
 ``json`` alone, no torch, so any torch version's trace reads anywhere. Rank and world size: ``distributedInfo``,
@@ -57,13 +57,14 @@ UPDATE = "lit_ddp.update"
 DATA = "lit_ddp.lab.data"  # the batch's end to the next step's start (PhaseTimer's data phase)
 OTHER = "lit_ddp.other"
 BUCKET_PREFIX = "lit_ddp.bucket#"  # + the bucket's index: the all-reduce of one DDP gradient bucket
-PHASES = ("forward", "backward", "update", "data", "other")
+TRACE_PHASES = ("forward", "backward", "update", "data", "other")
 
 KERNEL_WAIT_US = 30.0  # HTA's default consecutive_kernel_delay
 GRADIENT = "gradient all-reduce"
 
 PHASE_PATTERNS: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(p, re.I), phase) for p, phase in (
-    *((re.escape(name), phase) for name, phase in zip((FORWARD, BACKWARD, UPDATE, DATA, OTHER), PHASES, strict=True)),
+    *((re.escape(name), phase)
+      for name, phase in zip((FORWARD, BACKWARD, UPDATE, DATA, OTHER), TRACE_PHASES, strict=True)),
     (r"#+ *forward *#+", "forward"), (r"#+ *backward *#+", "backward"), (r"#+ *(optimizer|update) *#+", "update"),
     (r"(\[pl\]\[profile\])?\[Strategy\]\w+\.training_step", "forward"),  # Lightning's PyTorchProfiler
     (r"(\[pl\]\[profile\])?\[Strategy\]\w+\.backward", "backward"),
@@ -313,10 +314,10 @@ class _Lookup:
         return None
 
 
-def analyze(trace: Trace, kernel_wait_us: float = KERNEL_WAIT_US) -> RankAnalysis:
+def analyze_rank(trace: Trace, kernel_wait_us: float = KERNEL_WAIT_US) -> RankAnalysis:
     """Totals, steps, phases and collectives of one rank's trace; raises ``NoGpuEvents`` for a CPU-only one."""
     if not kernel_wait_us >= 0:
-        raise ValueError(f"`analyze(kernel_wait_us={kernel_wait_us!r})` must be >= 0")
+        raise ValueError(f"`analyze_rank(kernel_wait_us={kernel_wait_us!r})` must be >= 0")
     if not trace.ops:
         raise NoGpuEvents(f"{trace.path}: the trace has no GPU events (kernels, memcpy, memset): a CPU-only profile")
     step_ranges = [r for r in trace.ranges if _STEP.fullmatch(r.name)]
@@ -340,13 +341,13 @@ def analyze(trace: Trace, kernel_wait_us: float = KERNEL_WAIT_US) -> RankAnalysi
     for number in numbers:
         mine = [p for p in placed if p.step == number]
         if mine:
-            by_phase = {ph: breakdown([p.op for p in mine if p.phase == ph], kernel_wait_us) for ph in PHASES}
+            by_phase = {ph: breakdown([p.op for p in mine if p.phase == ph], kernel_wait_us) for ph in TRACE_PHASES}
             gradients = [c for c in collectives if c.step == number and c.kind == GRADIENT]
             per_step.append(StepAnalysis(number, number != numbers[-1] or len(numbers) == 1,
                                          breakdown([p.op for p in mine], kernel_wait_us),
                                          {ph: b for ph, b in by_phase.items() if b is not None},
                                          _exposed(mine, gradients)))  # fmt: skip
-    summed = {ph: combine(s.phases[ph] for s in per_step if s.counted and ph in s.phases) for ph in PHASES}
+    summed = {ph: combine(s.phases[ph] for s in per_step if s.counted and ph in s.phases) for ph in TRACE_PHASES}
     return RankAnalysis(trace.path, trace.rank, trace.world_size,
                         breakdown([op for op in trace.ops if op.queued_us < last], kernel_wait_us),
                         {ph: b for ph, b in summed.items() if b is not None}, tuple(per_step), collectives,

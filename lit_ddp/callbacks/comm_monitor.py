@@ -45,7 +45,7 @@ from lit_ddp.measure import clock
 from lit_ddp.measure.clock import ClockOffset, HostClock, clock_for
 from lit_ddp.measure.gradients import check_all_used, without_grad
 from lit_ddp.measure.profiling import union_ms
-from lit_ddp.records.schema import CommRecord, RankComm, StepBuckets, Summary, Window, is_steady
+from lit_ddp.records.schema import CommRecord, RankComm, Sketch, StepBuckets, Window, is_steady
 
 COMPRESSION_WRAPPERS = {
     "fp16": default_hooks.fp16_compress_wrapper,
@@ -90,7 +90,7 @@ class CommMonitor(Callback):
         self._open: list[BucketTiming] = []  # handed over, all-reduce not done yet
         self._pending: dict[int, list[BucketTiming]] = {}  # steps whose marks are not resolved yet
         self._window = Window()
-        self._summaries: dict[tuple[int, ...], dict[str, Summary]] = {}  # per bucket layout
+        self._summaries: dict[tuple[int, ...], dict[str, Sketch]] = {}  # per bucket layout
         self._profiled: Optional[range] = None
         self._unused: list[tuple[str, int]] = []  # parameters without a gradient in the last backward
         self._unused_sets: set[tuple[str, ...]] = set()  # every step's, to tell a fixed set from a changing one
@@ -165,7 +165,8 @@ class CommMonitor(Callback):
                     self._timings.append(timing)
                 return fut.value()
 
-            # A range of a stable name, for any trace viewer and lit_ddp.analysis.trace: the all-reduce this bucket queued.
+            # A range of a stable name, for any trace viewer and lit_ddp.analysis.trace: the all-reduce this
+            # bucket queued.
             with record_function(f"{BUCKET_PREFIX}{bucket.index()}"):
                 return hook(state, bucket).then(done)
 
@@ -263,7 +264,7 @@ class CommMonitor(Callback):
             for b, (t, ready) in enumerate(zip(row.ms, row.ready_ms, strict=True)):
                 figures[f"bucket{b}.ms"], figures[f"bucket{b}.ready_ms"] = t, ready
             for name, value in figures.items():
-                summaries.setdefault(name, Summary()).add(value)
+                summaries.setdefault(name, Sketch()).add(value)
         metrics = {"comm/bytes": float(sum(row.bytes)), "comm/busy_ms": row.busy_ms,
                    "comm/exposed_ms": row.exposed_ms, "comm/max_bucket_ms": max(row.ms)}  # fmt: skip
         log_metrics(trainer, metrics, step=step)

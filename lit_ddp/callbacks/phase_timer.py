@@ -43,7 +43,7 @@ from lightning.pytorch.profilers import PyTorchProfiler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lit_ddp.analysis import phases as analysis
+from lit_ddp.analysis.phases import format_step
 from lit_ddp.callbacks.shared import gather_to_zero, log_metrics, meta, report_timers, say
 from lit_ddp.measure import roofline
 from lit_ddp.measure.clock import HostClock, clock_for
@@ -55,9 +55,9 @@ from lit_ddp.records.schema import (
     PhaseRecord,
     RankPhases,
     Roofline,
+    Sketch,
     StepPhases,
     StepRow,
-    Summary,
     Window,
     is_steady,
 )
@@ -112,14 +112,14 @@ class PhaseTimer(Callback):
         self._micro: list[dict[str, Any]] = []  # the running step's finished micro-batches (gradient accumulation)
         self._outside: list[tuple[str, Any, Any]] = []  # the running step's spans of no training step's work
         self._outside_start: Any = None
-        self._outside_summaries: dict[str, Summary] = {}
+        self._outside_summaries: dict[str, Sketch] = {}
         self._batch_step, self._stepped = 0, True  # global_step at the batch's start; its end made an optimizer step
         self._skipped: list[int] = []  # steps the grad scaler skipped (16-mixed: inf/NaN gradients)
         self._skipped_count = 0
         self._real_flops = roofline.RealStepFlops()  # manual optimization: counted in its real step 0
         self._update_bytes: Optional[int] = None
         self._window = Window()
-        self._summaries: dict[str, Summary] = {}
+        self._summaries: dict[str, Sketch] = {}
         self.profiled_steps = range(0)
         self.record: Optional[PhaseRecord] = None  # rank 0's, once training ended
         self.ended = False
@@ -151,7 +151,7 @@ class PhaseTimer(Callback):
         # Without a profiler of its own, PhaseTimer slows no step.
         profiled = kernel_steps if self._recorder is not None and self._recorder.owns_profiler else 0
         self.profiled_steps = range(FIRST_PROFILED_STEP, FIRST_PROFILED_STEP + profiled)
-        self._window, self._summaries = Window(self.profiled_steps), {phase: Summary() for phase in PHASES}
+        self._window, self._summaries = Window(self.profiled_steps), {phase: Sketch() for phase in PHASES}
         # Lightning has no hook where the forward starts (after its own batch handling) nor where the
         # optimizer's step() returns: a forward pre-hook on the model Lightning calls, a step post-hook.
         self._handles = [
@@ -333,15 +333,15 @@ class PhaseTimer(Callback):
             self._window.add(step, StepRow(step, phases, offsets, len(marks.micro)))
             for what, values in outside.items():
                 for value in values:
-                    self._outside_summaries.setdefault(what, Summary()).add(value)
+                    self._outside_summaries.setdefault(what, Sketch()).add(value)
             if is_steady(step, {*self.profiled_steps, *self._skipped}):
                 for name in (*PHASES, "backward_last"):
-                    self._summaries.setdefault(name, Summary()).add(getattr(phases, name))
+                    self._summaries.setdefault(name, Sketch()).add(getattr(phases, name))
             self._publish(trainer, step, phases)
 
     def _publish(self, trainer: Trainer, step: int, phases: StepPhases) -> None:
         if step < self.print_steps:
-            say(trainer, analysis.format_step(step, phases))
+            say(trainer, format_step(step, phases))
         log_metrics(trainer, {metric: getattr(phases, p) for metric, p in zip(METRICS, PHASES, strict=True)}, step=step)
 
     def _roofline(self, trainer: Trainer, pl_module: LightningModule) -> Roofline:

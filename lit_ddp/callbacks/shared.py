@@ -15,8 +15,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from tqdm import tqdm
 
-from lit_ddp.analysis import phases as analysis
 from lit_ddp.analysis import stragglers
+from lit_ddp.analysis.comm import comm_table
+from lit_ddp.analysis.phases import phase_table
 from lit_ddp.records.schema import CommRecord, PhaseRecord, RunMeta, as_json, save
 
 T = TypeVar("T")
@@ -128,12 +129,12 @@ def report_timers(trainer: Trainer, caller: Callback) -> None:
     phases = next((k.record for k in keepers if isinstance(k.record, PhaseRecord)), None)
     comm = next((k.record for k in keepers if isinstance(k.record, CommRecord)), None)
     if comm is not None:
-        found = stragglers.analyse(comm, phases)
+        found = stragglers.find_straggler(comm, phases)
         comm.straggler = as_json(found) if found else None
     for keeper in keepers:
         if keeper.record is not None and keeper.log_dir is not None:
             save(keeper.record, Path(keeper.log_dir) / keeper.filename)
     if phases is not None:
-        say(trainer, analysis.phase_table(phases, comm))
+        say(trainer, phase_table(phases, comm))
     if comm is not None:
-        say(trainer, analysis.comm_table(comm, phases))
+        say(trainer, comm_table(comm, phases))

@@ -1,5 +1,6 @@
 """The profiled steps' trace, kept: PhaseTimer's ``torch.profiler`` over a few steady steps writes each rank's
-Chrome trace into the run's log dir, and the GPU-busy time of each phase is read back from it by ``lit_ddp.analysis.trace``.
+Chrome trace into the run's log dir, and the GPU-busy time of each phase is read back
+from it by ``lit_ddp.analysis.trace``.
 PhaseTimer's helper.
 
     python -m lit_ddp.fit --config configs/mini_train_profile.yaml --devices 1    # on a GPU: steps 2-4 profiled
@@ -9,12 +10,13 @@ A CUDA event pair measures everything between its two records, idle time include
 Python between tiny kernels, "forward 0.6 ms" may hold 0.2 ms of work. So PhaseTimer opens ``record_function``
 ranges at the boundaries it marks: ``lit_ddp.step#N`` around each step and inside it always exactly one phase
 range (``lit_ddp.forward``, ``.backward``, ``.update``, ``.data``, and ``.other`` between them; the names are
-``lit_ddp.analysis.trace``'s). They show in any trace viewer (Perfetto, TensorBoard's profiler view, HTA). The trace goes
+``lit_ddp.analysis.trace``'s). They show in any trace viewer (Perfetto, TensorBoard's profiler view, HTA). The
+trace goes
 through ``export_chrome_trace`` to ``<log_dir>/traces/rank<r>.pt.trace.json.gz`` (gzip; ``distributedInfo`` names
 the rank) and is read as JSON by ``lit_ddp.analysis.trace``: no torch internals.
 
-No marker kernels: ``lit_ddp.analysis.trace`` gives each GPU op to the phase whose CPU range was open when the CPU queued
-it, through the trace's own link (the op's correlation id is its launch's). That is the phase's own work,
+No marker kernels: ``lit_ddp.analysis.trace`` gives each GPU op to the phase whose CPU range was open when the CPU
+queued it, through the trace's own link (the op's correlation id is its launch's). That is the phase's own work,
 whenever the GPU ran it; a marker kernel bounded a phase on its own stream only, while NCCL runs on another, and
 finding it needed kineto's in-memory events (torch internals, which changed between 2.11 and 2.13). A phase's
 GPU-busy time is the union of its ops' intervals. Ops of different phases may run at once (an all-reduce queued
@@ -39,8 +41,8 @@ from lit_ddp.records.schema import StepPhases, StepRow
 
 # The phase range each boundary opens, closing the one open before. One is open at every moment of a step, so an
 # op queued between two phases is "other", not given to a range around the phases (torch's Optimizer.step#...step
-# holds Lightning's whole closure). lit_ddp.analysis.trace takes the innermost range: one opened inside ours (Lightning's
-# profiler's [Strategy]...training_step, begun just before the forward pre-hook) keeps what it holds.
+# holds Lightning's whole closure). lit_ddp.analysis.trace takes the innermost range: one opened inside ours
+# (Lightning's # profiler's [Strategy]...training_step, begun just before the forward pre-hook) keeps what it holds.
 OPENS = {"forward_start": trace.FORWARD, "forward_end": trace.OTHER, "backward_start": trace.BACKWARD,
          "backward_end": trace.OTHER, "update_start": trace.UPDATE, "update_end": trace.OTHER,
          "data_start": trace.DATA}  # fmt: skip
@@ -159,8 +161,8 @@ class Busy(NamedTuple):
 
 def read_busy(paths: Iterable[Path], rank: int, steps: Optional[Collection[int]] = None) -> Busy:
     """GPU-busy ms of each phase and of the whole step, per ``lit_ddp.step#N`` range in the traces of ``rank``
-    among ``paths``, through ``lit_ddp.analysis.trace``. A trace that is not one, is another rank's, or holds none of the
-    tool's step ranges is passed over.
+    among ``paths``, through ``lit_ddp.analysis.trace``. A trace that is not one, is another rank's, or holds none
+    of the tool's step ranges is passed over.
 
     Args:
         steps: The steps PhaseTimer's own profiler ran over, stopped between steps: all of them whole. None: the
@@ -182,7 +184,7 @@ def read_busy(paths: Iterable[Path], rank: int, steps: Optional[Collection[int]]
         gpu = True
         own = sorted((r for r in found.ranges if r.name.startswith(trace.STEP_PREFIX)), key=lambda r: r.start_us)
         wanted = set(steps) if steps is not None else {int(r.name.removeprefix(trace.STEP_PREFIX)) for r in own[:-1]}
-        for step in trace.analyze(found).steps:  # a profiler's stop waits for the GPU: no GPU tail is missing
+        for step in trace.analyze_rank(found).steps:  # a profiler's stop waits for the GPU: no GPU tail is missing
             if step.step in wanted:
                 rows[step.step] = busy_row(step)
     return Busy([rows[s] for s in sorted(rows)], traces, gpu)
@@ -190,7 +192,7 @@ def read_busy(paths: Iterable[Path], rank: int, steps: Optional[Collection[int]]
 
 def busy_row(step: trace.StepAnalysis) -> StepRow:
     """One step's GPU-busy ms per phase (0 for a phase that queued no GPU op) and of the step (the union)."""
-    ms = {p: step.phases[p].busy_us / 1e3 if p in step.phases else 0.0 for p in trace.PHASES}
+    ms = {p: step.phases[p].busy_us / 1e3 if p in step.phases else 0.0 for p in trace.TRACE_PHASES}
     return StepRow(step.step, StepPhases(ms["forward"], ms["backward"], ms["update"], ms["other"],
                                          step.breakdown.busy_us / 1e3, ms["data"]), [])  # fmt: skip
 

@@ -1,6 +1,6 @@
 """Roofline inputs for any LightningModule and optimizer: step FLOPs, update bytes, and GPU peaks.
 
-    python -c "from lit_ddp.measure.roofline import peak_for; import torch; print(peak_for('NVIDIA H200', torch.bfloat16))"
+    python -m lit_ddp.fit --config configs/mini_train_profile.yaml --devices 2    # PhaseTimer prints its table
 
 Three measurements, each from the real thing rather than from a model of it:
 

@@ -16,8 +16,8 @@ minimum and maximum the tool reports is over the steady steps.
 
 A record that scales with the job. A rank keeps the per-step detail of a bounded window of steps
 (``Window``: the first ``HEAD_STEPS``, the profiled ones and the last ``TAIL_STEPS``), and for all steady steps
-a running ``Summary`` per figure (count, sum, min, max and a quantile sketch whose quantiles are within
-``Summary.RELATIVE_ACCURACY`` of the exact ones). So a record's size does not grow with the number of steps,
+a running ``Sketch`` per figure (count, sum, min, max and a quantile sketch whose quantiles are within
+``Sketch.RELATIVE_ACCURACY`` of the exact ones). So a record's size does not grow with the number of steps,
 and it is brought to rank 0 only, once, at the end of training.
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lit_ddp.errors import RecordError
-from lit_ddp.records.sketch import Summary
+from lit_ddp.records.sketch import Sketch
 
 SCHEMA_VERSION = 2
 
@@ -113,15 +113,15 @@ class StepRow:
 
 @dataclass
 class RankPhases:
-    """One rank's phases: the kept steps, the GPU-busy time of the profiled steps, and a ``Summary`` per phase
+    """One rank's phases: the kept steps, the GPU-busy time of the profiled steps, and a ``Sketch`` per phase
     over every steady step."""
 
     rank: int
     rows: list[StepRow]
-    summaries: dict[str, Summary]
+    summaries: dict[str, Sketch]
     busy_ms: list[StepRow] = field(default_factory=list)  # profiled steps; offsets_ms unused (empty)
     # Work inside fit that is no training step's, kept out of the phases: "validation" -> one value per run (ms).
-    outside: dict[str, Summary] = field(default_factory=dict)
+    outside: dict[str, Sketch] = field(default_factory=dict)
 
     def row(self, step: int) -> Optional[StepRow]:
         return next((r for r in self.rows if r.step == step), None)
@@ -185,12 +185,12 @@ class StepBuckets:
 
 @dataclass
 class RankComm:
-    """One rank's buckets: the kept steps, and over the steady steps with the final layout a ``Summary`` per
+    """One rank's buckets: the kept steps, and over the steady steps with the final layout a ``Sketch`` per
     ``bucket<i>.ms``, ``bucket<i>.ready_ms``, ``busy_ms``, ``exposed_ms`` and ``total_ms``."""
 
     rank: int
     rows: list[StepBuckets]
-    summaries: dict[str, Summary]
+    summaries: dict[str, Sketch]
 
 
 @dataclass
@@ -219,7 +219,7 @@ class CommRecord:
 
 def as_json(value: Any) -> Any:
     """A record, or any part of one, as plain JSON values by field name."""
-    if isinstance(value, Summary):
+    if isinstance(value, Sketch):
         return value.to_json()
     if dataclasses.is_dataclass(value):
         return {f.name: as_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
@@ -264,8 +264,8 @@ def _comm_from(data: dict[str, Any]) -> CommRecord:
                       wire_dtype=data.get("wire_dtype"))  # fmt: skip
 
 
-def _summaries(data: dict[str, Any]) -> dict[str, Summary]:
-    return {name: Summary.from_json(s) for name, s in data.items()}
+def _summaries(data: dict[str, Any]) -> dict[str, Sketch]:
+    return {name: Sketch.from_json(s) for name, s in data.items()}
 
 
 def load(path: Path) -> PhaseRecord | CommRecord:

@@ -1,8 +1,8 @@
 """Running summaries of a stream of floats in bounded memory: count, sum, min, max and quantiles within a known
 relative error; what a run's record keeps of every steady step (``lit_ddp.records.schema``).
 
-    from lit_ddp.records.sketch import Summary
-    s = Summary.of([1.0, 2.0, 3.0]); s.median, s.quantile(0.9)
+    from lit_ddp.records.sketch import Sketch
+    s = Sketch.of([1.0, 2.0, 3.0]); s.median, s.quantile(0.9)
 """
 
 import math
@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 
-class Summary:
+class Sketch:
     """count, sum, min, max and quantiles of a stream of floats, in bounded memory.
 
     The quantile sketch is DDSketch's (Masson et al., VLDB 2019): a value x > 0 falls in bin
@@ -34,7 +34,7 @@ class Summary:
     __hash__ = None  # mutable; equal when they saw the same values (to the sketch's bins)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Summary) and self.to_json() == other.to_json()
+        return isinstance(other, Sketch) and self.to_json() == other.to_json()
 
     def add(self, value: float) -> None:
         if math.isnan(value):
@@ -86,7 +86,7 @@ class Summary:
                 "bins": [[k, n] for k, n in sorted(self._bins.items())]}  # fmt: skip
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Summary":
+    def from_json(cls, data: dict[str, Any]) -> "Sketch":
         summary = cls()
         summary.count, summary.total, summary._zeros = data["count"], data["total"], data["zeros"]
         if summary.count:
@@ -95,7 +95,7 @@ class Summary:
         return summary
 
     @classmethod
-    def merged(cls, summaries: Iterable["Summary"]) -> "Summary":
+    def merged(cls, summaries: Iterable["Sketch"]) -> "Sketch":
         """One summary of all the values the ``summaries`` saw (the sketch merges exactly: bins add up)."""
         merged = cls()
         for s in summaries:
@@ -110,7 +110,7 @@ class Summary:
         return merged
 
     @classmethod
-    def of(cls, values: Iterable[float]) -> "Summary":
+    def of(cls, values: Iterable[float]) -> "Sketch":
         summary = cls()
         for value in values:
             summary.add(value)

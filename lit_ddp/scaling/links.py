@@ -19,7 +19,7 @@ from pathlib import Path
 
 from lit_ddp.errors import ForecastError
 
-GB = 1e6  # bytes per ms in one GB/s: times are ms, sizes bytes
+BYTES_PER_MS_PER_GBPS = 1e6  # bytes per ms in one GB/s: times are ms, sizes bytes
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,9 @@ def ring_ms(nbytes: float, n: int, link: Link) -> float:
     """Ring all-reduce of ``nbytes`` on ``n`` ranks: 2(n-1) steps, each rank sends 2(n-1)/n x S."""
     if n == 1:
         return 0.0
-    return 2 * (n - 1) * link.hop_latency_us / 1e3 + 2 * (n - 1) / n * nbytes / (link.busbw_gbps * GB)
+    return 2 * (n - 1) * link.hop_latency_us / 1e3 + 2 * (n - 1) / n * nbytes / (
+        link.busbw_gbps * BYTES_PER_MS_PER_GBPS
+    )
 
 
 def allreduce_ms(nbytes: float, ranks: int, topo: Topology) -> float:
@@ -95,8 +97,8 @@ def allreduce_ms(nbytes: float, ranks: int, topo: Topology) -> float:
         return ring_ms(nbytes, ranks, topo.intra)
     m = ranks // g
     latency = 2 * (g - 1) * topo.intra.hop_latency_us + 2 * math.ceil(math.log2(m)) * topo.inter.hop_latency_us
-    intra = 2 * (g - 1) / g * nbytes / (topo.intra.busbw_gbps * GB)
-    inter = 2 * (m - 1) / m * (nbytes / g) / (topo.inter.busbw_gbps * GB)
+    intra = 2 * (g - 1) / g * nbytes / (topo.intra.busbw_gbps * BYTES_PER_MS_PER_GBPS)
+    inter = 2 * (m - 1) / m * (nbytes / g) / (topo.inter.busbw_gbps * BYTES_PER_MS_PER_GBPS)
     return latency / 1e3 + max(intra, inter)
 
 
@@ -120,7 +122,12 @@ def fit_probe(points: Sequence[ProbePoint], world_size: int, name: str = "measur
     if slope <= 0:
         raise ForecastError(f"the probe's times do not grow with size (slope {slope!r} ms/byte): no bandwidth to fit")
     ring = 2 * (world_size - 1)
-    return Link(name, busbw_gbps=ring / world_size / slope / GB, hop_latency_us=intercept / ring * 1e3, source=source)
+    return Link(
+        name,
+        busbw_gbps=ring / world_size / slope / BYTES_PER_MS_PER_GBPS,
+        hop_latency_us=intercept / ring * 1e3,
+        source=source,
+    )
 
 
 def load_probe(path: Path) -> Link:

@@ -1,0 +1,120 @@
+"""What a run's ``comm.json`` says: the all-reduce table (buckets, bytes, bandwidth, exposed time, the straggler),
+as text; the callbacks print it at the end of training and ``python -m lit_ddp.report RUN`` again.
+
+    python -m lit_ddp.report runs/mini_train_profile/version_0
+
+How its figures are defined: docs/output.md.
+"""
+
+import math
+from typing import Optional
+
+from lit_ddp.analysis import stragglers
+from lit_ddp.analysis.phases import DEFAULT_PRECISION, sketch_or
+from lit_ddp.analysis.tables import fmt_ms, table
+from lit_ddp.records.schema import CommRecord, PhaseRecord, Sketch
+
+
+def comm_summary(record: CommRecord, rank: int, name: str) -> Sketch:
+    """``name`` (``bucket<i>.ms``, ``bucket<i>.ready_ms``, ``busy_ms``, ``exposed_ms``, ``total_ms``) on ``rank``
+    over the steady steps with the final layout."""
+    rows = [r for r in record.ranks[rank].rows if r.bytes == record.layout]
+
+    def kept() -> list[float]:
+        if name == "total_ms":
+            return [sum(r.ms) for r in rows]
+        if name.startswith("bucket"):
+            b, _, field_name = name[len("bucket") :].partition(".")
+            return [getattr(r, field_name)[int(b)] for r in rows]
+        return [getattr(r, name) for r in rows]
+
+    return sketch_or(record.ranks[rank].summaries, name, kept)
+
+
+def comm_table(record: CommRecord, phases: Optional[PhaseRecord] = None) -> str:
+    """Per bucket: bytes, all-reduce time, algbw and busbw (nccl-tests definitions); per step: totals; on
+    several ranks, the straggler verdict (``lit_ddp.analysis.stragglers``), with ``phases`` naming its slow phase.
+
+    Buckets are those of the final layout (DDP rebuilds its buckets after the first step), timed over the
+    steady steps that used it. With several ranks, a bucket's time is its transfer (the shortest duration across
+    ranks: the last rank to arrive waits for no one), shown beside the longest wait for the last arrival, so
+    that a straggler does not pass for a slow link.
+    """
+    n = record.meta.world_size
+    ring = 2 * (n - 1) / n
+    found = stragglers.find_straggler(record, phases)
+    rows = []
+    for b, nbytes in enumerate(record.layout):
+        t = found.transfer_per_bucket_ms[b] if found else comm_summary(record, 0, f"bucket{b}.ms").median
+        algbw = nbytes / (t / 1e3) / 1e9 if t > 0 else math.nan
+        row = (b, f"{nbytes:,}", fmt_ms(t), f"{algbw:.2f} GB/s", f"{algbw * ring:.2f} GB/s")
+        rows.append((*row, fmt_ms(found.wait_per_bucket_ms[b])) if found else row)
+    header = ("bucket", "bytes", "transfer" if found else "time", "algbw", "busbw", *(("wait",) if found else ()))
+    total = sum(record.layout)
+    exposed = comm_summary(record, 0, "exposed_ms").median
+    busy = comm_summary(record, 0, "busy_ms").median
+    first = record.first_layout
+    rebuilt = f" (step 0 ran on DDP's initial {len(first)} bucket(s))" if first and first != record.layout else ""
+    plain = record.meta.precision == DEFAULT_PRECISION and record.wire_dtype in (None, "float32")
+    wire = f"{record.wire_dtype} on the wire, " if record.wire_dtype and not plain else ""
+    return (
+        f"Gradient all-reduce per step ({n} ranks, {wire}compression {record.compression or 'none'}, "
+        f"{'all ranks' if found else 'rank 0'}, steady median):\n"
+        + table(header, rows)
+        + f"\n{len(record.layout)} bucket(s){rebuilt}, {total:,} bytes reduced per step "
+        f"({record.param_bytes:,} bytes of gradients); each rank sends 2(n-1)/n x S = {ring * total:,.0f} bytes "
+        f"in a ring all-reduce.\ncommunication {fmt_ms(busy)} per step, of which {fmt_ms(exposed)} exposed "
+        f"(not hidden under backward compute)"
+        + _precision_line(record)
+        + _accumulation_line(record)
+        + _unused_line(record)
+        # A straggler is the phase table's verdict when there is one; otherwise it is said here.
+        + (f"\n{stragglers.verdict_line(found)}" if found and (phases is None or found.rank is None) else "")
+    )
+
+
+def _precision_line(record: CommRecord) -> str:
+    """Mixed precision computes in 16 bits but keeps fp32 parameters, hence fp32 gradients on the wire."""
+    precision = record.meta.precision
+    if "mixed" not in precision or record.wire_dtype != "float32":
+        return ""
+    return (f"\n{precision} runs the matmuls in 16 bits but keeps the parameters and their gradients in float32: "
+            "the all-reduce moves float32 (CommMonitor(compression: bf16) would halve it)")  # fmt: skip
+
+
+def _accumulation_line(record: CommRecord) -> str:
+    """Gradient accumulation: which of the step's backward passes all-reduced (DDP's no_sync for the others)."""
+    rows = record.ranks[0].rows
+    if not rows or max(r.micro_batches for r in rows) <= 1:
+        return ""
+    last = rows[-1]
+    n, synced = last.micro_batches, last.synced
+    if synced == [n - 1]:
+        return (f"\ngradient accumulation: {n} micro-batches per step; only the last one's backward all-reduced "
+                f"(micro-batch {n - 1}), the other {n - 1} ran under DDP's no_sync: the bytes above move once "
+                f"per {n} micro-batches")  # fmt: skip
+    return (
+        f"\ngradient accumulation: {n} micro-batches per step, and micro-batches {synced} all-reduced: "
+        f"{len(synced)}x the bytes above per step (no no_sync)"
+    )
+
+
+def _unused_line(record: CommRecord) -> str:
+    """What ``find_unused_parameters=True`` found, and what it costs."""
+    if not record.find_unused_parameters:
+        return ""
+    if not record.unused:
+        return ("\nfind_unused_parameters=True, and every parameter got a gradient: DDP's search of the autograd graph "
+                "after every forward finds nothing; turn it off")  # fmt: skip
+    names = ", ".join(record.unused[:5]) + (f" and {len(record.unused) - 5} more" if len(record.unused) > 5 else "")
+    share = record.unused_bytes / record.param_bytes if record.param_bytes else 0.0
+    when = "in every step" if record.unused_every_step else "in the last step (the set changes between steps)"
+    fix = (
+        "or static_graph=True, since the same ones are unused every step"
+        if record.unused_every_step
+        else "or keep find_unused_parameters=True (the set changes, so static_graph cannot replace it)"
+    )
+    return (f"\nfind_unused_parameters=True: {len(record.unused)} parameter(s), {record.unused_bytes:,} bytes "
+            f"({share:.0%} of the gradients), got no gradient {when}: {names}. They are all-reduced all the same "
+            f"(zeros, {share:.0%} of the bytes above), and DDP searches the autograd graph for them after every "
+            f"forward: remove them, {fix}")  # fmt: skip

@@ -5,8 +5,8 @@
 The profile's events are read in one place, ``profile_activity`` (the Chrome trace PhaseTimer kept, as plain JSON,
 sorted by ``gpu_activity``): it finds PhaseTimer's steps through their GPU user annotations (each
 ``lit_ddp.step#N`` range drawn on the GPU timeline), which ``lit_ddp.analysis.trace`` leaves out of a trace's ops. The
-second fit's profile is read both ways: torch.profiler's own total, and ``lit_ddp.analysis.trace`` over its
-exported Chrome trace (``trace_busy_ms``).
+second fit's profile is read both ways: torch.profiler's own total, and ``lit_ddp.analysis.trace`` over its exported
+Chrome trace (``trace_busy_ms``).
 """
 
 import math
@@ -46,8 +46,8 @@ def gpu_activity(events: Iterable[dict[str, Any]]) -> GpuActivity:
 
     A step is found through its GPU user annotation: kineto draws each ``lit_ddp.step#N`` record_function on the
     GPU timeline from the first to the last GPU op launched inside it. This uses neither the correlation ids nor
-    the launch times that ``lit_ddp.analysis.trace`` (so PhaseTimer) uses, so that the two can be held
-    against each other.
+    the launch times that ``lit_ddp.analysis.trace`` (so PhaseTimer) uses, so that the two can be held against each
+    other.
     """
     spans = [(e, e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3) for e in events if e.get("ph") == "X" and "dur" in e]
     annotations = [(e["name"], s, t) for e, s, t in spans if e.get("cat") == "gpu_user_annotation"]
@@ -140,40 +140,56 @@ def busy_section(budget: Budget) -> Section:
     """PhaseTimer's GPU-busy time against torch.profiler's own kernel figures, over the same steps.
 
     What is comparable: PhaseTimer's busy "step" column is the union of the GPU ops each profiled step (2-4) queued,
-    read by ``lit_ddp.analysis.trace`` from the trace PhaseTimer kept (ops linked to their launch by correlation
-    id). The reference is computed from the *same* trace (PhaseTimer's own profiler, kept by ``profiled_fit``),
-    independently of those links: PhaseTimer's ``lit_ddp.step#N`` ranges found as GPU user annotations
-    (``gpu_activity``), then (a) the union of the kernels' intervals from the first step's start to the last one's
-    end on the GPU timeline: the same quantity, so the two must agree within 5%, else PhaseTimer's bookkeeping is
-    wrong; (b) the plain sum of their durations in that window, above the union only where streams overlap (NCCL
-    next to compute; on one GPU nothing should); (c) ``key_averages()``'s total device time of the whole profile
-    (what the profiler's table prints). GPU user annotations (record_function ranges such as
-    ``DistributedDataParallel.forward`` or ``Optimizer.step#Adam.step`` drawn on the GPU timeline, gaps included)
-    are not work: when PhaseTimer's figure matches the union *with* them, it counts them as busy. Two profilers
-    cannot run at once, so the independent measurement is (d): a second, otherwise identical fit without
-    PhaseTimer's profile, with our own profiler from the start of step 2 to the start of step 5. It differs from the
-    first by run-to-run variation, so it is reported, not held to 5%. """ first, last = FIRST_PROFILED_STEP,
-    FIRST_PROFILED_STEP + KERNEL_STEPS - 1 section = Section(f"GPU-busy time, PhaseTimer against torch.profiler
-    (steps {first}-{last}, dim {DIM})") run = profiled_fit(budget.fit_steps) timer_ms, steps =
-    timer_busy(run.phases)  # no steps when no profiled step was complete gpu = profile_activity(run.trace) if not
-    steps or not gpu.steps or run.profile is None: section.lines.append(f"busy_ms: {steps} steps; PhaseTimer's steps
-    on the GPU timeline: {len(gpu.steps)}") section.verdicts.append("busy: NOT MEASURED (no busy_ms from PhaseTimer,
-    or no step ranges in its trace)") return section (first_label, w0, _), (last_label, _, w1) = gpu.steps[0],
-    gpu.steps[-1] kernel_union = union_ms(gpu.kernels, w0, w1) with_annotations = union_ms(gpu.kernels + [(s, e) for
-    _, s, e in gpu.annotations], w0, w1) second, second_busy = independent_profile_ms() measures = [ ("(a) same
-    trace: union of kernel intervals, first to last step on the GPU", kernel_union), ("(b) same trace: sum of kernel
-    durations in that window", sum_ms(gpu.kernels, w0, w1)), ("(c) same profile: key_averages() device total",
-    device_total_ms(run.profile)), ("    (a) with GPU user annotations counted as busy", with_annotations), ("(d)
-    second fit, own profiler, no PhaseTimer profile: key_averages() device total", second), ("    (d)'s Chrome trace
-    read by lit_ddp.analysis.trace: union of its GPU ops", second_busy), ] section.lines += table(("measure", "ms",
-    "PhaseTimer / it"), busy_rows(timer_ms, steps, measures)).splitlines() section.lines.append(f"window:
-    {first_label} start to {last_label} end on the GPU timeline; " f"{len(gpu.kernels)} kernels and copies in the
-    trace")  # fmt: skip if gpu.annotations: names = Counter(n for n, _, _ in gpu.annotations).most_common(6)
-    section.lines.append("GPU user annotations in the profile: " + ", ".join(f"{n} x{c}" for n, c in names)) off =
-    ratio(timer_ms, kernel_union) - 1 verdict = f"busy: {'OK' if abs(off) <= LIMIT else 'MISSED'}, PhaseTimer
-    {timer_ms:.3f} ms vs the same trace's " verdict += f"kernel union {kernel_union:.3f} ms ({fmt_pct(off)}, limit
-    {LIMIT:.0%})" if abs(off) > LIMIT and gpu.annotations and abs(ratio(timer_ms, with_annotations) - 1) <= LIMIT:
-    verdict += "; it matches the union WITH GPU user annotations: PhaseTimer counts them as kernels"
-    section.verdicts.append(verdict) section.verdicts.append( f"busy: a second fit's own profiler measured
-    {second:.3f} ms ({fmt_pct(ratio(timer_ms, second) - 1)} " "from PhaseTimer; run-to-run variation included)" )
+    read by ``lit_ddp.analysis.trace`` from the trace PhaseTimer kept (ops linked to their launch by correlation id).
+    The
+    reference is computed from the *same* trace (PhaseTimer's own profiler, kept by ``profiled_fit``), independently
+    of those links: PhaseTimer's ``lit_ddp.step#N`` ranges found as GPU user annotations (``gpu_activity``), then (a)
+    the union of the kernels' intervals from the first step's start to the last one's end on the GPU timeline: the
+    same quantity, so the two must agree within 5%, else PhaseTimer's bookkeeping is wrong; (b) the plain sum of
+    their durations in that window, above the union only where streams overlap (NCCL next to compute; on one GPU
+    nothing should); (c) ``key_averages()``'s total device time of the whole profile (what the profiler's table
+    prints). GPU user annotations (record_function ranges such as ``DistributedDataParallel.forward`` or
+    ``Optimizer.step#Adam.step`` drawn on the GPU timeline, gaps included) are not work: when PhaseTimer's figure
+    matches the union *with* them, it counts them as busy. Two profilers cannot run at once, so the independent
+    measurement is (d): a second, otherwise identical fit without PhaseTimer's profile, with our own profiler from
+    the start of step 2 to the start of step 5. It differs from the first by run-to-run variation, so it is
+    reported, not held to 5%.
+    """
+    first, last = FIRST_PROFILED_STEP, FIRST_PROFILED_STEP + KERNEL_STEPS - 1
+    section = Section(f"GPU-busy time, PhaseTimer against torch.profiler (steps {first}-{last}, dim {DIM})")
+    run = profiled_fit(budget.fit_steps)
+    timer_ms, steps = timer_busy(run.phases)  # no steps when no profiled step was complete
+    gpu = profile_activity(run.trace)
+    if not steps or not gpu.steps or run.profile is None:
+        section.lines.append(f"busy_ms: {steps} steps; PhaseTimer's steps on the GPU timeline: {len(gpu.steps)}")
+        section.verdicts.append("busy: NOT MEASURED (no busy_ms from PhaseTimer, or no step ranges in its trace)")
+        return section
+    (first_label, w0, _), (last_label, _, w1) = gpu.steps[0], gpu.steps[-1]
+    kernel_union = union_ms(gpu.kernels, w0, w1)
+    with_annotations = union_ms(gpu.kernels + [(s, e) for _, s, e in gpu.annotations], w0, w1)
+    second, second_busy = independent_profile_ms()
+    measures = [
+        ("(a) same trace: union of kernel intervals, first to last step on the GPU", kernel_union),
+        ("(b) same trace: sum of kernel durations in that window", sum_ms(gpu.kernels, w0, w1)),
+        ("(c) same profile: key_averages() device total", device_total_ms(run.profile)),
+        ("    (a) with GPU user annotations counted as busy", with_annotations),
+        ("(d) second fit, own profiler, no PhaseTimer profile: key_averages() device total", second),
+        ("    (d)'s Chrome trace read by lit_ddp.analysis.trace: union of its GPU ops", second_busy),
+    ]
+    section.lines += table(("measure", "ms", "PhaseTimer / it"), busy_rows(timer_ms, steps, measures)).splitlines()
+    section.lines.append(f"window: {first_label} start to {last_label} end on the GPU timeline; "
+                         f"{len(gpu.kernels)} kernels and copies in the trace")  # fmt: skip
+    if gpu.annotations:
+        names = Counter(n for n, _, _ in gpu.annotations).most_common(6)
+        section.lines.append("GPU user annotations in the profile: " + ", ".join(f"{n} x{c}" for n, c in names))
+    off = ratio(timer_ms, kernel_union) - 1
+    verdict = f"busy: {'OK' if abs(off) <= LIMIT else 'MISSED'}, PhaseTimer {timer_ms:.3f} ms vs the same trace's "
+    verdict += f"kernel union {kernel_union:.3f} ms ({fmt_pct(off)}, limit {LIMIT:.0%})"
+    if abs(off) > LIMIT and gpu.annotations and abs(ratio(timer_ms, with_annotations) - 1) <= LIMIT:
+        verdict += "; it matches the union WITH GPU user annotations: PhaseTimer counts them as kernels"
+    section.verdicts.append(verdict)
+    section.verdicts.append(
+        f"busy: a second fit's own profiler measured {second:.3f} ms ({fmt_pct(ratio(timer_ms, second) - 1)} "
+        "from PhaseTimer; run-to-run variation included)"
+    )
     return section

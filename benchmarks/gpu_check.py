@@ -45,6 +45,7 @@ if not __package__:  # run as a file: the repository on sys.path instead of benc
 
 from benchmarks import gpu_busy, gpu_events, gpu_scaling, gpu_syncs  # noqa: E402
 from benchmarks.gpu_fits import QUICK, Budget, Section  # noqa: E402
+from lit_ddp import _torch  # noqa: E402
 
 RUNNERS: dict[str, Callable[[Budget], Section]] = {
     "syncs": gpu_syncs.syncs_section,
@@ -80,8 +81,7 @@ def header() -> Section:
     nccl = "-"
     with contextlib.suppress(Exception):
         nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
-    get_api = getattr(torch._C, "_cuda_getDriverVersion", None)  # private: the driver's CUDA version, e.g. 13000
-    api = get_api() if get_api else 0
+    api = _torch.cuda_driver_version() or 0  # the driver's CUDA version, e.g. 13000
     supports = f" (supports CUDA {api // 1000}.{api % 1000 // 10})" if api else ""
     return Section(
         f"gpu_check, {datetime.now():%Y-%m-%d %H:%M}, {socket.gethostname()}",

@@ -2,7 +2,7 @@
 
     pytest tests/test_private_apis.py      # fails loudly, naming the name, when the installed torch changed
 
-Tested with torch 2.11 (the GPU image) and 2.13. Reading profiler traces uses none: ``lit_ddp.analysis.trace`` reads the
+Tested with torch 2.11, 2.13 and 2.14 (CI runs tests/test_private_apis.py on each). Reading profiler traces uses none: ``lit_ddp.analysis.trace`` reads the
 Chrome-trace JSON that ``torch.profiler`` writes, a public format.
 """
 
@@ -22,7 +22,6 @@ PRIVATE_NAMES = [
         "DDP's own record: its bucket sizes, unused parameters, find_unused_parameters",
     ),  # fmt: skip
     PrivateName(Optimizer, "_optimizer_step_post_hooks", "the tests check that PhaseTimer removes its step hook"),
-    PrivateName(torch._C, "_cuda_getDriverVersion", "the driver's CUDA version, for a GPU report's header"),
     PrivateName(distributed_c10d, "_get_default_store", "the rendezvous store, to name hung ranks after a timeout"),
 ]
 
@@ -40,7 +39,8 @@ def optimizer_step_post_hooks(optimizer: Optimizer) -> dict:
 
 
 def cuda_driver_version() -> Optional[int]:
-    """The CUDA version the driver supports (13000 for 13.0), None without CUDA."""
+    """The CUDA version the driver supports (13000 for 13.0), for gpu_check's header; None without CUDA, and where
+    torch no longer has the private call (gone in 2.14), so it is not among ``PRIVATE_NAMES``: nothing breaks."""
     get = getattr(torch._C, "_cuda_getDriverVersion", None)
     return get() if get is not None and torch.cuda.is_available() else None
 

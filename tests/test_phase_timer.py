@@ -258,7 +258,7 @@ def test_kernel_steps_on_cpu_profile_the_cpu_and_keep_the_trace(monkeypatch, tmp
     trace = json.loads(gzip.decompress((tmp_path / "traces" / "rank0.pt.trace.json.gz").read_bytes()))
     names = [e["name"] for e in trace["traceEvents"] if e.get("cat") == "user_annotation"]
     assert [n for n in names if n.startswith(STEP_PREFIX)] == [f"{STEP_PREFIX}2", f"{STEP_PREFIX}3"]
-    assert {FORWARD, BACKWARD, UPDATE, "lit_ddp.lab.data", "lit_ddp.other"} <= set(names)
+    assert {FORWARD, BACKWARD, UPDATE, "lit_ddp.data", "lit_ddp.other"} <= set(names)
     assert "GPU busy" not in phase_table(phases)
 
 

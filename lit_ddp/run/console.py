@@ -41,7 +41,7 @@ NOISY_WARNINGS = (
     # and the device map says where each rank runs.
     ".*GPU available but not used.*",
     # Any run not under srun on a machine where Slurm is installed (a login node; CI's one-node Slurm): the
-    # forked and torchrun runs do not need srun, and README's Slurm section says when to use it.
+    # forked and torchrun runs do not need srun, and docs/launching.md says when to use it.
     ".*The `srun` command is available on your system but is not used.*",
     # The ddp_fork parent loads rank 0's final weights from the temporary file rank 0 wrote for it.
     ".*`weights_only` was not set, defaulting to `False`.*",

@@ -4,13 +4,10 @@
     python -m lit_ddp.fit --config configs/mini_train.yaml --trainer.max_steps 20
     python -m lit_ddp.fit --print_config
 
-``--devices N`` is a shorthand for ``--trainer.devices N``. Config files are applied first, so options on
-the command line win over them wherever they are written. Every ``--trainer.*``, ``--model.*`` and
-``--data.*`` option of LightningCLI works; ``--model.dim`` also sets ``--data.dim``. The tool's own callbacks
-are option groups: ``--loss_monitor.*``, ``--device_map.*``, ``--sync_check.*``, ``--step_sync.*``,
-``--checkpoint.*``. Under
-the ``ddp`` launcher Lightning runs this same command again for ranks 1..N-1, so all of this runs on every
-rank. Bad input is reported as one line with exit code 2 before any rank is started.
+``--devices N`` is a shorthand for ``--trainer.devices N``; config files are applied first, so the command line
+wins; the tool's own callbacks are option groups (``--loss_monitor.*``, ``--sync_check.*``, ``--step_sync.*``,
+``--checkpoint.*``). Bad input is reported as one line with exit code 2 before any rank is started. Every
+option: docs/options.md.
 """
 
 import sys

@@ -3,16 +3,10 @@
     python -m lit_ddp.trace_report runs/mini_train/version_0          # Lightning PyTorchProfiler's traces
     python -m lit_ddp.trace_report traces/ --json trace.json --no-plot
 
-Finds the traces under DIR: ``*.pt.trace.json[.gz]`` at any depth (the names ``tensorboard_trace_handler`` and
-Lightning's ``PyTorchProfiler`` give them), else every ``*.json[.gz]`` in DIR itself (a directory of one trace
-per rank, as HTA reads one); DIR may also be one trace file. Each trace says its own rank (``lit_ddp.analysis.trace``,
-where the figures are defined). Prints a table per rank, one per phase where the traces mark phases, the
-lowest rank's collectives per step, and a verdict; writes ``trace.png`` beside the traces (matplotlib's
-Figure API, ``pip install 'lit_ddp[plot]'``) and, with ``--json OUT``, every figure in microseconds.
-
-Exit codes: 0 done; 1 no picture (matplotlib missing, or the directory not writable); 2 nothing to analyse,
-in one line on stderr: no traces, a file that is not a trace, two traces of one rank, or traces without GPU
-events (a CPU-only profile: there is no GPU time to break down, and zeros would be made up).
+Finds the traces under DIR (``*.pt.trace.json[.gz]`` at any depth, else every ``*.json[.gz]`` in DIR, or DIR as
+one trace file), prints the tables of ``lit_ddp.analysis.trace_tables``, writes ``trace.png`` beside the traces
+(``pip install 'lit_ddp[plot]'``) and, with ``--json OUT``, every figure in microseconds. Exit codes: 0 done; 1
+no picture; 2 nothing to analyse (one line on stderr). docs/traces.md.
 """
 
 import argparse

@@ -1,6 +1,8 @@
 """The house's floors as a contract: ``lint-imports`` (pyproject's layers and no-cycle contracts) on the package as
-it is, and on a copy with a cycle planted, which it must refuse; at most 12 modules at the top of ``lit_ddp/``."""
+it is, and on a copy with a cycle planted, which it must refuse; at most 12 modules at the top of ``lit_ddp/``;
+short module docstrings."""
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -50,3 +52,14 @@ def test_a_planted_breach_is_refused(tmp_path, module, planted, broken):
 def test_at_most_twelve_modules_at_the_top():
     top = sorted(p.name for p in (ROOT / "lit_ddp").glob("*.py"))
     assert len(top) <= 12, top
+
+
+def test_module_docstrings_are_short():
+    """A module docstring says what the module is and the command that runs it (about 12 lines at most); the
+    derivations live in docs/, and "a step" is defined once, in docs/architecture.md."""
+    long = {}
+    for path in sorted((ROOT / "lit_ddp").rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False) or ""
+        if len(doc.splitlines()) > 15:
+            long[str(path.relative_to(ROOT))] = len(doc.splitlines())
+    assert not long, f"module docstrings over 15 lines (move the detail to docs/): {long}"

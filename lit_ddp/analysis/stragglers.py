@@ -3,26 +3,9 @@ it loses the time, how long each rank waits, and what the all-reduce itself cost
 
     python -m lit_ddp.fit --config configs/mini_train_profile.yaml --devices 2   # the verdict names it, if any
 
-From CommMonitor's record (``comm.json``) alone, over the steady steps every rank kept with DDP's final bucket
-layout. Per step and bucket:
-
-- *arrival*: the bucket's hand-over to the comm hook on each rank (its gradients are ready), on rank 0's clock
-  (each rank's host clock corrected by its offset to rank 0, measured at the start: ``clock.offsets_to_rank0``);
-- the *last* rank to arrive; a rank's *lateness*: its arrival minus the latest arrival of the others (below
-  zero when it is not the last);
-- each rank's *wait*: the last arrival minus its own; a rank's wait in a step is its largest over the buckets
-  (it waits once, for the bucket it needs last);
-- the *transfer*: the all-reduce's shortest duration across the ranks (the last rank to arrive waits for no
-  one), as PyTorch's profiler plugin splits a collective into wait and transfer.
-
-The straggler is the rank the others wait for most (the largest wait it causes, summed). It is named when it
-is the last to arrive at at least ``STRAGGLER_SHARE`` of the all-reduces and its median lateness exceeds the
-run's noise: ``max(MIN_LATE_MS, 3 x the largest clock error bound, 3 x the median absolute deviation of its
-lateness)``. A rank that is late by chance is late about as often as not and by as much as it varies; a
-straggler is late nearly always, by more than it varies.
-With PhaseTimer's record (``phases.json``) too, its cause is the phase in which it spends the most time over
-the other ranks' median (backward without the time each rank waited in it: a rank that waits for a
-straggler's gradients shows it as backward time).
+From CommMonitor's record (``comm.json``) alone, with PhaseTimer's (``phases.json``) for the cause. The
+definitions (arrival, lateness, wait, transfer) and the bar a straggler must pass (``STRAGGLER_SHARE``,
+``MIN_LATE_MS``, the run's noise): docs/stragglers.md.
 """
 
 import statistics

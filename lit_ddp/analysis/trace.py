@@ -1,42 +1,12 @@
 """Where one rank's GPU time went, from a torch.profiler (kineto) Chrome trace alone.
 
     python -m lit_ddp.trace_report runs/mini_train/version_0      # the report built on this analysis
-    analyze_rank(load("rank0.pt.trace.json.gz"))                      # a RankAnalysis, times in microseconds
+    analyze_rank(load("rank0.pt.trace.json.gz"))                  # a RankAnalysis, times in microseconds
 
 Reads the traces torch.profiler and Lightning's ``PyTorchProfiler`` write (``.json``, gzipped or not) with
-``json`` alone, no torch, so any torch version's trace reads anywhere. Rank and world size: ``distributedInfo``,
-else ``rank<N>`` or ``<stage>-<N>-`` in the file name. The figures, over a rank's GPU ops (kernels, memcpy,
-memset, every stream; GPU-side annotations are drawn ranges, not work, and HTA leaves them out too):
-
-span           first op's start to the last op's end (HTA's ``kernel_time``)
-busy, idle     the union of all ops' intervals; idle = span - busy (HTA's ``idle_time``)
-compute        the union of the kernels that are not NCCL's (HTA's ``compute_time``)
-non-compute    busy - compute: only communication or memory ops ran (HTA's ``non_compute_time``)
-communication  the union of NCCL kernels (named ``nccl...Kernel...``, or with ``Collective name`` args)
-overlap        compute and communication at once; ``comm_comp_overlap_pct`` = overlap / communication
-               (HTA's ``comp_comm_overlap_pctg``)
-waits          each idle gap is classed by the op that ends it, by HTA's idle-time rules: host wait if the CPU
-               queued that op after the gap began (the GPU ran out of work), else kernel wait if the gap is
-               under ``KERNEL_WAIT_US`` (launch overhead), else other wait (queued work held back: an event,
-               a peer's collective)
-
-Unlike HTA 0.5.0: the gaps are the whole GPU's, so host + kernel + other wait = idle (HTA splits each
-stream's idle time, and a stream idles while another runs); a kernel is compute whatever its name (HTA also
-calls names holding ``Memcpy`` or ``Sync`` non-compute); kineto's fractional microseconds are kept (HTA
-rounds each op inward, about 1 us less busy time per op; with its rounding this module gives its figures).
-Like HTA, a rank's totals leave out the ops queued in the last of two or more steps (the profiler stops as
-that step ends on the CPU, so its GPU tail can be missing); every step has its own figures.
-
-Steps are ``ProfilerStep#N`` ranges, or the tool's own ``lit_ddp.step#N`` where present. An op belongs to the
-step, phase and bucket whose CPU range holds the CPU call that queued it (by correlation id), not the range
-it ran under: the GPU runs behind the CPU, and backward's tail would go to the optimizer. A phase is the
-innermost range of ``PHASE_PATTERNS`` (``lit_ddp.forward``, ``## forward ##``, Lightning's
-``[Strategy]...training_step``, torch's ``DistributedDataParallel.forward``...); ops of a step in none are
-``other``. Collectives, one per NCCL kernel: bytes = max(in, out) elements x dtype size (nccl-tests' size);
-algbw = bytes / duration, busbw = algbw x nccl-tests' factor for the group size. A gradient all-reduce is
-one queued in a ``lit_ddp.bucket#K`` range or the backward phase (any all-reduce in a step where the trace
-has no phases: DDP syncs buffers by broadcast). Exposed communication of a step: its gradient all-reduces'
-time after its last backward compute kernel ends, the part no compute hides.
+``json`` alone, no torch, so any torch version's trace reads anywhere. The figures (span, busy, idle, compute,
+communication, overlap, the three waits), how each GPU op is given to a step, a phase (``PHASE_PATTERNS``) and a
+bucket, the collectives' bandwidth, and where they differ from HTA's: docs/traces.md.
 """
 
 import gzip

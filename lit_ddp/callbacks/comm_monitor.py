@@ -2,26 +2,11 @@
 
     python -m lit_ddp.fit --config configs/mini_train_profile.yaml --devices 2
 
-CommMonitor registers a DDP communication hook on the wrapped model (any Lightning DDP strategy: DDP takes
-a hook until the first backward) that performs the all-reduce itself -- DDP's own ``allreduce_hook``, or the
-hook configured on the strategy -- and times each bucket: CUDA events on GPUs (recorded when the bucket is
-handed over, and in the future's callback, which runs once the collective is done on the device),
-``perf_counter`` on CPU. With ``compression`` the bucket is cast to fp16/bf16 *before* the timed all-reduce,
-so the bytes are those on the wire.
-
-Per step: buckets, bytes reduced S, each bucket's ready time (from the start of backward to the hand-over),
-time per bucket, algbw = S / t and busbw = algbw * 2(n-1)/n (the nccl-tests definitions), the bytes each rank
-sends in a ring all-reduce, 2(n-1)/n * S (the notes' "2x the parameter size per step"), the time
-communication was busy, and how much was exposed: from the hand-over of the last bucket (backward's compute
-is done by then) to the end of the last all-reduce. Earlier buckets overlap with the remaining backward
-compute; that part is hidden.
-
-A step is an optimizer step. With gradient accumulation Lightning runs every micro-batch but the last under
-DDP's ``no_sync``: their backward reduces nothing, and the step's one all-reduce follows the last backward. Each
-step records how many backward passes it ran and which of them handed buckets over (``StepBuckets.synced``),
-so the table shows it; ready times count from the start of the backward that handed the bucket over. The
-record also names the dtype on the wire: in ``bf16-mixed`` / ``16-mixed`` the parameters, hence their
-gradients, stay fp32, so fp32 is all-reduced unless ``compression`` casts it.
+Registers a DDP communication hook on the wrapped model (any Lightning DDP strategy) that performs the all-reduce
+itself and times each bucket: CUDA events on GPUs, ``perf_counter`` on CPU; with ``compression`` the bucket is
+cast before the timed all-reduce. It records each bucket's hand-over on the host clock too, for the straggler.
+Rank 0 writes ``comm.json`` (a ``CommRecord``) and prints the all-reduce table (``lit_ddp.analysis.comm``). What
+each figure means: docs/output.md; the straggler: docs/stragglers.md; a step: docs/architecture.md.
 """
 
 import threading

@@ -2,15 +2,11 @@
 
     python -m lit_ddp.fit --devices 2 --loss_monitor.every_n_steps 1
 
-Each rank's ``training_step`` returns the mean over its own rows; the printed loss is the mean of those
-over all ranks, i.e. the loss of the global batch, which is what a single process with the whole batch
-would print. The losses travel in the step's one collective (``StepSync``): every step with ``check_finite``,
-else only on the steps that print.
-
-A step is an optimizer step. With gradient accumulation (``--trainer.accumulate_grad_batches 4``) its line
-carries the mean loss over its micro-batches (Lightning hands the hooks each micro-batch's loss divided by
-``accumulate_grad_batches``; that is undone here), one line per optimizer step. Under ``16-mixed`` a step whose
-update the grad scaler skipped (inf/NaN gradients: ``optimizer.step()`` not called) says so on its line.
+The printed loss is the mean over all ranks of each rank's own mean: the loss of the global batch, as a single
+process with the whole batch would print it. It travels in the step's one collective (``StepSync``): every step
+with ``check_finite``, else only on the steps that print. With gradient accumulation a step's line carries the
+mean loss of its micro-batches; under ``16-mixed`` a step whose update the grad scaler skipped says so.
+docs/callbacks.md; a step: docs/architecture.md.
 """
 
 from typing import Any

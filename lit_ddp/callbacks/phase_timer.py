@@ -1,36 +1,13 @@
-"""Forward, backward and update time of every step on every rank: the notes' ``mini_train_profile.py``.
+"""Forward, backward, update, data and other time of every step on every rank: the notes' ``mini_train_profile.py``.
 
     python -m lit_ddp.fit --config configs/mini_train_profile.yaml --devices 2
 
-Marks, in Lightning's order for automatic optimization (checked against lightning 2.6: the optimizer's
-``step(closure)`` runs the closure -- training_step, zero_grad, backward -- then ``on_before_optimizer_step``,
-then the update)::
-
-    on_train_batch_start                       step starts
-    forward pre-hook of the (DDP-)wrapped model  forward starts  (Lightning's own work before it -> "other")
-      training_step                            forward
-    on_before_zero_grad                        forward ends    (zero_grad -> "other")
-    on_before_backward                         backward starts
-      loss.backward()                          backward, including DDP's wait for the last all-reduce
-    on_after_backward                          backward ends
-    on_before_optimizer_step                   update starts   (hooks in between -> "other")
-      the optimizer's update
-    optimizer step post-hook                   update ends
-    next on_train_batch_start (or train end)   step ends: everything done per step counts, whatever the
-                                               order of the callbacks
-
-A step is an optimizer step: with gradient accumulation its micro-batches' marks are summed, and validation
-inside fit is kept out of it (``step_marks.py``); under ``16-mixed`` a step whose ``optimizer.step()`` the grad
-scaler skipped is counted; manual optimization is marked by the same hooks (``manual_backward`` runs the backward
-ones, ``optimizer.step()`` the update's) and its FLOPs are counted in its real step 0 (``RealStepFlops``).
-
-``other`` is the step minus the three phases, so the phases add up to the step. On CUDA the marks are CUDA
-events resolved without blocking once they complete (see ``clock.py``); on CPU, ``perf_counter``. Each rank keeps
-a bounded window of steps and running summaries (``lit_ddp.records.schema``); they go to rank 0 once, at the end of
-training, are written to ``phases.json`` (a ``PhaseRecord``) in the run's log dir and summarised by rank 0 in
-one table (``lit_ddp.analysis.phases``); every step is logged as ``time/{forward,backward,update,other,step}_ms`` to
-every logger. With a roofline: FLOPs counted once by ``torch.utils.flop_counter`` on the real batch, the
-optimizer's bytes from its real state (``lit_ddp.measure.roofline``).
+Marks each step at Lightning's hooks, a forward pre-hook on the wrapped model and the optimizer's step post-hook
+(``lit_ddp.measure.step_marks`` turns the marks into phases), with CUDA events on GPUs and ``perf_counter`` on CPU
+(``lit_ddp.measure.clock``); on GPUs a few steps are profiled for GPU-busy time (``lit_ddp.measure.profiling``).
+Each rank keeps a bounded record, given to rank 0 once at the end of training: ``phases.json`` (a
+``PhaseRecord``) and the phase table, roofline and verdict (``lit_ddp.analysis.phases``). Where each phase starts
+and ends: docs/output.md; a step: docs/architecture.md.
 """
 
 from pathlib import Path

@@ -2,38 +2,12 @@
 
     python -m lit_ddp.fit --devices 2       # the loss, the NaN flag, SIGTERM and the sync check ride together
 
-LossMonitor puts its loss and non-finite flag, SyncCheck its weights' fingerprint, and every rank its
-SIGTERM flag into one float64 row; one ``all_gather`` (no barrier) gives every rank every row, and every rank
-takes the same decisions from the same data. A step on which nobody puts anything and no SIGTERM check is
-due has no collective at all.
-
-The gather is started without waiting (``async_op``) and read one step later, at the end of the next step
-(or at once on the last step, before a checkpoint is written, and at the end of training): no rank waits at
-the end of a step for the others to arrive, and on GPUs the host reads a result that is long done. So a
-step's line is printed, and its NaN or sync error raised, at the end of the step after it; a checkpoint is
-never written before the steps it holds were checked (``on_save_checkpoint`` waits for them first).
-
-SIGTERM: Lightning 2.6 broadcasts its SIGTERM flag from rank 0 at the top of every step and reads it on the
-host (lightning#21487), and broadcasts from inside its signal handler too, which can interleave with the main
-thread's collectives and hang. StepSync replaces both (through ``lit_ddp._lightning``): the handler only sets a
-flag (and forwards the signal to the ranks Lightning launched), the flag rides in the step's row, and when any
-rank has it every rank sets ``trainer.should_stop`` at the same step and its ``ending`` to ``Ending.SIGTERM``:
-training ends after that step as if finished (``LastCheckpoint`` saves it), and the caller maps the ending to
-an exit (``lit_ddp.run.lifecycle``: ``python -m lit_ddp.fit`` exits 143). Lightning's own path raises
-``SIGTERMException`` (a ``SystemExit``) inside the ranks instead, which leaves a ``ddp_fork``/``ddp_spawn``
-parent waiting forever for rank 0's result. These two files are SIGTERM's whole story. One exception: a rank
-that gets SIGTERM after more than half the process group's timeout without a step boundary is hung (its peers'
-collectives have given up on it, and the launcher is ending the job): it exits at once, with 143, instead of
-waiting for the launcher's SIGKILL (torch's spawn/fork launcher waits 30 s for it).
-
-A step is an optimizer step: with gradient accumulation the micro-batches before it send nothing.
-
-Slurm's requeue signal (SIGUSR1, Lightning's auto-requeue) the same way: Lightning's handler saves the HPC
-checkpoint and waits in a barrier inside the signal handler, which deadlocks against a rank blocked in a
-collective; here the handler sets a flag that rides in the step's row, and every rank runs Lightning's handler
-at the same step boundary.
-
-The callbacks that need it find or add the one StepSync of a Trainer (``StepSync.attach``).
+LossMonitor's loss and NaN flag, SyncCheck's fingerprint and every rank's SIGTERM flag go into one float64 row;
+one ``all_gather`` (no barrier, started with ``async_op`` and read a step later) gives every rank every row, and
+every rank takes the same decisions from the same data. It replaces Lightning's per-step SIGTERM broadcast and
+its collectives inside signal handlers (SIGTERM; Slurm's requeue, SIGUSR1): a handler only sets a flag, and every
+rank stops or requeues at the same step boundary. The callbacks that need it find or add the one StepSync of a
+Trainer (``StepSync.attach``). docs/callbacks.md; SIGTERM and the hung rank's exit: docs/failures.md.
 """
 
 import os

@@ -2,18 +2,11 @@
 
     python -m lit_ddp.fit --devices 2 --sync_check.every_n_steps 1 --sync_check.check_grads true
 
-At fit start: the optimizer holds exactly the DDP-wrapped module's parameters (the notes' "optimizer after
-wrapping" pitfall), and all ranks start from the same weights (DDP's initial broadcast). After every
-``every_n_steps``-th step and the last: all ranks hold bitwise-equal parameters. Optionally, after
-backward: bitwise-equal gradients (the all-reduce happened). A step is an optimizer step: with gradient
-accumulation the weights are checked after the update that ends the micro-batches, the gradients before it
-(the micro-batches before the last run under DDP's ``no_sync``, their gradients are this rank's own).
-
-A check after a step costs one pass over the parameters and two numbers in the step's one collective
-(``StepSync``): the model's fingerprint, built from two per parameter (the wrapping integer sum of its raw
-bits, which any single-bit difference changes, and its float sum). Only on a mismatch are the per-parameter
-fingerprints and then the offending tensors gathered, for the report. Every rank takes the same decision from the
-same gathered data, so every rank raises the same ``SyncError`` and none is left waiting in a collective.
+At fit start: the optimizer holds the DDP-wrapped module's parameters, and all ranks start from the same weights.
+After every ``every_n_steps``-th step and the last: bitwise-equal parameters on every rank, compared through a
+fingerprint of the model in the step's one collective (``StepSync``); optionally, bitwise-equal gradients after
+backward. On a mismatch every rank gathers the same detail and raises the same ``SyncError``, so none is left
+waiting in a collective. How the fingerprint is made: docs/callbacks.md.
 """
 
 from typing import Literal, Optional

@@ -1,16 +1,11 @@
 """Two clocks for step-phase timing, host ``perf_counter`` on CPU and CUDA events on GPUs, and each rank's
 host clock against rank 0's.
 
-CUDA work is asynchronous: a host clock read at a hook measures when the work was *queued*, not run. CUDA
-events are recorded into the stream at the same points and timed by the device; they are resolved once
-they have completed (``query()``, which never blocks), or all at once at the end of training, so timing
-adds no ``synchronize()`` to the steps it measures.
+    python -m lit_ddp.fit --config configs/mini_train_profile.yaml --devices 2
 
-Ranks on different machines do not share a clock. ``offsets_to_rank0`` measures each rank's host clock
-against rank 0's once, at the start of training, as NTP does: rank 0 sends its time t1, the rank notes t2
-when it arrives and t3 when it replies, rank 0 notes t4; the rank's clock is ahead by ((t2 - t1) + (t3 - t4))
-/ 2, give or take half the round trip (t4 - t1) - (t3 - t2). Of a few rounds, the one with the shortest
-round trip is kept, and its half round trip is the error bound.
+CUDA events are resolved once they have completed (``query()``, which never blocks), or all at once at the end
+of training, so timing adds no ``synchronize()`` to the steps it measures. ``offsets_to_rank0`` measures each
+rank's host clock against rank 0's once, at the start, as NTP does, with an error bound: docs/stragglers.md.
 """
 
 import time

@@ -1,31 +1,13 @@
 """The profiled steps' trace, kept: PhaseTimer's ``torch.profiler`` over a few steady steps writes each rank's
-Chrome trace into the run's log dir, and the GPU-busy time of each phase is read back
-from it by ``lit_ddp.analysis.trace``.
-PhaseTimer's helper.
+Chrome trace into the run's log dir, and the GPU-busy time of each phase is read back from it by
+``lit_ddp.analysis.trace``. PhaseTimer's helper.
 
     python -m lit_ddp.fit --config configs/mini_train_profile.yaml --devices 1    # on a GPU: steps 2-4 profiled
     python -m lit_ddp.report --trace runs/mini_train_profile/version_0/traces     # the kept traces, any time later
 
-A CUDA event pair measures everything between its two records, idle time included: when the GPU waits for
-Python between tiny kernels, "forward 0.6 ms" may hold 0.2 ms of work. So PhaseTimer opens ``record_function``
-ranges at the boundaries it marks: ``lit_ddp.step#N`` around each step and inside it always exactly one phase
-range (``lit_ddp.forward``, ``.backward``, ``.update``, ``.data``, and ``.other`` between them; the names are
-``lit_ddp.analysis.trace``'s). They show in any trace viewer (Perfetto, TensorBoard's profiler view, HTA). The
-trace goes
-through ``export_chrome_trace`` to ``<log_dir>/traces/rank<r>.pt.trace.json.gz`` (gzip; ``distributedInfo`` names
-the rank) and is read as JSON by ``lit_ddp.analysis.trace``: no torch internals.
-
-No marker kernels: ``lit_ddp.analysis.trace`` gives each GPU op to the phase whose CPU range was open when the CPU
-queued it, through the trace's own link (the op's correlation id is its launch's). That is the phase's own work,
-whenever the GPU ran it; a marker kernel bounded a phase on its own stream only, while NCCL runs on another, and
-finding it needed kineto's in-memory events (torch internals, which changed between 2.11 and 2.13). A phase's
-GPU-busy time is the union of its ops' intervals. Ops of different phases may run at once (an all-reduce queued
-in backward under the update's kernels), so the phases can add up to more than the step, whose busy time is the
-union of all the ops it queued.
-
-With Lightning's ``PyTorchProfiler`` (``--trainer.profiler pytorch``) PhaseTimer starts no profiler (one runs at a
-time, and Lightning's disables any other when it starts): its ranges go into every step, and at the end of
-training it reads the traces that profiler has written by then (``fit-*.pt.trace.json`` in its ``dirpath``).
+PhaseTimer's ``record_function`` ranges (``lit_ddp.step#N``, and one phase range inside it at every moment) go
+into the trace; with Lightning's ``PyTorchProfiler`` no profiler of its own is started and that one's traces are
+read instead. Why a trace and not marker kernels, and how ops are given to phases: docs/traces.md.
 """
 
 import math

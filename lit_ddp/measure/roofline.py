@@ -2,15 +2,11 @@
 
     python -m lit_ddp.fit --config configs/mini_train_profile.yaml --devices 2    # PhaseTimer prints its table
 
-Three measurements, each from the real thing rather than from a model of it:
-
-- ``count_step_flops`` runs the module's own ``training_step`` once on a real batch under torch's
-  ``FlopCounterMode`` and takes the gradient of its loss, so every op the step dispatches is counted
-  (attention, embeddings, convolutions), not only ``nn.Linear``. It can run inside a fit, from a callback
-  hook, without changing what the fit computes.
-- ``optimizer_update_bytes`` reads the optimizer's real state, so SGD, momentum, Adam and AMSGrad each move
-  what they actually keep.
-- ``GPU_PEAKS`` / ``peak_for`` give the datasheet peak of the device torch reports, for the step's dtype.
+``count_step_flops`` runs the module's own ``training_step`` once on a real batch under torch's
+``FlopCounterMode`` and takes the gradient of its loss, so every op the step dispatches is counted;
+``optimizer_update_bytes`` reads the optimizer's real state, so each optimizer moves what it actually keeps;
+``GPU_PEAKS`` / ``peak_for`` give the datasheet peak of the device torch reports, for the step's dtype. What the
+roofline table shows: docs/output.md.
 """
 
 from collections.abc import Iterator, Mapping

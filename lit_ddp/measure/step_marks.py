@@ -2,9 +2,9 @@
 
     python -m lit_ddp.fit --config configs/mini_train_profile.yaml --devices 2 --trainer.accumulate_grad_batches 4
 
-A step is an optimizer step. With gradient accumulation it runs several batches (micro-batches), each with its
-own forward, backward and data boundaries (``lit_ddp.records.schema.BOUNDARIES``), and one update, in the last one. Each
-phase of the step is the sum of its spans over the micro-batches. Work inside fit that is no training step's
+With gradient accumulation a step (docs/architecture.md) runs several batches (micro-batches), each with its own
+forward, backward and data boundaries (``lit_ddp.records.schema.BOUNDARIES``), and one update, in the last one.
+Each phase of the step is the sum of its spans over the micro-batches. Work inside fit that is no training step's
 (validation, run by Lightning between two batches) is marked as a span of its own and taken out of the step and
 of the ``data`` phase it falls in: it is reported apart (``RankPhases.outside``).
 """

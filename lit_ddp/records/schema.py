@@ -5,20 +5,9 @@ forecast, the benchmarks, the notebook and the tests read back, by field name.
     python -m lit_ddp.report runs/mini_train_profile/version_0                   # reads them
 
 ``phases.json`` is a ``PhaseRecord`` (PhaseTimer), ``comm.json`` a ``CommRecord`` (CommMonitor); both carry
-``schema`` (``SCHEMA_VERSION``) and a ``RunMeta``. Times are milliseconds.
-
-Steps. A step is an optimizer step: with gradient accumulation its phases are summed over its micro-batches
-(``StepRow.micro_batches``), and validation run inside fit is kept out of them (``RankPhases.outside``). Step 0
-is warm-up (the allocator, kernel selection, Adam's state, DDP's bucket rebuild); the steps PhaseTimer profiled
-for GPU-busy time are slowed by the profiler, and a step the 16-mixed grad scaler skipped (inf/NaN gradients)
-did no update (``PhaseRecord.skipped_steps``). Every other step is *steady* (``is_steady``), and every median,
-minimum and maximum the tool reports is over the steady steps.
-
-A record that scales with the job. A rank keeps the per-step detail of a bounded window of steps
-(``Window``: the first ``HEAD_STEPS``, the profiled ones and the last ``TAIL_STEPS``), and for all steady steps
-a running ``Sketch`` per figure (count, sum, min, max and a quantile sketch whose quantiles are within
-``Sketch.RELATIVE_ACCURACY`` of the exact ones). So a record's size does not grow with the number of steps,
-and it is brought to rank 0 only, once, at the end of training.
+``schema`` (``SCHEMA_VERSION``) and a ``RunMeta``. Times are milliseconds. Which steps are steady (``is_steady``)
+and the bounded window of steps a rank keeps (``Window``) are defined here too. The fields, what a step is, and
+the window: docs/architecture.md.
 """
 
 import dataclasses

@@ -4,11 +4,8 @@ sources, a fit to a measured probe, and the time of one all-reduce of S bytes on
     python -m lit_ddp.allreduce_probe --nproc 2 --out probe.json             # measure a link
     python -m lit_ddp.report RUN --forecast 8,64 --link measured --probe probe.json
 
-The formulas are in ``lit_ddp.forecast``'s docstring (the model of a step). ``busbw`` is nccl-tests' bus
-bandwidth (``doc/PERFORMANCE.md``), the figure that does not depend on n; ``a`` is the latency of one step.
-Check against nccl-tests: 2 nodes x 8 H100 with the presets give busbw 2(15/16) / max(1.75 / 450, (1/8) / 45)
-= 482 GB/s, NVLink-bound, where nccl-tests reports 400-450 GB/s for such nodes: the model is about 10%
-optimistic for large messages there.
+``busbw`` is nccl-tests' bus bandwidth, the figure that does not depend on n; ``a`` is the latency of one step.
+The formulas, and the presets checked against nccl-tests: docs/forecast.md.
 """
 
 import json

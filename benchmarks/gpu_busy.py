@@ -24,9 +24,9 @@ from benchmarks.common import fmt_num, fmt_pct, ratio
 from benchmarks.gpu_fits import DIM, KERNEL_STEPS, LIMIT, Budget, Section, StepWindow, fit, profiled_fit, quiet_loss
 from lit_ddp.analysis import trace
 from lit_ddp.analysis.tables import table
+from lit_ddp.analysis.trace import union_length
 from lit_ddp.callbacks import CommMonitor, PhaseTimer
 from lit_ddp.callbacks.phase_timer import FIRST_PROFILED_STEP
-from lit_ddp.measure.profiling import union_ms
 from lit_ddp.records.schema import PhaseRecord
 
 
@@ -86,7 +86,7 @@ def file_busy_ms(path: Path) -> float:
 
 
 def sum_ms(intervals: Iterable[tuple[float, float]], start: float = -math.inf, end: float = math.inf) -> float:
-    """Sum of the intervals' lengths inside ``[start, end]``: overlapping time counts twice, unlike ``union_ms``."""
+    """Sum of the intervals' lengths inside ``[start, end]``: overlapping time counts twice, unlike ``union_length``."""
     return sum(max(0.0, min(e, end) - max(s, start)) for s, e in intervals)
 
 
@@ -165,8 +165,8 @@ def busy_section(budget: Budget) -> Section:
         section.verdicts.append("busy: NOT MEASURED (no busy_ms from PhaseTimer, or no step ranges in its trace)")
         return section
     (first_label, w0, _), (last_label, _, w1) = gpu.steps[0], gpu.steps[-1]
-    kernel_union = union_ms(gpu.kernels, w0, w1)
-    with_annotations = union_ms(gpu.kernels + [(s, e) for _, s, e in gpu.annotations], w0, w1)
+    kernel_union = union_length(gpu.kernels, w0, w1)
+    with_annotations = union_length(gpu.kernels + [(s, e) for _, s, e in gpu.annotations], w0, w1)
     second, second_busy = independent_profile_ms()
     measures = [
         ("(a) same trace: union of kernel intervals, first to last step on the GPU", kernel_union),

@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import common, gpu_busy, gpu_events, gpu_fits, gpu_scaling, gpu_syncs, step_time
-from lit_ddp.measure.profiling import union_ms
+from lit_ddp.analysis.trace import union_length
 from lit_ddp.records.schema import PhaseRecord, RankPhases, RunMeta, StepPhases, StepRow
 from tests.runner import ROOT, pythonpath
 
@@ -127,7 +127,7 @@ def test_the_busy_section_reads_a_chrome_trace_through_lit_ddp_trace():
     ops = [(e["ts"], e["ts"] + e["dur"]) for e in raw["traceEvents"]
            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("ph") == "X"]  # fmt: skip
     assert gpu_busy.file_busy_ms(ROOT / "tests" / "data" / "a100_nccl_2rank_rank0.json.gz") == pytest.approx(
-        union_ms(ops) / 1e3
+        union_length(ops) / 1e3
     )
     with profile(activities=[ProfilerActivity.CPU]) as cpu_only:  # exported, read back: no GPU op in it
         torch.ones(4) @ torch.ones(4)

@@ -11,7 +11,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from lit_ddp.analysis import trace
-from lit_ddp.measure.profiling import Busy, Ranges, TraceRecorder, describe, read_busy, union_ms
+from lit_ddp.measure.profiling import Busy, Ranges, TraceRecorder, describe, read_busy
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -20,15 +20,6 @@ BOUNDARIES = ("forward_start", "forward_end", "backward_start", "backward_end", 
 # The phase ranges of one step, in order: "other" between the phases.
 ONE_STEP = [trace.OTHER, trace.FORWARD, trace.OTHER, trace.BACKWARD, trace.OTHER, trace.UPDATE, trace.OTHER,
             trace.DATA]  # fmt: skip
-
-
-def test_busy_is_the_union_of_intervals_clipped_to_the_window():
-    kernels = [(0.0, 1.0), (0.5, 2.0), (3.0, 4.0), (9.0, 12.0)]
-    assert union_ms(kernels, 0.0, 10.0) == pytest.approx(2.0 + 1.0 + 1.0)  # overlap counted once, tail clipped
-    assert union_ms(kernels, 1.5, 3.5) == pytest.approx(0.5 + 0.5)
-    assert union_ms(kernels, 5.0, 8.0) == 0.0  # idle window
-    assert union_ms([], 0.0, 1.0) == 0.0
-    assert union_ms([(0, 2), (1, 3), (5, 6)]) == 4  # unbounded: all of it
 
 
 class Log:

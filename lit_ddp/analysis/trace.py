@@ -68,8 +68,8 @@ class NoGpuEvents(TraceError):
 
 
 class Interval(NamedTuple):
-    start_us: float
-    end_us: float
+    start: float
+    end: float
 
 
 @dataclass(frozen=True)
@@ -222,37 +222,44 @@ def _phase_of(name: str) -> Optional[str]:
     return next((phase for pattern, phase in PHASE_PATTERNS if pattern.fullmatch(name)), None)
 
 
-def merge(intervals: Iterable[Interval]) -> list[Interval]:
-    """The union of ``intervals`` as disjoint intervals in time order."""
+def merge(intervals: Iterable[tuple[float, float]]) -> list[Interval]:
+    """The union of (start, end) ``intervals`` as disjoint intervals in time order."""
     merged: list[Interval] = []
     for start, end in sorted(intervals):
-        if merged and start <= merged[-1].end_us:
-            merged[-1] = Interval(merged[-1].start_us, max(merged[-1].end_us, end))
+        if merged and start <= merged[-1].end:
+            merged[-1] = Interval(merged[-1].start, max(merged[-1].end, end))
         else:
             merged.append(Interval(start, end))
     return merged
 
 
 def _length(merged: Sequence[Interval]) -> float:
-    return sum(i.end_us - i.start_us for i in merged)
+    return sum(i.end - i.start for i in merged)
+
+
+def union_length(intervals: Iterable[tuple[float, float]], start: float = -math.inf, end: float = math.inf) -> float:
+    """Length of the union of (start, end) ``intervals`` inside ``[start, end]``, in their unit: the time something
+    was busy (also CommMonitor's communication time); an interval that ends before it starts counts for nothing."""
+    clipped = ((max(s, start), min(e, end)) for s, e in intervals)
+    return _length(merge((s, e) for s, e in clipped if e > s))
 
 
 def breakdown(ops: Sequence[GpuOp], kernel_wait_us: float = KERNEL_WAIT_US) -> Optional[Breakdown]:
     """The module docstring's figures for ``ops``; None when there are none."""
     if not ops:
         return None
-    busy = merge(Interval(op.start_us, op.end_us) for op in ops)
-    compute = merge(Interval(op.start_us, op.end_us) for op in ops if op.kind == "compute")
-    comm = merge(Interval(op.start_us, op.end_us) for op in ops if op.kind == "communication")
+    busy = merge((op.start_us, op.end_us) for op in ops)
+    compute = merge((op.start_us, op.end_us) for op in ops if op.kind == "compute")
+    comm = merge((op.start_us, op.end_us) for op in ops if op.kind == "communication")
     waits = {"host": 0.0, "kernel": 0.0, "other": 0.0}
     by_start = sorted(ops, key=lambda op: op.start_us)
     starts = [op.start_us for op in by_start]
     for before, after in zip(busy, busy[1:], strict=False):
-        gap = after.start_us - before.end_us
-        first = by_start[bisect_right(starts, after.start_us) - 1]  # an op that starts the busy stretch
-        late = first.launch_us is not None and first.launch_us > before.end_us
+        gap = after.start - before.end
+        first = by_start[bisect_right(starts, after.start) - 1]  # an op that starts the busy stretch
+        late = first.launch_us is not None and first.launch_us > before.end
         waits["host" if late else "kernel" if gap < kernel_wait_us else "other"] += gap
-    span = busy[-1].end_us - busy[0].start_us
+    span = busy[-1].end - busy[0].start
     comm_us = _length(comm)
     overlap = _length(compute) + comm_us - _length(merge([*compute, *comm]))  # both at once
     return Breakdown(span, _length(busy), span - _length(busy), _length(compute), _length(busy) - _length(compute),
@@ -328,8 +335,8 @@ def _exposed(placed: list[PlacedOp], gradients: list[Collective]) -> Optional[fl
     ends = [p.op.end_us for p in placed if p.phase == "backward" and p.op.kind == "compute"]
     if not ends:
         return None
-    tails = [Interval(max(c.start_us, max(ends)), c.start_us + c.duration_us) for c in gradients]
-    return _length(merge(t for t in tails if t.end_us > t.start_us))
+    tails = [(max(c.start_us, max(ends)), c.start_us + c.duration_us) for c in gradients]
+    return union_length(tails)
 
 
 def bus_factor(name: str, n: int) -> Optional[float]:

@@ -23,13 +23,12 @@ from torch.profiler import record_function
 from typing_extensions import override
 
 from lit_ddp import _lightning
-from lit_ddp.analysis.trace import BUCKET_PREFIX
+from lit_ddp.analysis.trace import BUCKET_PREFIX, union_length
 from lit_ddp.callbacks.shared import gather_to_zero, log_metrics, meta, profiled_steps, report_timers
 from lit_ddp.callbacks.step_sync import StepSync
 from lit_ddp.measure import clock
 from lit_ddp.measure.clock import ClockOffset, HostClock, clock_for
 from lit_ddp.measure.gradients import check_all_used, without_grad
-from lit_ddp.measure.profiling import union_ms
 from lit_ddp.records.schema import CommRecord, RankComm, Sketch, StepBuckets, Window, is_steady
 
 COMPRESSION_WRAPPERS = {
@@ -231,7 +230,7 @@ class CommMonitor(Callback):
             bytes=[b.nbytes for b in buckets],
             ms=[ms(b.start, b.end) for b in buckets],
             ready_ms=[ms(b.backward_start, b.start) if b.backward_start is not None else 0.0 for b in buckets],
-            busy_ms=union_ms(spans),
+            busy_ms=union_length(spans),
             exposed_ms=max(end for _, end in spans) - max(start for start, _ in spans),
             arrival_s=[b.arrival for b in buckets],
             micro_batches=self._backwards.pop(step, 1),

@@ -10,7 +10,6 @@ into the trace; with Lightning's ``PyTorchProfiler`` no profiler of its own is s
 read instead. Why a trace and not marker kernels, and how ops are given to phases: docs/traces.md.
 """
 
-import math
 from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
@@ -199,19 +198,3 @@ def describe(busy: Busy, where: Optional[Path], steps: Optional[range] = None) -
         return f"PhaseTimer: {count} hold no GPU events (a CPU-only profile), so there is no GPU-busy column"
     return f"PhaseTimer: GPU-busy time of {len(busy.rows)} step(s) from {count} ({read})"
 
-
-def union_ms(intervals: Iterable[tuple[float, float]], start: float = -math.inf, end: float = math.inf) -> float:
-    """Length of the union of (start, end) ``intervals`` inside ``[start, end]``: time something was busy
-    (CommMonitor's communication time; the GPU check's reference figures)."""
-    clipped = sorted((max(s, start), min(e, end)) for s, e in intervals if e > start and s < end)
-    total, cur_start, cur_end = 0.0, None, None
-    for s, e in clipped:
-        if cur_end is None or s > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = s, e
-        else:
-            cur_end = max(cur_end, e)
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lit_ddp.analysis.trace import allreduce_bus_factor
 from lit_ddp.run.rendezvous import init_loopback_process_group
 from lit_ddp.scaling.links import ProbePoint, fit_probe
 
@@ -74,7 +75,7 @@ def sizes_between(min_bytes: int, max_bytes: int) -> list[int]:
 
 def probe_points(sizes: list[int], times_ms: list[list[float]], world_size: int) -> list[ProbePoint]:
     """Per size, the median time over iterations, algbw = S / t and busbw = algbw x 2(n-1)/n (nccl-tests)."""
-    ring = 2 * (world_size - 1) / world_size
+    ring = allreduce_bus_factor(world_size)
     points = []
     for nbytes, per_iter in zip(sizes, times_ms, strict=True):
         ms = statistics.median(per_iter)

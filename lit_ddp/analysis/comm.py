@@ -12,6 +12,7 @@ from typing import Optional
 from lit_ddp.analysis import stragglers
 from lit_ddp.analysis.phases import DEFAULT_PRECISION, sketch_or
 from lit_ddp.analysis.tables import fmt_ms, table
+from lit_ddp.analysis.trace import allreduce_bus_factor
 from lit_ddp.records.schema import CommRecord, PhaseRecord, Sketch
 
 
@@ -41,7 +42,7 @@ def comm_table(record: CommRecord, phases: Optional[PhaseRecord] = None) -> str:
     that a straggler does not pass for a slow link.
     """
     n = record.meta.world_size
-    ring = 2 * (n - 1) / n
+    ring = allreduce_bus_factor(n)
     found = stragglers.find_straggler(record, phases)
     rows = []
     for b, nbytes in enumerate(record.layout):

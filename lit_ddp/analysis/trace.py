@@ -339,10 +339,17 @@ def _exposed(placed: list[PlacedOp], gradients: list[Collective]) -> Optional[fl
     return union_length(tails)
 
 
+def allreduce_bus_factor(n: int) -> float:
+    """2(n-1)/n, nccl-tests' busbw / algbw of an all-reduce over ``n`` ranks: the share of its S bytes each rank
+    sends (and receives) in a ring all-reduce, the notes' "2x the parameter size per step" for large n."""
+    return 2 * (n - 1) / n
+
+
 def bus_factor(name: str, n: int) -> Optional[float]:
     """nccl-tests' busbw / algbw of collective ``name`` over ``n`` ranks; None for one it has no factor for."""
     ring = (n - 1) / n
-    return {"all_reduce": 2 * ring, **dict.fromkeys(_RING_ONCE, ring), **dict.fromkeys(_DIRECT, 1.0)}.get(name)
+    return {"all_reduce": allreduce_bus_factor(n), **dict.fromkeys(_RING_ONCE, ring),
+            **dict.fromkeys(_DIRECT, 1.0)}.get(name)  # fmt: skip
 
 
 def collective_name(op: GpuOp) -> str:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from lit_ddp.analysis.trace import allreduce_bus_factor
 from lit_ddp.errors import ForecastError
 
 BYTES_PER_MS_PER_GBPS = 1e6  # bytes per ms in one GB/s: times are ms, sizes bytes
@@ -82,7 +83,7 @@ def ring_ms(nbytes: float, n: int, link: Link) -> float:
     """Ring all-reduce of ``nbytes`` on ``n`` ranks: 2(n-1) steps, each rank sends 2(n-1)/n x S."""
     if n == 1:
         return 0.0
-    return 2 * (n - 1) * link.hop_latency_us / 1e3 + 2 * (n - 1) / n * nbytes / (
+    return 2 * (n - 1) * link.hop_latency_us / 1e3 + allreduce_bus_factor(n) * nbytes / (
         link.busbw_gbps * BYTES_PER_MS_PER_GBPS
     )
 
@@ -94,8 +95,8 @@ def allreduce_ms(nbytes: float, ranks: int, topo: Topology) -> float:
         return ring_ms(nbytes, ranks, topo.intra)
     m = ranks // g
     latency = 2 * (g - 1) * topo.intra.hop_latency_us + 2 * math.ceil(math.log2(m)) * topo.inter.hop_latency_us
-    intra = 2 * (g - 1) / g * nbytes / (topo.intra.busbw_gbps * BYTES_PER_MS_PER_GBPS)
-    inter = 2 * (m - 1) / m * (nbytes / g) / (topo.inter.busbw_gbps * BYTES_PER_MS_PER_GBPS)
+    intra = allreduce_bus_factor(g) * nbytes / (topo.intra.busbw_gbps * BYTES_PER_MS_PER_GBPS)
+    inter = allreduce_bus_factor(m) * (nbytes / g) / (topo.inter.busbw_gbps * BYTES_PER_MS_PER_GBPS)
     return latency / 1e3 + max(intra, inter)
 
 
@@ -118,11 +119,10 @@ def fit_probe(points: Sequence[ProbePoint], world_size: int, name: str = "measur
         intercept, slope = 0.0, sxy / sxx
     if slope <= 0:
         raise ForecastError(f"the probe's times do not grow with size (slope {slope!r} ms/byte): no bandwidth to fit")
-    ring = 2 * (world_size - 1)
     return Link(
         name,
-        busbw_gbps=ring / world_size / slope / BYTES_PER_MS_PER_GBPS,
-        hop_latency_us=intercept / ring * 1e3,
+        busbw_gbps=allreduce_bus_factor(world_size) / slope / BYTES_PER_MS_PER_GBPS,
+        hop_latency_us=intercept / (2 * (world_size - 1)) * 1e3,  # 2(n-1) steps of a ring
         source=source,
     )
 

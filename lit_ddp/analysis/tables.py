@@ -17,10 +17,10 @@ def fmt_si(value: float, unit: str) -> str:
     return f"{scaled:.0f} {unit}" if not prefix and scaled == int(scaled) else f"{scaled:.{digits}f} {prefix}{unit}"
 
 
-def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """Columns padded to their widest cell; the first left-aligned, the rest right-aligned."""
+def table(header: Sequence[str], rows: Sequence[Sequence[object]], left: int = 1) -> str:
+    """Columns padded to their widest cell; the first ``left`` left-aligned (names), the rest right-aligned."""
     cells = [[str(c) for c in row] for row in [header, *rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+    lines = ["  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
              for row in cells]  # fmt: skip
     return "\n".join(line.rstrip() for line in lines)

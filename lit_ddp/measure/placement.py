@@ -14,6 +14,8 @@ from typing import Optional, TypedDict
 
 import torch
 
+from lit_ddp.analysis.tables import table
+
 
 class RankPlacement(TypedDict):
     rank: int
@@ -98,7 +100,4 @@ def format_table(rows: list[RankPlacement]) -> str:
         )
         for r in rows
     ]
-    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
-    return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in [header, *body]
-    )
+    return table(header, body, left=len(header))  # names and labels, no figures: every column left-aligned

@@ -33,6 +33,7 @@ if not __package__:  # run as a file: the repository on sys.path instead of benc
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks.common import ROOT, child_env  # noqa: E402
+from lit_ddp.analysis.tables import fmt_bandwidth  # noqa: E402
 from lit_ddp.errors import ForecastError  # noqa: E402
 from lit_ddp.scaling.links import topology  # noqa: E402
 from lit_ddp.scaling.model import Bucket, Measured, measured_run, simulate  # noqa: E402
@@ -109,7 +110,7 @@ def check(dim: int, steps: int, tmp: Path) -> tuple[float, float]:
 
     print(f"\ndim {dim}, 4 layers, {len(one.buckets)} buckets ({sum(b.nbytes for b in one.buckets):,.0f} bytes), "
           f"gloo; medians of {one.n_steps} / {side.n_steps} / {two.n_steps} steady steps; probe fit: busbw "
-          f"{topo.intra.busbw_gbps:.3f} GB/s, {topo.intra.hop_latency_us:.0f} us per step")  # fmt: skip
+          f"{fmt_bandwidth(topo.intra.busbw_gbps)}, {topo.intra.hop_latency_us:.0f} us per step")  # fmt: skip
     print(f"{'ms':<24}{'1 rank':>10}{'1+1 rank':>10}{'fcst(1)':>10}{'fcst(1+1)':>10}{'2 ranks':>10}"
           f"{'err(1)':>10}{'err(1+1)':>10}")  # fmt: skip
     fc = (from_one, from_side)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lit_ddp.analysis.tables import fmt_bandwidth, table
 from lit_ddp.analysis.trace import allreduce_bus_factor
 from lit_ddp.run.rendezvous import init_loopback_process_group
 from lit_ddp.scaling.links import ProbePoint, fit_probe
@@ -163,15 +164,13 @@ def probe(nproc: int, max_bytes: int, min_bytes: int = KIB, warmup: int = 3, ite
 def format_probe(record: dict) -> str:
     """The nccl-tests-style table and the fitted link."""
     lines = [f"all-reduce, {record['backend']}, {record['world_size']} ranks, {record['dtype']}, "
-             f"median of {record['iters']} after {record['warmup']} warm-up:",
-             f"{'size (B)':>12}  {'time (ms)':>10}  {'algbw (GB/s)':>12}  {'busbw (GB/s)':>12}"]  # fmt: skip
-    for row in record["rows"]:
-        lines.append(
-            f"{row['nbytes']:>12,}  {row['ms']:>10.3f}  {row['algbw_gbps']:>12.3f}  {row['busbw_gbps']:>12.3f}"
-        )
+             f"median of {record['iters']} after {record['warmup']} warm-up:"]  # fmt: skip
+    rows = [(f"{r['nbytes']:,}", f"{r['ms']:.3f}", fmt_bandwidth(r["algbw_gbps"]), fmt_bandwidth(r["busbw_gbps"]))
+            for r in record["rows"]]  # fmt: skip
+    lines.append(table(("size (B)", "time (ms)", "algbw", "busbw"), rows))
     n, fit = record["world_size"], record["fit"]
-    lines.append(f"fit: t = 2(n-1) x {fit['hop_latency_us']:.1f} us + 2(n-1)/n x S / {fit['busbw_gbps']:.3f} GB/s "
-                 f"(n = {n})")  # fmt: skip
+    lines.append(f"fit: t = 2(n-1) x {fit['hop_latency_us']:.1f} us + 2(n-1)/n x S / "
+                 f"{fmt_bandwidth(fit['busbw_gbps'])} (n = {n})")  # fmt: skip
     return "\n".join(lines)
 
 

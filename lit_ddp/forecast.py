@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lit_ddp.analysis.tables import fmt_ms, table
+from lit_ddp.analysis.tables import fmt_bandwidth, fmt_ms, table
 from lit_ddp.errors import ForecastError
 from lit_ddp.scaling.links import BYTES_PER_MS_PER_GBPS, LINK_NAMES, Topology, check_ranks, topology
 from lit_ddp.scaling.model import Measured, measured_run, simulate, what_ifs
@@ -34,7 +34,7 @@ def report(run: Measured, topo: Topology, ranks: Sequence[int], caps_mib: Sequen
         + " ms after backward start",
     ]
     for role, link in (("intra-node", topo.intra), ("inter-node", topo.inter)):
-        lines.append(f"{role} link {link.name}: busbw {link.busbw_gbps:.3g} GB/s, {link.hop_latency_us:.3g} us "
+        lines.append(f"{role} link {link.name}: busbw {fmt_bandwidth(link.busbw_gbps)}, {link.hop_latency_us:.3g} us "
                      f"per step ({link.source})")  # fmt: skip
     lines.append(
         "exposed comm: from the end of backward's compute to the end of the last all-reduce (as CommMonitor); "
@@ -65,7 +65,7 @@ def report(run: Measured, topo: Topology, ranks: Sequence[int], caps_mib: Sequen
         "each against their own 1-rank step: removing the copy-back shortens every N, 1 included)."
     )
     total = sum(b.nbytes for b in run.buckets)
-    copy = f"{total / run.tail_ms / BYTES_PER_MS_PER_GBPS:.1f} GB/s" if run.tail_ms > 0 else "-"
+    copy = fmt_bandwidth(total / run.tail_ms / BYTES_PER_MS_PER_GBPS) if run.tail_ms > 0 else "-"
     lines.append(
         f"The tail after communication ({fmt_ms(run.tail_ms)} for {total:,.0f} bytes, {copy}: the speed of a memory "
         "copy) is taken as DDP's copy of each bucket back into .grad, which gradient_as_bucket_view removes; its "

@@ -29,6 +29,9 @@ def test_bandwidth_follows_the_nccl_tests_definitions():
 def test_two_ranks_busbw_equals_algbw():
     text = comm_table(comm_record(2, 1_000_000, [1.0, 1.0]))
     assert re.search(r"^0\s+1,000,000\s+1\.00 ms\s+1\.00 GB/s\s+1\.00 GB/s", text, re.M), text
+    # A small bucket on a slow link: its unit by magnitude (82,000 bytes in 4 ms), not 0.02 GB/s.
+    text = comm_table(comm_record(2, 82_000, [4.0, 4.0]))
+    assert re.search(r"^0\s+82,000\s+4\.00 ms\s+20\.5 MB/s\s+20\.5 MB/s", text, re.M), text
 
 
 class WithValidation(LightningModule):

@@ -286,7 +286,7 @@ def test_run_prints_table_and_writes_plot(tmp_path):
     rows = forecast_rows(text)
     assert rows["1"] == ["1", "1", "17.00", "ms", "0.00", "ms", "0.00", "ms", "100.0%", "1,882"]
     assert rows["2"] == ["2", "1", "17.20", "ms", "0.60", "ms", "1.00", "ms", "98.8%", "3,721"]
-    assert "intra-node link measured: busbw 0.001 GB/s, 0 us per step" in text
+    assert "intra-node link measured: busbw 1.00 MB/s, 0 us per step" in text
     assert (run_dir / "forecast.png").stat().st_size > 10_000
     text = forecast.run(parse("--forecast", "8,64", "--link", "nvlink+ib400"), run_dir)
     rows = forecast_rows(text)

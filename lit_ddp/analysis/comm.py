@@ -11,7 +11,7 @@ from typing import Optional
 
 from lit_ddp.analysis import stragglers
 from lit_ddp.analysis.phases import DEFAULT_PRECISION, sketch_or
-from lit_ddp.analysis.tables import fmt_ms, table
+from lit_ddp.analysis.tables import fmt_bandwidth, fmt_ms, table
 from lit_ddp.analysis.trace import allreduce_bus_factor
 from lit_ddp.records.schema import CommRecord, PhaseRecord, Sketch
 
@@ -48,7 +48,7 @@ def comm_table(record: CommRecord, phases: Optional[PhaseRecord] = None) -> str:
     for b, nbytes in enumerate(record.layout):
         t = found.transfer_per_bucket_ms[b] if found else comm_summary(record, 0, f"bucket{b}.ms").median
         algbw = nbytes / (t / 1e3) / 1e9 if t > 0 else math.nan
-        row = (b, f"{nbytes:,}", fmt_ms(t), f"{algbw:.2f} GB/s", f"{algbw * ring:.2f} GB/s")
+        row = (b, f"{nbytes:,}", fmt_ms(t), fmt_bandwidth(algbw), fmt_bandwidth(algbw * ring))
         rows.append((*row, fmt_ms(found.wait_per_bucket_ms[b])) if found else row)
     header = ("bucket", "bytes", "transfer" if found else "time", "algbw", "busbw", *(("wait",) if found else ()))
     total = sum(record.layout)

@@ -1,5 +1,6 @@
 """Text tables and times as the tool prints them (report, forecast)."""
 
+import math
 from collections.abc import Sequence
 
 
@@ -15,6 +16,12 @@ def fmt_si(value: float, unit: str) -> str:
     scaled = value / scale
     digits = 2 if abs(scaled) < 10 else 1 if abs(scaled) < 1000 else 0
     return f"{scaled:.0f} {unit}" if not prefix and scaled == int(scaled) else f"{scaled:.{digits}f} {prefix}{unit}"
+
+
+def fmt_bandwidth(gb_per_s: float) -> str:
+    """A bandwidth given in GB/s (1e9 bytes/s) as ``fmt_si`` writes bytes: ``82.0 kB/s``, ``25.3 MB/s``,
+    ``1.23 GB/s``; ``-`` when it is not known (NaN)."""
+    return "-" if math.isnan(gb_per_s) else fmt_si(gb_per_s * 1e9, "B/s")
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[object]], left: int = 1) -> str:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any, Optional
 
-from lit_ddp.analysis.tables import fmt_ms, table
+from lit_ddp.analysis.tables import fmt_bandwidth, fmt_ms, table
 from lit_ddp.analysis.trace import TRACE_PHASES, Breakdown, RankAnalysis, combine
 
 
@@ -73,8 +73,8 @@ def collective_table(analysis: RankAnalysis) -> Optional[str]:
     if not analysis.collectives:
         return None
     rows = [(c.step if c.step is not None else "-", c.name, c.kind, "?" if c.bytes is None else f"{c.bytes:,}",
-             fmt_us(c.duration_us), "-" if c.algbw_gbps is None else f"{c.algbw_gbps:.2f} GB/s",
-             "-" if c.busbw_gbps is None else f"{c.busbw_gbps:.2f} GB/s") for c in analysis.collectives]  # fmt: skip
+             fmt_us(c.duration_us), "-" if c.algbw_gbps is None else fmt_bandwidth(c.algbw_gbps),
+             "-" if c.busbw_gbps is None else fmt_bandwidth(c.busbw_gbps)) for c in analysis.collectives]  # fmt: skip
     text = (f"Collectives of rank {analysis.rank} ({len(analysis.collectives)} NCCL kernels; busbw by nccl-tests' "
             "factors for the group size):\n" + table(("step", "collective", "kind", "bytes", "time", "algbw", "busbw"),
                                                      rows))  # fmt: skip

@@ -15,7 +15,12 @@ SMALL = ("--devices", "2", "--model.dim", "64")
 
 # A sitecustomize that tells torch it has one GPU, inherited by the ranks through PYTHONPATH: a GPU machine, as far
 # as Lightning can tell without using the GPU.
-ONE_FAKE_GPU = "import torch\ntorch.cuda.is_available = lambda: True\ntorch.cuda.device_count = lambda: 1\n"
+# Lightning is told there is a GPU; torch is not: faked in torch (is_available, device_count), a CUDA build without a
+# driver initialises CUDA inside Adam's step (torch 2.14's graph-capture health check) and the rank dies.
+ONE_FAKE_GPU = (
+    "from lightning.pytorch.accelerators.cuda import CUDAAccelerator\n"
+    "CUDAAccelerator.is_available = staticmethod(lambda: True)\n"
+)
 
 
 def assert_notes_output(result, version: int) -> list[float]:

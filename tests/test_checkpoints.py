@@ -1,5 +1,8 @@
 """Checkpoints: written atomically in a fixed place, resumed exactly, refused clearly when bad."""
 
+import errno
+import io
+import os
 import pickle
 from pathlib import Path
 
@@ -158,3 +161,43 @@ def test_a_mid_epoch_resume_in_a_users_trainer_is_resumable_and_exact(make_train
     assert "not resumable" not in out.out + out.err, out.err[-2000:]
     assert_same_checkpoint(straight, resumed, global_step=9)
     assert torch.load(resumed, weights_only=True)["epoch"] == 1  # the second epoch, as uninterrupted
+
+
+class FullDisk(io.BufferedWriter):
+    """A file on a full disk: every flush fails (the data the buffer spilled before is on disk: a torn file)."""
+
+    def flush(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("fails", ["flush", "fsync", "replace"])
+def test_atomic_save_keeps_the_old_checkpoint_when_flushing_syncing_or_renaming_fails(tmp_path, monkeypatch, fails):
+    """A disk that fills up, an fsync that reports a lost write, a rename refused: the error reaches the caller,
+    the old ``last.ckpt`` is whole, and no partial file is left, under its name or beside it."""
+    from lit_ddp.run import checkpointing
+
+    writer = AtomicCheckpointIO()
+    target = tmp_path / "last.ckpt"
+    writer.save_checkpoint({"step": 1}, target)
+    calls = []
+
+    def fail(*args, **kwargs):
+        calls.append(fails)
+        raise OSError(errno.EIO, f"injected {fails} failure")
+
+    if fails == "flush":
+        monkeypatch.setattr(checkpointing, "open", lambda path, mode: FullDisk(io.FileIO(path, "w")), raising=False)
+    else:  # a refused os.replace: os.rename is refused alike (a writer that falls back to a copy is not atomic)
+        for name in ("fsync",) if fails == "fsync" else ("replace", "rename"):
+            monkeypatch.setattr(os, name, fail)
+    try:
+        writer.save_checkpoint({"step": 2, "weights": torch.arange(100_000.0)}, target)  # 400 kB: buffers spill
+        error = None
+    except OSError as err:
+        error = err
+    monkeypatch.undo()
+    assert error is not None, f"the save went on as if written when {fails} failed (injected failures raised: {calls})"
+    assert ("No space left" if fails == "flush" else f"injected {fails} failure") in str(error), error
+    assert target.is_file(), "the old checkpoint is gone"
+    assert torch.load(target, weights_only=True) == {"step": 1}, "the old checkpoint was overwritten"
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"], "a partial file was left behind"

@@ -56,3 +56,34 @@ def test_a_launched_rank_takes_its_launchers_version_and_other_ranks_claim_nothi
     logger["init_args"]["version"] = None
     assert claim_version({"logger": logger}) is None
     assert not (tmp_path / "x").exists()
+
+
+def test_a_version_another_run_creates_first_is_never_shared(tmp_path, monkeypatch):
+    """The race forced: between this run's look at the folder (version_0 and version_3 there: it picks 4) and its
+    ``mkdir``, another run creates version_4, and then version_5 too. This one must take version_6, the first it
+    created itself, and leave the others' folders as they were."""
+    import pathlib
+
+    monkeypatch.delenv(VERSION_ENV, raising=False)
+    root = tmp_path / "runs" / "x"
+    for name in ("version_0", "version_3"):
+        (root / name).mkdir(parents=True)
+    real_mkdir = pathlib.Path.mkdir
+    others = []
+
+    def mkdir(self, *args, **kwargs):
+        if self.parent == root and self.name in ("version_4", "version_5") and self.name not in others:
+            others.append(self.name)
+            real_mkdir(self)  # the other run, just before this one
+            (self / "metrics.csv").write_text("the other run's\n")
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", mkdir)
+    logger = {"init_args": {"save_dir": str(tmp_path / "runs"), "name": "x", "version": None}}
+    version = claim_version({"logger": logger})
+    monkeypatch.undo()
+    assert version == logger["init_args"]["version"] == 6, f"claimed version_{version}, which another run created"
+    assert others == ["version_4", "version_5"]  # the clash did happen, twice
+    assert sorted(p.name for p in root.iterdir()) == ["version_0", "version_3", "version_4", "version_5", "version_6"]
+    for name in ("version_4", "version_5"):
+        assert [p.name for p in (root / name).iterdir()] == ["metrics.csv"]

@@ -158,3 +158,30 @@ def test_the_report_and_the_forecast_name_it(make_trainer, tmp_path):
     assert result.returncode == 0, result.stderr
     assert re.search(r"^Verdict: straggler: rank 1 arrives .* its update phase", result.stdout, re.M), result.stdout
     assert re.search(r"^straggler: rank 1 \(update \+\d+\.\d ms\) paces every step above", result.stdout, re.M)
+
+
+def late_at(steps_late: int, late_ms: float, steps: int = 13, buckets: int = 2) -> CommRecord:
+    """Two ranks, ``buckets`` buckets: rank 1 hands every bucket over ``late_ms`` after rank 0 in ``steps_late``
+    of the steady steps (1..steps-1) and 1 ms before it in the others."""
+    from tests.records import comm_record
+
+    def row(rank: int, step: int) -> StepBuckets:
+        late = step >= steps - steps_late
+        shift = 0.0 if rank == 0 else late_ms if late else -1.0
+        arrival = [(1000.0 * step + 10.0 * b + shift) / 1e3 for b in range(buckets)]
+        return StepBuckets(step, [1000] * buckets, [2.0] * buckets, [0.0] * buckets, 0.0, 0.0, arrival)
+
+    return comm_record([[row(r, s) for s in range(steps)] for r in (0, 1)], param_bytes=1000 * buckets)
+
+
+@pytest.mark.parametrize("steps_late", [7, 8])  # 58% and 67% of the all-reduces: well under STRAGGLER_SHARE
+def test_a_rank_last_under_the_required_share_is_no_straggler_however_late(steps_late):
+    """Half a second late at 7 or 8 of 12 steps (its median lateness is 500 ms, its spread around it 0): late
+    often, but not nearly always, and a rank late by chance can be that; 9 of 12 (75%) names it."""
+    found = stragglers.find_straggler(late_at(steps_late, late_ms=500.0))
+    assert found.share == pytest.approx(steps_late / 12) and found.late_ms == pytest.approx(500.0)
+    line = stragglers.verdict_line(found)
+    assert found.rank is None, f"named at {found.share:.0%} < {stragglers.STRAGGLER_SHARE:.0%}: {line}"
+    assert line.startswith("no straggler ("), line
+    named = stragglers.find_straggler(late_at(9, late_ms=500.0))
+    assert (named.rank, named.share) == (1, 0.75), stragglers.verdict_line(named)

@@ -255,3 +255,24 @@ def test_the_analysis_runs_without_torch(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["265.0", "None"]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL",  # NCCL 2.19+: ncclDevKernel_<op>_<redop>_<type>_<algo>_<proto>
+        "ncclDevKernel_Generic",  # one kernel for every collective: the name tells none
+        "ncclDevKernel_Generic_4(ncclDevKernelArgsStorage<4096ul>)",  # as kineto writes it, arguments and all
+        "ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*, unsigned long, ncclWork*)",  # NCCL before 2.19
+    ],
+)
+def test_a_nccl_kernel_without_collective_args_is_communication(tmp_path, name):
+    """A trace without ProcessGroupNCCL's record_param_comms args (``Collective name``, sizes): the kernel's name
+    alone makes it communication, newer NCCL's ``ncclDevKernel_*`` as well as the older ``ncclKernel_*``."""
+    bare = gpu(name, 475, 10, 445, stream=20)  # in step 2, after E [450,470): no args but stream and correlation
+    a = T.analyze_rank(T.load(synthetic(tmp_path, extra=bare)))
+    (op,) = [p.op for p in a.ops if p.op.start_us == 475]
+    assert op.kind == "communication", f"{name} counted as {op.kind}"
+    two = a.steps[1]
+    assert (two.step, two.breakdown.communication_us, two.breakdown.compute_us) == (2, 10, 20), two.breakdown
+    assert [(c.step, c.bytes, c.duration_us) for c in a.collectives][1:] == [(2, None, 10)]

@@ -37,6 +37,8 @@ PRIVATE_NAMES = [
     PrivateName(DDPStrategy, "_start_method", "the start method the launcher is configured with"),
     PrivateName(_SubprocessScriptLauncher, "procs", "the `ddp` launcher's Popen list of ranks 1..N-1"),
     PrivateName(_MultiProcessingLauncher, "procs", "the ddp_spawn/fork launcher's processes"),
+    PrivateName(_MultiProcessingLauncher, "get_extra_results", "CarryBackLauncher adds the callbacks' carried_back"),
+    PrivateName(_MultiProcessingLauncher, "update_main_process_results", "... and sets them in the launcher"),
     PrivateName(_SignalConnector, "_sigterm_notifier_fn", "the SIGTERM handler Lightning registers in fit"),
     PrivateName(Trainer, "_signal_connector", "the trainer's signal connector"),
     PrivateName(_SignalConnector, "_slurm_sigusr_handler_fn", "Lightning's SLURM requeue: HPC checkpoint, scontrol"),
@@ -112,3 +114,31 @@ def disable_sigterm_broadcast(trainer: Trainer) -> None:
     if not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
         raise RuntimeError("lightning changed: _TrainingEpochLoop._broadcast_sigterm_tensor is gone")
     epoch_loop._broadcast_sigterm_tensor = lambda: None
+
+
+CARRIED_BACK = "lit_ddp.carried_back"  # the key of the callbacks' attributes in the worker output's ``extra``
+
+
+class CarryBackLauncher(_MultiProcessingLauncher):
+    """Lightning's ``ddp_fork``/``ddp_spawn`` launcher that also carries back to the launching process, from
+    rank 0, the attributes each callback names in its ``carried_back`` (Lightning carries ``callback_metrics``
+    only): how StepSync saw training end when a SIGTERM reached a rank and not the launcher."""
+
+    def get_extra_results(self, trainer: Trainer) -> dict[str, Any]:
+        carried = {type(c).__qualname__: {name: getattr(c, name) for name in getattr(c, "carried_back", ())}
+                   for c in trainer.callbacks}  # fmt: skip
+        return {**super().get_extra_results(trainer), CARRIED_BACK: carried}
+
+    def update_main_process_results(self, trainer: Trainer, extra: dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        carried = extra.get(CARRIED_BACK, {})
+        for callback in trainer.callbacks:
+            for name, value in carried.get(type(callback).__qualname__, {}).items():
+                setattr(callback, name, value)
+
+
+def carry_back_callback_state(strategy: DDPStrategy) -> None:
+    """Under ``ddp_fork``/``ddp_spawn``: the strategy's launcher becomes a ``CarryBackLauncher``; call right after
+    ``DDPStrategy._configure_launcher``."""
+    if type(strategy._launcher) is _MultiProcessingLauncher:
+        strategy._launcher = CarryBackLauncher(strategy, start_method=strategy._start_method)

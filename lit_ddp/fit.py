@@ -135,7 +135,7 @@ def cli_main(args: Optional[list[str]] = None) -> Ending:
     with lifecycle.launcher_forwards_sigterm(cli.trainer.strategy) as forwarded:
         cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path, weights_only=True)
     lifecycle.teardown_process_group()
-    # A launching parent's ranks trained in children (their StepSync is not this one); elsewhere this process did.
+    # A launching parent got SIGTERM itself (forwarded), or its StepSync holds rank 0's ending (carried back).
     return Ending.SIGTERM if forwarded else StepSync.ending_of(cli.trainer)
 
 

@@ -10,6 +10,7 @@ import signal
 import time
 
 import pytest
+from lightning.pytorch import Callback
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
 from tests.runner import Running, run_fit, start_fit, start_long_run
@@ -122,3 +123,43 @@ def test_ddp_spawn_ends_when_one_rank_fails(make_trainer, how):
         assert "Timed out" in str(error.value), str(error.value)[-500:]
     else:
         assert re.search(r"[Pp]rocess 1 |rank 1", str(error.value)), str(error.value)[:500]
+
+
+class SigtermOnRank(Callback):
+    """``rank`` alone sends itself SIGTERM at the start of ``step`` (a preempted node: no other rank gets one), and
+    every rank writes the step at which its training ended to ``<directory>/rank<global rank>``."""
+
+    def __init__(self, rank: int = 1, step: int = 3, directory: str = "steps") -> None:
+        self.rank, self.step, self.directory = rank, step, directory
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_train_end(self, trainer, pl_module):
+        os.makedirs(self.directory, exist_ok=True)
+        with open(os.path.join(self.directory, f"rank{trainer.global_rank}"), "w") as f:
+            f.write(str(trainer.global_step))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sigterm_to_one_rank_only_stops_every_rank_at_the_same_step(tmp_path):
+    """Rank 1 alone gets SIGTERM, at step 3: its flag rides in the step's gather, so rank 0 stops after the same
+    step as rank 1, the checkpoint holds that step, and the run exits 143 (docs/failures.md)."""
+    import torch
+
+    result = run_fit("--devices", "2", "--model.dim", "64", "--trainer.max_steps", "50", "--trainer.logger", "false",
+                     "--checkpoint.every_n_steps", "1000000", "--trainer.strategy.timeout_s", "10",
+                     "--trainer.callbacks+=tests.test_faults.SigtermOnRank", cwd=tmp_path, timeout=90)  # fmt: skip
+    files = [tmp_path / "steps" / f"rank{rank}" for rank in (0, 1)]
+    steps = [int(f.read_text()) if f.is_file() else None for f in files]  # None: that rank's training never ended
+    assert None not in steps and steps[0] == steps[1], (
+        f"rank 0 stopped at step {steps[0]}, rank 1 at {steps[1]} (None: never), exit {result.returncode}: "
+        f"{result.stderr[-2000:]}"
+    )
+    assert 3 < steps[0] < 50, f"both ranks ran to step {steps[0]}: rank 1's SIGTERM stopped nothing"
+    assert result.returncode == 143, (result.returncode, result.stderr[-2000:])
+    assert "lit-ddp-fit: stopped by SIGTERM" in result.stderr, result.stderr[-2000:]
+    checkpoint = torch.load(tmp_path / "runs" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == steps[0]  # written at the SIGTERM, not by the every-million-steps schedule

@@ -102,3 +102,29 @@ def test_a_step_sync_listed_first_still_serves_the_callbacks_after_it(make_train
     assert steps == ["Step 0", "Step 1", "Step 2"], caplog.messages  # the last one too
     callbacks = trainer.callbacks
     assert callbacks.index(sync) == callbacks.index(monitor) + 1
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_launching_parent_learns_how_rank_0s_training_ended(start_method):
+    """Under ddp_fork/ddp_spawn the parent's StepSync never trains: rank 0's ending rides back with Lightning's
+    worker output, so a SIGTERM that reached a rank and not the parent still ends the run as one (exit 143)."""
+    import pickle
+    from types import SimpleNamespace
+
+    from lightning.pytorch import Trainer
+
+    from lit_ddp._lightning import CarryBackLauncher
+    from lit_ddp.errors import Ending
+    from lit_ddp.run.strategy import LitDDPStrategy
+
+    strategy = LitDDPStrategy(start_method=start_method)
+    Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_checkpointing=False)
+    launcher = strategy.launcher
+    assert isinstance(launcher, CarryBackLauncher), type(launcher)
+    rank0, parent = StepSync(), StepSync()
+    rank0.ending = Ending.SIGTERM
+    extra = launcher.get_extra_results(SimpleNamespace(callbacks=[LossMonitor(), rank0], callback_metrics={}))
+    extra = pickle.loads(pickle.dumps(extra))  # through the launcher's queue
+    launched = SimpleNamespace(callbacks=[parent, LossMonitor()], callback_metrics={})
+    launcher.update_main_process_results(launched, extra)
+    assert StepSync.ending_of(launched) is Ending.SIGTERM, "the launching parent reports a finished run"

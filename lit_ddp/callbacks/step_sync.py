@@ -53,6 +53,10 @@ class StepSync(Callback):
             checks). Between checks a step that nobody else needs has no collective and no host read.
     """
 
+    # Rank 0's, sent back to a launching parent (ddp_fork/ddp_spawn): a SIGTERM that reached a rank but not the
+    # parent ends the run there too (``lit_ddp._lightning.CarryBackLauncher``).
+    carried_back = ("ending",)
+
     def __init__(self, sigterm_every_n_steps: PositiveInt = 10) -> None:
         if sigterm_every_n_steps < 1:
             raise ValueError(f"`StepSync(sigterm_every_n_steps={sigterm_every_n_steps!r})` must be >= 1")

@@ -103,6 +103,7 @@ class LitDDPStrategy(DDPStrategy):
             )
             self._start_method = "fork" if fork else "popen"
         super()._configure_launcher()
+        _lightning.carry_back_callback_state(self)  # how the ranks' training ended reaches a launching parent
         lifecycle.mark_launcher(self)
 
     @override

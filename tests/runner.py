@@ -54,10 +54,12 @@ def pythonpath(*first: Path) -> str:
     return os.pathsep.join(str(p) for p in (*first, ROOT, os.environ.get("PYTHONPATH")) if p)
 
 
-def _popen(module_args: list[str], cwd: Path, env: dict | None) -> tuple[subprocess.Popen, str]:
+def _popen(
+    module_args: list[str], cwd: Path, env: dict | None, wrapper: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, str]:
     tag = uuid.uuid4().hex
     proc = subprocess.Popen(
-        [sys.executable, "-m", *module_args],
+        [*wrapper, sys.executable, "-m", *module_args],
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -87,10 +89,13 @@ def _kill_everything(proc: subprocess.Popen, tag: str) -> None:
             continue
 
 
-def run_module(*args: str, cwd: Path, timeout: float = 90, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_module(
+    *args: str, cwd: Path, timeout: float = 90, env: dict | None = None, wrapper: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     """``python -m ARGS`` in a fresh process, to completion, with a hard timeout; every process it started is
-    killed afterwards, so a hung rank never outlives the test. stdout and stderr are text, ``\\r`` kept."""
-    proc, tag = _popen(list(args), cwd, env)
+    killed afterwards, so a hung rank never outlives the test. stdout and stderr are text, ``\\r`` kept.
+    ``wrapper`` runs it through another command, e.g. ``("ip", "netns", "exec", "litddp-node1")``."""
+    proc, tag = _popen(list(args), cwd, env, wrapper)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -188,10 +193,10 @@ class Running:
 
 
 @contextmanager
-def start_module(*args: str, cwd: Path, env: dict | None = None) -> Iterator[Running]:
-    """``python -m ARGS`` in the background for the ``with`` block; afterwards every process it started is
-    killed, whatever happened."""
-    proc, tag = _popen(list(args), cwd, env)
+def start_module(*args: str, cwd: Path, env: dict | None = None, wrapper: tuple[str, ...] = ()) -> Iterator[Running]:
+    """``python -m ARGS`` (through ``wrapper``, as ``run_module``) in the background for the ``with`` block;
+    afterwards every process it started is killed, whatever happened."""
+    proc, tag = _popen(list(args), cwd, env, wrapper)
     try:
         yield Running(proc)
     finally:

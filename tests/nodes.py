@@ -1,0 +1,183 @@
+"""Nodes with a shaped network between them (``nodes/cluster.sh``) for the ``nodes`` tests, and commands run on them.
+
+    pytest -m 'slow or not slow' tests/test_nodes.py      # as root; each test makes its nodes and removes them
+
+Every cluster here is named ``litddp-test-*`` (``LIT_DDP_NODES_PREFIX``), so a cluster a user started is left
+alone, and one test's nodes are removed before the next test's are made. Where the script cannot start (not
+root, no iproute2), the tests skip with its one-line reason, or fail with it when ``LIT_DDP_NODES_REQUIRED=1``
+(CI). A rate is measured with a plain TCP transfer (python sockets) between two nodes, bounded in bytes and time.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pytest
+
+from tests.runner import ROOT, fit_command, pythonpath, start_module
+
+CLUSTER_SH = ROOT / "nodes" / "cluster.sh"
+PREFIX = "litddp-test-"
+PORT = 29500  # free in any node: each one is a fresh network namespace
+RATE_PORT = 5201
+
+
+def cluster_sh(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {**os.environ, "LIT_DDP_NODES_PREFIX": PREFIX}
+    return subprocess.run(["bash", str(CLUSTER_SH), *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def root_namespace() -> dict[str, list[str]]:
+    """What a cluster could leave behind where everyone sees it: namespaces, the root namespace's links (a veth
+    end or a bridge), its qdiscs, and the name files ``ip netns exec`` mounts."""
+
+    def lines(*argv: str) -> list[str]:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True)
+        return sorted(result.stdout.splitlines())
+
+    return {
+        "netns": lines("ip", "netns", "list"),
+        "links": lines("ip", "-o", "link", "show"),
+        "qdiscs": lines("tc", "qdisc", "show"),
+        "etc": sorted(os.listdir("/etc/netns")) if os.path.isdir("/etc/netns") else [],
+    }
+
+
+@dataclass(frozen=True)
+class Nodes:
+    count: int
+
+    @staticmethod
+    def namespace(k: int) -> str:
+        return f"{PREFIX}node{k}"
+
+    @staticmethod
+    def address(k: int) -> str:
+        return f"198.18.0.{k + 1}"
+
+    def on(self, k: int) -> tuple[str, ...]:
+        """The wrapper that runs a command on node ``k``."""
+        return ("ip", "netns", "exec", self.namespace(k))
+
+    def torchrun_fit(self, k: int, ranks_per_node: int, *fit_args: str) -> list[str]:
+        """``python -m`` arguments of torchrun's node ``k`` of ``lit_ddp.fit FIT_ARGS``, rendezvous on node 0
+        (torchrun's static rendezvous: node ranks as given)."""
+        launcher = ("torch.distributed.run", "--nnodes", str(self.count), "--nproc_per_node", str(ranks_per_node),
+                    "--node_rank", str(k), "--master_addr", self.address(0), "--master_port", str(PORT))  # fmt: skip
+        return fit_command("--devices", str(ranks_per_node), "--trainer.num_nodes", str(self.count), *fit_args,
+                           launcher=launcher)  # fmt: skip
+
+    def cut(self, k: int) -> None:
+        result = cluster_sh("cut", str(k))
+        assert result.returncode == 0, result.stderr
+
+    def mend(self, k: int) -> None:
+        result = cluster_sh("mend", str(k))
+        assert result.returncode == 0, result.stderr
+
+
+# gloo's sockets on the node's one interface (its own address, not a loopback guess from the host name).
+NODE_ENV = {"GLOO_SOCKET_IFNAME": "eth0"}
+
+
+@contextmanager
+def nodes(count: int, *rates: str) -> Iterator[Nodes]:
+    """``count`` nodes for the ``with`` block (``nodes/cluster.sh start COUNT RATES...``), removed afterwards
+    whatever happened; skips, or fails where required, when the script cannot start."""
+    cluster_sh("stop")  # a cluster of an earlier, killed test session
+    start = cluster_sh("start", str(count), *rates)
+    if start.returncode:
+        reason = (start.stderr.strip().splitlines() or [f"exit code {start.returncode}"])[-1]
+        if os.environ.get("LIT_DDP_NODES_REQUIRED") == "1":
+            pytest.fail(f"no nodes, and LIT_DDP_NODES_REQUIRED=1: {reason}")
+        pytest.skip(f"no nodes here: {reason}")
+    try:
+        yield Nodes(count)
+    finally:
+        stop = cluster_sh("stop")
+        assert stop.returncode == 0, stop.stderr
+
+
+@contextmanager
+def start_on(cluster: Nodes, k: int, *module_args: str, cwd, env: dict | None = None):
+    """``python -m MODULE_ARGS`` on node ``k`` in the background (``tests.runner.start_module``)."""
+    with start_module(*module_args, cwd=cwd, env={**NODE_ENV, **(env or {})}, wrapper=cluster.on(k)) as run:
+        yield run
+
+
+def measure_rate(
+    cluster: Nodes, sender: int, receiver: int, nbytes: int, repeat: int = 5, timeout: float = 60
+) -> float:
+    """Bits per second of a TCP transfer of ``nbytes`` from node ``sender`` to node ``receiver``, from the
+    receiver's first byte to its last: the best of ``repeat`` transfers (the link's rate bounds each from above;
+    on a busy machine a sender or receiver that waits for a core falls below it)."""
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
+    args = (cluster.address(receiver), str(nbytes), str(repeat))
+    receive = subprocess.Popen([*cluster.on(receiver), sys.executable, "-m", "tests.nodes", "receive", *args],
+                               cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        send = subprocess.run([*cluster.on(sender), sys.executable, "-m", "tests.nodes", "send", *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=timeout, env=env)  # fmt: skip
+        assert send.returncode == 0, send.stderr
+        out, _ = receive.communicate(timeout=timeout)
+    finally:
+        receive.kill()
+        receive.wait()
+    transfers = json.loads(out)
+    assert [t["bytes"] for t in transfers] == [nbytes] * repeat, transfers
+    return max(t["bits_per_s"] for t in transfers)
+
+
+def _receive(address: str, nbytes: int, repeat: int, timeout: float = 20) -> None:
+    transfers = []
+    with socket.create_server((address, RATE_PORT)) as server:
+        server.settimeout(timeout)
+        for _ in range(repeat):
+            conn, _ = server.accept()
+            with conn:
+                conn.settimeout(timeout)
+                buf, got, first, start = bytearray(1 << 20), 0, 0, 0.0
+                while got < nbytes:
+                    n = conn.recv_into(buf)
+                    if not n:
+                        break
+                    if not got:
+                        first, start = n, time.perf_counter()
+                    got += n
+                elapsed = time.perf_counter() - start
+            # The first read's bytes arrived before the clock started.
+            transfers.append({"bytes": got, "bits_per_s": (got - first) * 8 / elapsed if elapsed > 0 else 0.0})
+    print(json.dumps(transfers))
+
+
+def _send(address: str, nbytes: int, repeat: int, timeout: float = 20) -> None:
+    chunk = bytes(1 << 20)
+    for _ in range(repeat):
+        deadline = time.monotonic() + timeout
+        while True:  # until the receiver listens
+            try:
+                conn = socket.create_connection((address, RATE_PORT), timeout=timeout)
+                break
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        with conn:
+            sent = 0
+            while sent < nbytes:
+                part = chunk[: min(len(chunk), nbytes - sent)]
+                conn.sendall(part)
+                sent += len(part)
+            conn.shutdown(socket.SHUT_WR)
+            conn.recv(1)  # the receiver's close: the next transfer starts once this one is done
+
+
+if __name__ == "__main__":
+    role, address, count, times = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    (_receive if role == "receive" else _send)(address, count, times)

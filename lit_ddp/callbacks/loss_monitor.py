@@ -21,6 +21,7 @@ from typing_extensions import override
 from lit_ddp.callbacks.shared import is_last_step, log_metrics, say
 from lit_ddp.callbacks.step_sync import StepSync
 from lit_ddp.errors import NonFiniteLossError
+from lit_ddp.measure.step_marks import OptimizerSteps
 
 
 class LossMonitor(Callback):
@@ -39,7 +40,7 @@ class LossMonitor(Callback):
         self.check_finite = check_finite
         self._sync: StepSync | None = None
         self._losses: list[Tensor] = []  # the running optimizer step's micro-batch losses
-        self._batch_step = 0
+        self._steps = OptimizerSteps()
         self._handles: list[Any] = []
         self._updating = self._updated = False
 
@@ -62,7 +63,7 @@ class LossMonitor(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._batch_step = trainer.global_step
+        self._steps.batch_start(trainer)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -83,7 +84,7 @@ class LossMonitor(Callback):
             # Automatic optimization hands over the loss divided by accumulate_grad_batches (what backward got).
             scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
             self._losses.append(loss.detach().float().reshape(1) * scale)
-        if trainer.global_step == self._batch_step:  # no optimizer step yet: a micro-batch of the running step
+        if not self._steps.ended(trainer):  # a micro-batch of the running step
             return
         step = trainer.global_step - 1  # the optimizer step has already advanced global_step
         losses, self._losses = self._losses, []

@@ -25,7 +25,7 @@ from lit_ddp.callbacks.shared import gather_to_zero, log_metrics, meta, report_t
 from lit_ddp.measure import roofline
 from lit_ddp.measure.clock import HostClock, clock_for
 from lit_ddp.measure.profiling import LightningProfilerTraces, TraceRecorder, describe, read_busy
-from lit_ddp.measure.step_marks import StepMarks, close_micro_batch, phases_of
+from lit_ddp.measure.step_marks import OptimizerSteps, StepMarks, close_micro_batch, phases_of
 from lit_ddp.records.schema import (
     MAX_SKIPPED_KEPT,
     PHASES,
@@ -90,7 +90,7 @@ class PhaseTimer(Callback):
         self._outside: list[tuple[str, Any, Any]] = []  # the running step's spans of no training step's work
         self._outside_start: Any = None
         self._outside_summaries: dict[str, Sketch] = {}
-        self._batch_step, self._stepped = 0, True  # global_step at the batch's start; its end made an optimizer step
+        self._steps, self._stepped = OptimizerSteps(), True  # the last batch's end made an optimizer step
         self._skipped: list[int] = []  # steps the grad scaler skipped (16-mixed: inf/NaN gradients)
         self._skipped_count = 0
         self._real_flops = roofline.RealStepFlops()  # manual optimization: counted in its real step 0
@@ -110,7 +110,7 @@ class PhaseTimer(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._clock = clock_for(trainer.strategy.root_device)
         self._pending, self._marks, self._micro, self._outside, self._outside_start = [], {}, [], [], None
-        self._outside_summaries, self._batch_step, self._stepped = {}, 0, True
+        self._outside_summaries, self._stepped = {}, True
         self._skipped, self._skipped_count, self._update_bytes = [], 0, None
         self.record, self.ended = None, False
         self._flops, self._counted = None, False
@@ -152,7 +152,7 @@ class PhaseTimer(Callback):
                 rank_zero_warn(f"PhaseTimer: no roofline, counting FLOPs failed: {type(err).__name__}: {err}")
             self._marks = {}  # the count's forward went through the forward pre-hook
         step = trainer.global_step
-        self._batch_step = step
+        self._steps.batch_start(trainer)
         if not self._stepped and self._marks:  # no optimizer step yet: the next micro-batch of the same step
             mark = self._clock.mark()
             self._micro.append(close_micro_batch(self._marks, mark))
@@ -240,7 +240,7 @@ class PhaseTimer(Callback):
             self._mark_once("update_end")
         self._mark_once("data_start")  # from here to the next batch's start: fetching it, Lightning's loop
         # A step is an optimizer step: with gradient accumulation the batches before it are its micro-batches.
-        self._stepped = trainer.global_step != self._batch_step
+        self._stepped = self._steps.ended(trainer)
         if self._stepped and self._real_flops.active:
             self._flops, self._rows = self._real_flops.stop(), self._rows * (len(self._micro) + 1)
 

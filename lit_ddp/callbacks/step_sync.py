@@ -28,6 +28,7 @@ from typing_extensions import override
 from lit_ddp import _lightning
 from lit_ddp.callbacks.shared import all_gather, is_last_step
 from lit_ddp.errors import PROG, Ending
+from lit_ddp.measure.step_marks import OptimizerSteps
 
 
 @dataclass
@@ -66,7 +67,7 @@ class StepSync(Callback):
         self._sigterm = False
         self.ending = Ending.FINISHED  # how this fit ended, when it did not raise
         self.collectives = 0  # how many per-step collectives ran (for tests and benchmarks)
-        self._batch_step = 0
+        self._steps = OptimizerSteps()
         self._alive_at = time.monotonic()  # the last step boundary (or validation batch) this rank reached
 
     @staticmethod
@@ -146,7 +147,7 @@ class StepSync(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._batch_step = trainer.global_step
+        self._steps.batch_start(trainer)
 
     @override
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
@@ -155,7 +156,7 @@ class StepSync(Callback):
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
         self._alive_at = time.monotonic()
-        if trainer.global_step == self._batch_step:  # no optimizer step yet: a micro-batch
+        if not self._steps.ended(trainer):  # a micro-batch
             return
         self._finish(trainer)  # the previous step's gather: long done by now
         if self._slots or self._sigterm or self._requeue or trainer.global_step % self.sigterm_every_n_steps == 0:

@@ -21,6 +21,7 @@ from typing_extensions import override
 from lit_ddp.callbacks.shared import all_gather, is_last_step, say
 from lit_ddp.callbacks.step_sync import StepSync
 from lit_ddp.errors import SyncError
+from lit_ddp.measure.step_marks import OptimizerSteps
 
 MAX_REPORTED = 5  # offending tensors gathered and named in one report
 
@@ -71,7 +72,7 @@ class SyncCheck(Callback):
         self.mode = mode
         self.check_setup = check_setup
         self._last_checked_step: int | None = None
-        self._batch_step = 0
+        self._steps = OptimizerSteps()
         self._max_diff = 0.0
         self._out_of_sync = 0  # checks that found the ranks apart (mode="warn")
 
@@ -93,11 +94,11 @@ class SyncCheck(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
-        self._batch_step = trainer.global_step
+        self._steps.batch_start(trainer)
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self._batch_step:  # no optimizer step yet: a micro-batch, nothing changed
+        if not self._steps.ended(trainer):  # a micro-batch: nothing changed
             return
         step = trainer.global_step - 1
         last = is_last_step(trainer, batch_idx)

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning.pytorch import Trainer
+
 from lit_ddp.records.schema import BOUNDARIES, StepPhases
 
 # What a step must have marked, in some micro-batch, for its phases to be reported (data_start may be missing:
@@ -20,6 +22,24 @@ from lit_ddp.records.schema import BOUNDARIES, StepPhases
 MARKS = ("start", *BOUNDARIES[:-2])
 SPANS = {"forward": ("forward_start", "forward_end"), "backward": ("backward_start", "backward_end"),
          "update": ("update_start", "update_end"), "data": ("data_start", "end")}  # fmt: skip
+
+
+class OptimizerSteps:
+    """Whether a training batch ended an optimizer step, for whoever acts once per step (a step:
+    docs/architecture.md). Lightning advances ``trainer.global_step`` once per optimizer step, so a batch ended one
+    when global_step moved while it ran: with gradient accumulation only the last micro-batch of a step does; under
+    manual optimization, a batch whose ``training_step`` stepped an optimizer."""
+
+    def __init__(self) -> None:
+        self._at_start = 0
+
+    def batch_start(self, trainer: Trainer) -> None:
+        """From ``on_train_batch_start``."""
+        self._at_start = trainer.global_step
+
+    def ended(self, trainer: Trainer) -> bool:
+        """From ``on_train_batch_end``: this batch ended an optimizer step (``trainer.global_step - 1``)."""
+        return trainer.global_step != self._at_start
 
 
 @dataclass

@@ -21,6 +21,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lit_ddp.errors import UsageError
+from lit_ddp.measure.step_marks import OptimizerSteps
 
 
 def checkpoint_dir(trainer_config: Any) -> Path:
@@ -65,19 +66,19 @@ class LastCheckpoint(Callback):
             raise ValueError(f"`LastCheckpoint(every_n_steps={every_n_steps!r})` must be >= 0")
         self.every_n_steps = every_n_steps
         self.dirpath = dirpath
-        self._batch_step = 0
+        self._steps = OptimizerSteps()
 
     def path(self, trainer: Trainer) -> Path:
         return Path(self.dirpath or Path(trainer.default_root_dir) / "checkpoints") / "last.ckpt"
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._batch_step = trainer.global_step
+        self._steps.batch_start(trainer)
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
         # Only after an optimizer step: with gradient accumulation a micro-batch's gradients are in no checkpoint.
-        if not self.every_n_steps or trainer.global_step == self._batch_step:
+        if not self.every_n_steps or not self._steps.ended(trainer):
             return
         if trainer.global_step % self.every_n_steps == 0 or trainer.should_stop:
             trainer.save_checkpoint(self.path(trainer))

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
-from lit_ddp.callbacks.shared import is_last_step, log_metrics, say
+from lit_ddp.callbacks.shared import grad_scaler, is_last_step, log_metrics, say
 from lit_ddp.callbacks.step_sync import StepSync
 from lit_ddp.errors import NonFiniteLossError
 from lit_ddp.measure.step_marks import OptimizerSteps
@@ -51,7 +51,7 @@ class LossMonitor(Callback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._losses, self._updating, self._updated = [], False, False
-        if _scaler(trainer) is not None:  # 16-mixed: whether optimizer.step() ran tells a skipped step
+        if grad_scaler(trainer) is not None:  # 16-mixed: whether optimizer.step() ran tells a skipped step
             self._handles = [opt.register_step_post_hook(self._on_step_end) for opt in trainer.optimizers]
 
     def _on_step_end(self, optimizer, args, kwargs) -> None:
@@ -88,7 +88,7 @@ class LossMonitor(Callback):
             return
         step = trainer.global_step - 1  # the optimizer step has already advanced global_step
         losses, self._losses = self._losses, []
-        skipped = self._updating and not self._updated and _scaler(trainer) is not None
+        skipped = self._updating and not self._updated and grad_scaler(trainer) is not None
         self._updating = self._updated = False
         due = bool(self.every_n_steps) and (step % self.every_n_steps == 0 or is_last_step(trainer, batch_idx))
         if not (due or self.check_finite) or not losses:
@@ -109,8 +109,3 @@ class LossMonitor(Callback):
                 log_metrics(trainer, {"train/loss": global_mean}, step=step)
 
         self._sync.put("loss", row, report)
-
-
-def _scaler(trainer: Trainer) -> Any:
-    """The 16-mixed grad scaler of Lightning's ``MixedPrecision`` plugin, or None."""
-    return getattr(getattr(trainer, "precision_plugin", None), "scaler", None)

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit_ddp.analysis.phases import format_step
-from lit_ddp.callbacks.shared import gather_to_zero, log_metrics, meta, report_timers, say
+from lit_ddp.callbacks.shared import device_name, gather_to_zero, grad_scaler, log_metrics, meta, report_timers, say
 from lit_ddp.measure import roofline
 from lit_ddp.measure.clock import HostClock, clock_for
 from lit_ddp.measure.profiling import LightningProfilerTraces, TraceRecorder, describe, read_busy
@@ -231,7 +231,7 @@ class PhaseTimer(Callback):
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
-        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+        scaler = grad_scaler(trainer)
         if "update_start" in self._marks and "update_end" not in self._marks and scaler is not None:
             # 16-mixed: the grad scaler found inf/NaN gradients and did not call optimizer.step() (no post-hook).
             self._skipped_count += 1
@@ -323,7 +323,7 @@ class PhaseTimer(Callback):
 
     def _roofline(self, trainer: Trainer, pl_module: LightningModule) -> Roofline:
         dtype = _compute_dtype(trainer, pl_module)
-        peak = roofline.peak_for(_device_name(trainer.strategy.root_device), dtype)
+        peak = roofline.peak_for(device_name(trainer.strategy.root_device), dtype)
         flops = self._flops or roofline.StepFlops(0, 0)
         # A step's work: the probe counted one micro-batch (automatic optimization), the real count the whole step.
         micro = getattr(trainer, "accumulate_grad_batches", 1) if pl_module.automatic_optimization else 1
@@ -361,7 +361,3 @@ def _rows(batch: Any) -> int:
     if isinstance(batch, (list, tuple)) and batch:
         return _rows(batch[0])
     return 0
-
-
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type

@@ -81,13 +81,25 @@ def log_metrics(trainer: Trainer, metrics: dict[str, float], step: int) -> None:
             logger.log_metrics(metrics, step=step)
 
 
+def device_name(device: torch.device) -> str:
+    """The device as the record and the roofline's datasheets name it: ``torch.cuda.get_device_name()`` on CUDA
+    (``NVIDIA H200``), else its type (``cpu``)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def grad_scaler(trainer: Trainer) -> Optional[torch.amp.GradScaler]:
+    """The grad scaler of Lightning's ``MixedPrecision`` plugin (``16-mixed``), else None. It skips an update whose
+    gradients hold inf/NaN: ``optimizer.step()`` is then not called."""
+    return getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+
+
 def meta(trainer: Trainer, clock: str) -> RunMeta:
     """What the run is, for its record."""
     device = trainer.strategy.root_device
     return RunMeta(
         world_size=trainer.world_size,
         device=str(device),
-        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        device_name=device_name(device),
         backend=getattr(trainer.strategy, "process_group_backend", None) or "none",
         clock=clock,
         precision=str(trainer.precision),

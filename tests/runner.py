@@ -1,12 +1,18 @@
 """Running commands in a subprocess for the tests: to completion or in the background until a sign of training,
 every process they start killed afterwards; the step-line format; free ports; ``main()`` in this process."""
 
+import fcntl
 import os
+import pty
 import re
+import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import tempfile
+import termios
 import threading
 import time
 import uuid
@@ -123,6 +129,41 @@ def run_fit(
 def _decode(data: bytes) -> str:
     return data.decode("utf-8", errors="replace")
 
+
+def run_in_terminal(*args: str, cwd: Path, timeout: float = 90, columns: int = 80) -> subprocess.CompletedProcess:
+    """``run_module`` with stdout a terminal ``columns`` wide (a pseudo-terminal), where progress bars draw live
+    as a user at a shell sees them. stdout: what the terminal received, escape sequences and ``\\r\\n`` kept."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "PYTHONUNBUFFERED": "1", "COLUMNS": str(columns), "TERM": "xterm",
+           _TAG: tag}  # fmt: skip
+    with tempfile.TemporaryFile() as stderr:  # a file: a full pipe would block a rank while stdout is read
+        proc = subprocess.Popen([sys.executable, "-m", *args], cwd=cwd, stdin=subprocess.DEVNULL, stdout=slave,
+                                stderr=stderr, env=env, start_new_session=True)  # fmt: skip
+        os.close(slave)
+        chunks = []
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise subprocess.TimeoutExpired(proc.args, timeout)
+                if select.select([master], [], [], min(left, 1.0))[0]:
+                    try:
+                        data = os.read(master, 1 << 16)
+                    except OSError:  # EIO: every process that had the terminal closed it
+                        break
+                    if not data:
+                        break
+                    chunks.append(data)
+            proc.wait(timeout=max(deadline - time.monotonic(), 1))
+        finally:
+            _kill_everything(proc, tag)
+            os.close(master)
+        stderr.seek(0)
+        stdout = _decode(b"".join(chunks))
+        return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, _decode(stderr.read()))
 
 class Running:
     """A command running in the background, in its own session; its output is read as it comes."""

@@ -85,24 +85,6 @@ def test_max_epochs_ends_after_the_last_epoch(tmp_path):
     assert re.search(r"^Done: 12 steps on 2 ranks,", result.stdout, re.M), result.stdout
 
 
-@pytest.fixture(scope="module")
-def profiled_and_summarized(tmp_path_factory):
-    """One run for the two tests below: both options only add text."""
-    cwd = tmp_path_factory.mktemp("profiled")
-    result = run_fit(*SMALL, "--trainer.profiler", "simple", "--trainer.enable_model_summary", "true", cwd=cwd)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert step_numbers(result.stdout) == [0, 1, 2, 3, 4]
-    return result
-
-
-def test_the_simple_profiler_prints_its_report(profiled_and_summarized):
-    assert "FIT Profiler Report" in profiled_and_summarized.stdout
-
-
-def test_the_model_summary_is_printed_when_asked(profiled_and_summarized):
-    assert re.search(r"^\s*\| Name +\| Type", profiled_and_summarized.stdout, re.M), profiled_and_summarized.stdout
-
-
 def screen_lines(raw: str) -> list[str]:
     """The lines a terminal shows for ``raw``: a carriage return goes back to the start of the line, and what
     follows overwrites what was there (tqdm redraws its bar this way)."""
@@ -115,23 +97,49 @@ def screen_lines(raw: str) -> list[str]:
     return lines
 
 
-@pytest.fixture(scope="module")
-def with_progress_bar(tmp_path_factory) -> list[str]:
-    """The screen lines of a run with Lightning's progress bar on (one run for the two tests below)."""
-    result = run_fit(*SMALL, "--trainer.enable_progress_bar", "true", cwd=tmp_path_factory.mktemp("bar"))
+# Lightning draws Rich's bar and model summary when rich is installed (what `enable_*` true give there), tqdm's
+# and its plain table otherwise (named as callbacks here): both are tested wherever rich is installed. Each with
+# the bar's last state as it writes it, and its table's column rule.
+BARS = {
+    "tqdm": (("--trainer.callbacks+=lightning.pytorch.callbacks.TQDMProgressBar",
+              "--trainer.callbacks+=lightning.pytorch.callbacks.ModelSummary"), "Epoch 0: 100%", "|"),
+    "rich": (("--trainer.enable_model_summary", "true"), "5/5 ", "┃"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(BARS))
+def with_bar(request, tmp_path_factory) -> tuple[str, list[str]]:
+    """One run per bar with the bar, the model summary and the simple profiler on (each only adds text): its
+    bar's name and the screen lines of its stdout."""
+    if request.param == "rich":
+        pytest.importorskip("rich")
+    args, drawn, _ = BARS[request.param]
+    result = run_fit(*SMALL, "--trainer.profiler", "simple", "--trainer.enable_progress_bar", "true", *args,
+                     cwd=tmp_path_factory.mktemp(request.param))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "Epoch 0: 100%" in result.stdout + result.stderr  # the bar was drawn
-    return screen_lines(result.stdout)
+    assert drawn in result.stdout + result.stderr  # the bar was drawn
+    assert step_numbers(result.stdout) == [0, 1, 2, 3, 4]
+    return request.param, screen_lines(result.stdout)
 
 
-def test_with_the_progress_bar_every_step_line_is_a_line_of_its_own(with_progress_bar):
-    with_steps = [line for line in with_progress_bar if "Step " in line]
+def test_the_simple_profiler_prints_its_report(with_bar):
+    assert any("FIT Profiler Report" in line for line in with_bar[1]), with_bar
+
+
+def test_the_model_summary_is_printed_when_asked(with_bar):
+    rule = re.escape(BARS[with_bar[0]][2])
+    assert any(re.search(rf"{rule} Name +{rule} Type", line) for line in with_bar[1]), with_bar
+
+
+def test_with_the_progress_bar_every_step_line_is_a_line_of_its_own(with_bar):
+    with_steps = [line for line in with_bar[1] if "Step " in line]
     assert [STEP_LINE.fullmatch(line) is not None for line in with_steps] == [True] * 5, with_steps
 
 
-def test_with_the_progress_bar_the_device_map_and_the_done_line_remain(with_progress_bar):
-    assert any(line.split()[:3] == ["rank", "local", "node"] for line in with_progress_bar), with_progress_bar
-    assert any(line.startswith("Done: 5 steps on 2 ranks") for line in with_progress_bar), with_progress_bar
+def test_with_the_progress_bar_the_device_map_and_the_done_line_remain(with_bar):
+    lines = with_bar[1]
+    assert any(line.split()[:3] == ["rank", "local", "node"] for line in lines), lines
+    assert any(line.startswith("Done: 5 steps on 2 ranks") for line in lines), lines
 
 
 def test_help_names_the_program_as_it_is_run(tmp_path):

@@ -10,7 +10,7 @@ import lightning
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, Trainer
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from tqdm import tqdm
@@ -25,7 +25,7 @@ T = TypeVar("T")
 
 def say(trainer: Trainer, text: str) -> None:
     """Rank 0 reports ``text`` through Lightning's logging (shown in any script), or through the progress bar
-    when one is drawn, so that lines and bar stay apart."""
+    when one is drawn (tqdm's or Rich's), so that lines and bar stay apart."""
     if not trainer.is_global_zero:
         return
     bar = trainer.progress_bar_callback
@@ -33,6 +33,11 @@ def say(trainer: Trainer, text: str) -> None:
         # Above the bar while one is drawn, plainly when none is (the bar's own print() drops text then). Into a
         # file or a pipe the bar cannot be cleared ("\r" moves nothing there): start a line of our own.
         tqdm.write(text if sys.stdout.isatty() else "\n" + text)
+    elif isinstance(bar, RichProgressBar) and bar.is_enabled and bar.progress is not None:
+        # Rich's console draws the text above its live bar, in one piece. The bar's print() is the builtin, which
+        # Rich's stdout proxy word-wraps at the terminal's width (a table's long lines broke in two) and splits
+        # wherever the bar redraws; the text is the tool's, not Rich markup ("[rank 1]" is no style).
+        bar.progress.console.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
     elif bar is not None and bar.is_enabled:
         bar.print(text)
     else:

@@ -165,6 +165,7 @@ def run_in_terminal(*args: str, cwd: Path, timeout: float = 90, columns: int = 8
         stdout = _decode(b"".join(chunks))
         return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, _decode(stderr.read()))
 
+
 class Running:
     """A command running in the background, in its own session; its output is read as it comes."""
 

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
+from lightning.pytorch import Callback
 
 from tests.runner import ROOT, fit_command, pythonpath, start_module
 
@@ -65,11 +66,12 @@ class Nodes:
         """The wrapper that runs a command on node ``k``."""
         return ("ip", "netns", "exec", self.namespace(k))
 
-    def torchrun_fit(self, k: int, ranks_per_node: int, *fit_args: str) -> list[str]:
+    def torchrun_fit(self, k: int, ranks_per_node: int, *fit_args: str, max_restarts: int = 0) -> list[str]:
         """``python -m`` arguments of torchrun's node ``k`` of ``lit_ddp.fit FIT_ARGS``, rendezvous on node 0
         (torchrun's static rendezvous: node ranks as given)."""
         launcher = ("torch.distributed.run", "--nnodes", str(self.count), "--nproc_per_node", str(ranks_per_node),
-                    "--node_rank", str(k), "--master_addr", self.address(0), "--master_port", str(PORT))  # fmt: skip
+                    "--node_rank", str(k), "--master_addr", self.address(0), "--master_port", str(PORT),
+                    "--max-restarts", str(max_restarts))  # fmt: skip
         return fit_command("--devices", str(ranks_per_node), "--trainer.num_nodes", str(self.count), *fit_args,
                            launcher=launcher)  # fmt: skip
 
@@ -80,6 +82,25 @@ class Nodes:
     def mend(self, k: int) -> None:
         result = cluster_sh("mend", str(k))
         assert result.returncode == 0, result.stderr
+
+
+class Gate(Callback):
+    """Every rank stops after optimizer step ``step`` (``global_step == step``), writes ``<directory>/arrived<rank>``
+    and waits until ``<directory>/open`` exists: the test cuts a link between the two, so that every rank meets
+    the cut in the same collective. A restarted job (torchrun's ``TORCHELASTIC_RESTART_COUNT``) passes."""
+
+    def __init__(self, directory: str, step: int, timeout_s: float = 300) -> None:
+        self.directory, self.step, self.timeout_s = directory, step, timeout_s
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step != self.step or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+            return
+        os.makedirs(self.directory, exist_ok=True)
+        with open(os.path.join(self.directory, f"arrived{trainer.global_rank}"), "w") as f:
+            f.write(str(os.getpid()))
+        deadline = time.monotonic() + self.timeout_s
+        while not os.path.exists(os.path.join(self.directory, "open")) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 # gloo's sockets on the node's one interface (its own address, not a loopback guess from the host name).

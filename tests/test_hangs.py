@@ -41,3 +41,51 @@ def test_when_everyone_arrived_nothing_is_added(monkeypatch):
     error = RuntimeError("Timed out")
     hangs.name_absent_ranks(error, 0, 2, 3)
     assert str(error) == "Timed out"
+
+
+def test_with_several_nodes_each_rank_is_named_with_its_node(monkeypatch):
+    store = dist.HashStore()
+    monkeypatch.setattr(_torch, "default_store", lambda: store)
+    monkeypatch.setattr(hangs, "WAIT_S", 0.5)
+    error = RuntimeError("Timed out")
+    hangs.name_absent_ranks(error, 0, 4, 9, ranks_per_node=2)  # ranks 1..3 never mark themselves
+    assert str(error) == ("rank(s) [1, 2, 3] (nodes 0, 1) never arrived at the collective of step 9; rank(s) [0] "
+                          "(node 0) waited there until the timeout: Timed out")  # fmt: skip
+
+
+class SilentStore:
+    """A store behind a cut link: every call waits for a reply that never comes (TCPStore's ``check`` and ``set``
+    have no timeout of their own)."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    def set_timeout(self, timeout) -> None:
+        pass
+
+    def set(self, key, value) -> None:
+        self.released.wait()
+
+    def check(self, keys) -> bool:
+        self.released.wait()
+        return True
+
+
+def test_a_rank_cut_off_from_the_store_names_the_node_that_hosts_it_and_returns(monkeypatch):
+    """Node 1 of 2 (2 ranks each) behind a cut link: its rank 3 names rank 0's node, whose store did not answer,
+    instead of waiting on the store for ever (the call is left blocked in a daemon thread)."""
+    store = SilentStore()
+    monkeypatch.setattr(_torch, "default_store", lambda: store)
+    monkeypatch.setattr(hangs, "ANSWER_S", 0.2)
+    error = RuntimeError("Timed out waiting 10000ms for recv operation to complete")
+    try:
+        naming = threading.Thread(target=hangs.name_absent_ranks, args=(error, 3, 4, 12, None, 2), daemon=True)
+        naming.start()
+        naming.join(timeout=30)
+        assert not naming.is_alive(), "name_absent_ranks waited on a store that never answers"
+    finally:
+        store.released.set()
+    assert str(error) == ("rank(s) [0, 1] (node 0) lost at the collective of step 12: the rendezvous store they "
+                          "host did not answer for 0.2 s either (a network partition, or their node is down); "
+                          "rank(s) [3] (node 1) waited there until the timeout: Timed out waiting 10000ms for recv "
+                          "operation to complete")  # fmt: skip

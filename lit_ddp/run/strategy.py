@@ -167,7 +167,8 @@ class LitDDPStrategy(DDPStrategy):
     def _name_absent_ranks(self, exception: BaseException) -> None:
         trainer = self.lightning_module.trainer
         where = next((c.waiting_for() for c in trainer.callbacks if hasattr(c, "waiting_for")), None)
-        name_absent_ranks(exception, self.global_rank, self.world_size, trainer.global_step, where)
+        per_node = self.num_processes if self.num_nodes > 1 else None  # several nodes: name each rank's node
+        name_absent_ranks(exception, self.global_rank, self.world_size, trainer.global_step, where, per_node)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -130,6 +130,19 @@ def start_on(cluster: Nodes, k: int, *module_args: str, cwd, env: dict | None = 
     """``python -m MODULE_ARGS`` on node ``k`` in the background (``tests.runner.start_module``)."""
     with start_module(*module_args, cwd=cwd, env={**NODE_ENV, **(env or {})}, wrapper=cluster.on(k)) as run:
         yield run
+
+
+def run_fit_on(cluster: Nodes, ranks_per_node: int, *fit_args: str, cwd, timeout: float = 300,
+               env: dict | None = None) -> list[subprocess.CompletedProcess]:  # fmt: skip
+    """``lit_ddp.fit FIT_ARGS`` under torchrun on every node at once, to completion (within ``timeout``): each
+    node's exit code, stdout and stderr."""
+    with ExitStack() as stack:
+        runs = [stack.enter_context(start_on(cluster, k, *cluster.torchrun_fit(k, ranks_per_node, *fit_args),
+                                             cwd=cwd, env=env)) for k in range(cluster.count)]  # fmt: skip
+        deadline = time.monotonic() + timeout
+        codes = [run.wait(timeout=max(1.0, deadline - time.monotonic())) for run in runs]
+        return [subprocess.CompletedProcess(run.proc.args, code, run.stdout, run.stderr)
+                for run, code in zip(runs, codes, strict=True)]  # fmt: skip
 
 
 def measure_rate(

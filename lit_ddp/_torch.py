@@ -10,6 +10,7 @@ Chrome-trace JSON that ``torch.profiler`` writes, a public format.
 from typing import Any, Optional
 
 import torch
+import torch.cuda.memory
 from torch.distributed import distributed_c10d
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -24,6 +25,8 @@ PRIVATE_NAMES = [
     ),  # fmt: skip
     PrivateName(Optimizer, "_optimizer_step_post_hooks", "the tests check that PhaseTimer removes its step hook"),
     PrivateName(distributed_c10d, "_get_default_store", "the rendezvous store, to name hung ranks after a timeout"),
+    PrivateName(torch.cuda.memory, "_record_memory_history", "PhaseTimer(memory_snapshot=True): allocation history"),
+    PrivateName(torch.cuda.memory, "_dump_snapshot", "PhaseTimer(memory_snapshot=True): dumped on OOM"),
 ]
 
 
@@ -32,6 +35,17 @@ def ddp_logging_data(model: Any) -> dict[str, Any]:
     ``find_unused_parameters``, ...), or ``{}`` for a module that is not DDP."""
     get = getattr(model, "_get_ddp_logging_data", None)
     return dict(get()) if get is not None else {}
+
+
+def record_memory_history(enabled: bool) -> None:
+    """Starts (or stops) the CUDA caching allocator's record of every allocation and its stack, for a snapshot."""
+    # The last 100,000 allocations and frees, as torch's memory docs suggest: unbounded, the record grows every step.
+    torch.cuda.memory._record_memory_history("all" if enabled else None, max_entries=100_000)
+
+
+def dump_memory_snapshot(path: str) -> None:
+    """Writes the recorded history to ``path`` (a pickle that https://pytorch.org/memory_viz draws)."""
+    torch.cuda.memory._dump_snapshot(path)
 
 
 def optimizer_step_post_hooks(optimizer: Optimizer) -> dict:

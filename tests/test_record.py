@@ -146,12 +146,15 @@ def test_load_refuses_another_schema_in_one_line(tmp_path):
         record.load(old / "phases.json")
     message = str(refused.value)
     assert "\n" not in message
-    assert message.startswith(f"{old / 'phases.json'}: run record schema 1; this lit_ddp reads schema 2")
-    newer = tmp_path / "newer.json"
-    newer.write_text(json.dumps({"schema": 3, "kind": "phases"}))
-    with pytest.raises(RecordError, match="run record schema 3; this lit_ddp reads schema 2"):
-        record.load(newer)
-    for text, why in (("{", "not a readable run record"), ('{"schema": 2, "kind": "phases"}', "a damaged run record")):
+    now = record.SCHEMA_VERSION
+    assert message.startswith(f"{old / 'phases.json'}: run record schema 1; this lit_ddp reads schema {now}")
+    for other in (now - 1, now + 1):  # the schema before this one (2: no memory figures), and a newer one
+        written = tmp_path / f"schema{other}.json"
+        written.write_text(json.dumps({"schema": other, "kind": "phases"}))
+        with pytest.raises(RecordError, match=f"run record schema {other}; this lit_ddp reads schema {now}"):
+            record.load(written)
+    damaged = json.dumps({"schema": now, "kind": "phases"})
+    for text, why in (("{", "not a readable run record"), (damaged, "a damaged run record")):
         bad = tmp_path / "bad.json"
         bad.write_text(text)
         with pytest.raises(RecordError, match=why) as refused:

@@ -6,7 +6,8 @@
 Reads the traces torch.profiler and Lightning's ``PyTorchProfiler`` write (``.json``, gzipped or not) with
 ``json`` alone, no torch, so any torch version's trace reads anywhere. The figures (span, busy, idle, compute,
 communication, overlap, the three waits), how each GPU op is given to a step, a phase (``PHASE_PATTERNS``) and a
-bucket, the collectives' bandwidth, and where they differ from HTA's: docs/traces.md.
+bucket, the collectives' bandwidth, and where they differ from HTA's: docs/traces.md. Memory per step and phase
+from a ``profile_memory=True`` trace (``step_memory``): docs/memory.md.
 """
 
 import gzip
@@ -28,6 +29,8 @@ DATA = "lit_ddp.data"  # the batch's end to the next step's start (PhaseTimer's 
 OTHER = "lit_ddp.other"
 BUCKET_PREFIX = "lit_ddp.bucket#"  # + the bucket's index: the all-reduce of one DDP gradient bucket
 TRACE_PHASES = ("forward", "backward", "update", "data", "other")
+OWN_PHASES = dict(zip((FORWARD, BACKWARD, UPDATE, DATA, OTHER), TRACE_PHASES, strict=True))  # range -> phase
+CPU_DEVICE = 0  # a [memory] event's "Device Type": c10's DeviceType (0 CPU, 1 CUDA)
 
 KERNEL_WAIT_US = 30.0  # HTA's default consecutive_kernel_delay
 GRADIENT = "gradient all-reduce"
@@ -89,6 +92,12 @@ class GpuOp:
         return self.start_us if self.launch_us is None else self.launch_us
 
 
+class MemoryEvent(NamedTuple):  # an allocation (bytes > 0) or a free (< 0) by torch's allocator
+    ts_us: float
+    bytes: int
+    device_type: int
+
+
 class Range(NamedTuple):  # a CPU range (record_function, ProfilerStep) whose name says what it holds
     name: str
     start_us: float
@@ -102,6 +111,7 @@ class Trace:
     world_size: Optional[int]
     ops: tuple[GpuOp, ...]
     ranges: tuple[Range, ...]
+    memory: tuple[MemoryEvent, ...] = ()  # in time order; only with profile_memory=True
 
 
 @dataclass(frozen=True)
@@ -194,13 +204,17 @@ def _rank_of(path: Path, info: Any) -> tuple[int, Optional[int]]:
     return int(found.group(1) or found.group(2)), None
 
 
-def _parse(events: list) -> tuple[tuple[GpuOp, ...], tuple[Range, ...]]:
+def _parse(events: list) -> tuple[tuple[GpuOp, ...], tuple[Range, ...], tuple[MemoryEvent, ...]]:
     launches = {}
     for e in events:
         if isinstance(e, dict) and str(e.get("cat", "")).lower() in _LAUNCH_CATS:
             launches[(e.get("args") or {}).get("correlation")] = float(e["ts"])
-    ops, ranges = [], []
+    ops, ranges, memory = [], [], []
     for e in events:
+        if isinstance(e, dict) and e.get("name") == "[memory]" and e.get("ph") == "i":
+            args = e.get("args") or {}
+            memory.append(MemoryEvent(float(e["ts"]), int(args["Bytes"]), int(args.get("Device Type", CPU_DEVICE))))
+            continue
         if not isinstance(e, dict) or e.get("ph") != "X" or "dur" not in e:
             continue
         cat, name, start = str(e.get("cat", "")).lower(), str(e.get("name", "")), float(e["ts"])
@@ -215,7 +229,8 @@ def _parse(events: list) -> tuple[tuple[GpuOp, ...], tuple[Range, ...]]:
             ranges.append(Range(name, start, end))
     ops.sort(key=lambda op: op.start_us)
     ranges.sort(key=lambda r: r.start_us)
-    return tuple(ops), tuple(ranges)
+    memory.sort(key=lambda m: m.ts_us)
+    return tuple(ops), tuple(ranges), tuple(memory)
 
 
 def _phase_of(name: str) -> Optional[str]:
@@ -382,3 +397,44 @@ def _collective(placed: PlacedOp, buckets: _Lookup, has_phases: bool, world_size
     gradient = name == "all_reduce" and (bucket or phase == "backward" or (not has_phases and step is not None))
     return Collective(step, name, nbytes, duration, algbw, busbw, GRADIENT if gradient else "other", group, phase,
                       number, op.start_us)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StepMemoryTrace:
+    """One step's memory from a trace: per phase (``TRACE_PHASES``, and ``step`` the whole step), the most held at
+    once and what was held at its last range's end, in bytes above what the step started with."""
+
+    step: int
+    peak: dict[str, int]
+    retained: dict[str, int]
+
+
+def step_memory(trace: Trace, device_type: int = CPU_DEVICE) -> list[StepMemoryTrace]:
+    """The memory of each ``lit_ddp.step#N`` in ``trace`` from its ``[memory]`` events of ``device_type``, phase by
+    phase (the tool's own phase ranges; an event in none counts for the step only); empty without memory
+    events."""
+    events = [m for m in trace.memory if m.device_type == device_type]
+    if not events:
+        return []
+    times = [m.ts_us for m in events]
+    levels = [0]  # bytes allocated since the trace began, after each event
+    for m in events:
+        levels.append(levels[-1] + m.bytes)
+
+    def level_at(t: float) -> int:
+        return levels[bisect_right(times, t)]
+
+    def peak_in(a: float, b: float) -> int:
+        return max(levels[bisect_right(times, a) : bisect_right(times, b) + 1])
+
+    found = []
+    for step in sorted((r for r in trace.ranges if r.name.startswith(STEP_PREFIX)), key=lambda r: r.start_us):
+        base = level_at(step.start_us)
+        inside = [r for r in trace.ranges if r.name in OWN_PHASES and step.start_us <= r.start_us < step.end_us]
+        peak, retained = {"step": peak_in(step.start_us, step.end_us) - base}, {"step": level_at(step.end_us) - base}
+        for r in sorted(inside, key=lambda r: r.start_us):
+            phase = OWN_PHASES[r.name]
+            peak[phase] = max(peak.get(phase, 0), peak_in(r.start_us, r.end_us) - base)
+            retained[phase] = level_at(r.end_us) - base
+        found.append(StepMemoryTrace(int(step.name.removeprefix(STEP_PREFIX)), peak, retained))
+    return found

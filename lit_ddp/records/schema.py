@@ -5,7 +5,8 @@ forecast, the benchmarks, the notebook and the tests read back, by field name.
     python -m lit_ddp.report runs/mini_train_profile/version_0                   # reads them
 
 ``phases.json`` is a ``PhaseRecord`` (PhaseTimer), ``comm.json`` a ``CommRecord`` (CommMonitor); both carry
-``schema`` (``SCHEMA_VERSION``) and a ``RunMeta``. Times are milliseconds. Which steps are steady (``is_steady``)
+``schema`` (``SCHEMA_VERSION``) and a ``RunMeta``; a rank that ran out of memory writes ``oom_rank<r>.json``
+(an ``OutOfMemory``). Times are milliseconds, memory bytes. Which steps are steady (``is_steady``)
 and the bounded window of steps a rank keeps (``Window``) are defined here too. The fields, what a step is, and
 the window: docs/architecture.md.
 """
@@ -21,7 +22,7 @@ from typing import Any, Optional
 from lit_ddp.errors import RecordError
 from lit_ddp.records.sketch import Sketch
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: memory (StepMemory, DDPMemory, OutOfMemory)
 
 PHASES = ("forward", "backward", "update", "data", "other", "step")
 # What PhaseTimer marks within a step, after its start; offsets are ms from the step's start to each.
@@ -101,6 +102,43 @@ class StepRow:
 
 
 @dataclass
+class StepMemory:
+    """One step's memory on one rank, in bytes: held when it started, and per phase (``PHASES``; ``step`` is the
+    whole step) the most held at once and what was still held when the phase ended (its last span, with gradient
+    accumulation). ``PhaseRecord.memory_source`` says whose bytes they are (``lit_ddp.measure.memory``)."""
+
+    step: int
+    start: int
+    peak: dict[str, int]
+    retained: dict[str, int]
+
+
+@dataclass
+class DDPMemory:
+    """What DDP training holds on one rank, exactly, from the live objects: the parameters, their gradients (one
+    tensor each, or views into DDP's buckets under ``gradient_as_bucket_view``), DDP's gradient buckets (bytes
+    per bucket, in the parameters' dtype, the final layout) and the optimizer's state."""
+
+    parameters: int
+    gradients: int  # the trainable parameters' gradients, allocated or not
+    buckets: list[int]
+    gradient_as_bucket_view: bool
+    optimizer_state: int
+    bucket_cap: int  # DDP's bucket_bytes_cap (0: not a DDP model)
+    compression: Optional[str] = None  # the comm hook's cast for the all-reduce (fp16, bf16)
+
+    @property
+    def own_gradients(self) -> int:
+        """Gradient bytes of their own: none under ``gradient_as_bucket_view`` (they are the buckets)."""
+        return 0 if self.gradient_as_bucket_view and self.buckets else self.gradients
+
+    @property
+    def held(self) -> int:
+        """Parameters, gradients, buckets and optimizer state: what a step starts with, at most."""
+        return self.parameters + self.own_gradients + sum(self.buckets) + self.optimizer_state
+
+
+@dataclass
 class RankPhases:
     """One rank's phases: the kept steps, the GPU-busy time of the profiled steps, and a ``Sketch`` per phase
     over every steady step."""
@@ -111,6 +149,9 @@ class RankPhases:
     busy_ms: list[StepRow] = field(default_factory=list)  # profiled steps; offsets_ms unused (empty)
     # Work inside fit that is no training step's, kept out of the phases: "validation" -> one value per run (ms).
     outside: dict[str, Sketch] = field(default_factory=dict)
+    memory: list[StepMemory] = field(default_factory=list)  # the kept steps that have memory figures
+    # Over the steps memory is summarised on: "start", "peak.<phase>", "retained.<phase>" (bytes).
+    memory_summaries: dict[str, Sketch] = field(default_factory=dict)
 
     def row(self, step: int) -> Optional[StepRow]:
         return next((r for r in self.rows if r.step == step), None)
@@ -144,6 +185,8 @@ class PhaseRecord:
     kind: str = "phases"
     skipped_steps: list[int] = field(default_factory=list)  # the first MAX_SKIPPED_KEPT the grad scaler skipped
     skipped_count: int = 0  # all of them
+    # Whose bytes RankPhases.memory holds: "cuda_allocator" (every step), "cpu_profiler" (profiled steps), or None.
+    memory_source: Optional[str] = None
 
     @property
     def steps(self) -> list[int]:
@@ -204,6 +247,28 @@ class CommRecord:
     )
     kind: str = "comm"
     wire_dtype: Optional[str] = None  # the buckets' dtype as the all-reduce saw them (after any compression)
+    ddp_memory: Optional[DDPMemory] = None  # rank 0's, at the end of training
+
+
+@dataclass
+class OutOfMemory:
+    """``oom_rank<r>.json``: what a rank held when it ran out of memory, written by that rank before the job ends
+    (the others may be waiting in a collective: no gather)."""
+
+    meta: RunMeta
+    rank: int
+    step: int
+    phase: str  # the phase running when the allocation failed
+    error: str  # the exception's first line
+    held: DDPMemory  # what the training state held then
+    allocated: Optional[int] = None  # CUDA: every tensor's bytes then (the allocator's); None on CPU
+    peak: Optional[int] = None  # the most held at once in a measured step before, and where
+    peak_step: Optional[int] = None
+    peak_phase: Optional[str] = None
+    memory: list[StepMemory] = field(default_factory=list)
+    memory_source: Optional[str] = None
+    snapshot: Optional[str] = None  # torch.cuda.memory's snapshot file (PhaseTimer(memory_snapshot=True))
+    kind: str = "oom"
 
 
 def as_json(value: Any) -> Any:
@@ -219,19 +284,20 @@ def as_json(value: Any) -> Any:
     return value
 
 
-def save(record: PhaseRecord | CommRecord, path: Path) -> Path:
+def save(record: PhaseRecord | CommRecord | OutOfMemory, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"schema": SCHEMA_VERSION, **as_json(record)}))
     return path
 
 
 def _phases_from(data: dict[str, Any]) -> PhaseRecord:
-    # Fields added within schema 2 come with defaults: a record written before them loads as it was.
+    # Fields added within a schema come with defaults: a record written before them loads as it was.
     def rows(items: list[dict]) -> list[StepRow]:
         return [StepRow(r["step"], StepPhases(**r["ms"]), r["offsets_ms"], r.get("micro_batches", 1)) for r in items]
 
     ranks = [RankPhases(r["rank"], rows(r["rows"]), _summaries(r["summaries"]), rows(r["busy_ms"]),
-                        _summaries(r.get("outside", {}))) for r in data["ranks"]]  # fmt: skip
+                        _summaries(r.get("outside", {})), [StepMemory(**m) for m in r["memory"]],
+                        _summaries(r["memory_summaries"])) for r in data["ranks"]]  # fmt: skip
     roof = Roofline(**data["roofline"]) if data.get("roofline") else None
     return PhaseRecord(
         RunMeta(**data["meta"]),
@@ -240,6 +306,7 @@ def _phases_from(data: dict[str, Any]) -> PhaseRecord:
         roof,
         skipped_steps=data.get("skipped_steps", []),
         skipped_count=data.get("skipped_count", 0),
+        memory_source=data["memory_source"],
     )
 
 
@@ -250,14 +317,22 @@ def _comm_from(data: dict[str, Any]) -> CommRecord:
                       data["first_layout"], data["profiled_steps"], data["clock_offset_s"], data["clock_error_s"],
                       data["find_unused_parameters"], data["unused"], data["unused_bytes"],
                       data["unused_every_step"], data["straggler"],
-                      wire_dtype=data.get("wire_dtype"))  # fmt: skip
+                      wire_dtype=data.get("wire_dtype"),
+                      ddp_memory=DDPMemory(**data["ddp_memory"]) if data["ddp_memory"] else None)  # fmt: skip
+
+
+def _oom_from(data: dict[str, Any]) -> OutOfMemory:
+    fields = {**data, "meta": RunMeta(**data["meta"]), "held": DDPMemory(**data["held"]),
+              "memory": [StepMemory(**m) for m in data["memory"]]}  # fmt: skip
+    fields.pop("schema")
+    return OutOfMemory(**fields)
 
 
 def _summaries(data: dict[str, Any]) -> dict[str, Sketch]:
     return {name: Sketch.from_json(s) for name, s in data.items()}
 
 
-def load(path: Path) -> PhaseRecord | CommRecord:
+def load(path: Path) -> PhaseRecord | CommRecord | OutOfMemory:
     """Reads a record written by any version of the tool: this schema loads, any other is refused in one line.
 
     Raises:
@@ -271,7 +346,7 @@ def load(path: Path) -> PhaseRecord | CommRecord:
     if version != SCHEMA_VERSION:
         raise RecordError(f"{path}: run record schema {version}; this lit_ddp reads schema {SCHEMA_VERSION} "
                           "(written by another version of the tool: run the job again)")  # fmt: skip
-    readers = {"phases": _phases_from, "comm": _comm_from}
+    readers = {"phases": _phases_from, "comm": _comm_from, "oom": _oom_from}
     try:
         return readers[data["kind"]](data)
     except (KeyError, TypeError) as err:
@@ -282,3 +357,9 @@ def load_run(run_dir: Path) -> tuple[Optional[PhaseRecord], Optional[CommRecord]
     """The run's ``phases.json`` and ``comm.json``; None for a file the run did not write."""
     found = [load(run_dir / name) if (run_dir / name).is_file() else None for name in ("phases.json", "comm.json")]
     return found[0], found[1]  # type: ignore[return-value]
+
+
+def load_oom(run_dir: Path) -> list[OutOfMemory]:
+    """The run's ``oom_rank<r>.json`` records, in rank order (none when no rank ran out of memory)."""
+    found = [load(path) for path in Path(run_dir).glob("oom_rank*.json")]
+    return sorted((r for r in found if isinstance(r, OutOfMemory)), key=lambda r: r.rank)

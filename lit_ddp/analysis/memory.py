@@ -1,0 +1,134 @@
+"""What a run's memory figures say, as text: the phase table's memory columns, DDP's own memory under the
+all-reduce table, and the line of a rank that ran out of memory.
+
+    python -m lit_ddp.report runs/mini_train_profile/version_0     # prints them from phases.json / comm.json
+
+How each figure is measured and what it means: docs/memory.md.
+"""
+
+from typing import Optional
+
+from lit_ddp.analysis.tables import fmt_si
+from lit_ddp.records.schema import PHASES, DDPMemory, OutOfMemory, PhaseRecord, Sketch, StepMemory
+
+SOURCES = {
+    "cuda_allocator": "the CUDA caching allocator: bytes of live tensors, its peak reset at each phase boundary",
+    "cpu_profiler": "the CPU allocator's events in the profiled steps (torch.profiler, profile_memory=True), on top "
+    "of what parameters, gradients, DDP's buckets and optimizer state held at each step's start",
+}
+
+
+def fmt_bytes(value: float) -> str:
+    return fmt_si(value, "B")
+
+
+def memory_summary(record: PhaseRecord, rank: int, name: str) -> Sketch:
+    """``name`` (``start``, ``peak.<phase>``, ``retained.<phase>``) on ``rank``: its summary, else over the steps
+    it kept."""
+    found = record.ranks[rank].memory_summaries.get(name)
+    if found is not None and found.count:
+        return found
+    return Sketch.of(_figure(m, name) for m in record.ranks[rank].memory if _figure(m, name) is not None)
+
+
+def _figure(row: StepMemory, name: str) -> Optional[int]:
+    if name == "start":
+        return row.start
+    kind, _, phase = name.partition(".")
+    return (row.peak if kind == "peak" else row.retained).get(phase)
+
+
+def has_memory(record: PhaseRecord) -> bool:
+    return any(r.memory for r in record.ranks)
+
+
+def highest_rank(record: PhaseRecord) -> int:
+    """The rank whose step peaks highest (median)."""
+    return max(range(len(record.ranks)), key=lambda r: memory_summary(record, r, "peak.step").median)
+
+
+def memory_cells(record: PhaseRecord) -> list[tuple[str, str]]:
+    """Per phase (``PHASES`` order): the highest rank's median peak and median retained bytes."""
+    rank = highest_rank(record)
+    cells = []
+    for phase in PHASES:
+        peak, kept = (memory_summary(record, rank, f"{kind}.{phase}") for kind in ("peak", "retained"))
+        cells.append((fmt_bytes(peak.median) if peak.count else "-", fmt_bytes(kept.median) if kept.count else "-"))
+    return cells
+
+
+def memory_line(record: PhaseRecord) -> str:
+    """Under the phase table: whose bytes the memory columns are, over which steps, and the step's max."""
+    rank = highest_rank(record)
+    rows = record.ranks[rank].memory
+    steps = memory_summary(record, rank, "peak.step")
+    which = [m.step for m in rows]
+    where = f"steps {which[0]}-{which[-1]}" if len(which) > 1 else f"step {which[0]}" if which else "no step"
+    over = f"{steps.count} step(s)" if record.memory_source == "cuda_allocator" else where
+    start = memory_summary(record, rank, "start")
+    return (
+        f"Memory (rank {rank}, the highest; {over}; {SOURCES.get(record.memory_source, record.memory_source)}): "
+        f"peak = the most held at once in the phase, retained = held at its end; the step peaked at "
+        f"{fmt_bytes(steps.median)} median, {fmt_bytes(steps.max)} max, starting from {fmt_bytes(start.median)}"
+    )
+
+
+def ddp_memory_lines(memory: DDPMemory) -> str:
+    """DDP's own memory on each rank, exactly, and what each knob would change."""
+    total = sum(memory.buckets)
+    sizes = ", ".join(f"{b:,}" for b in memory.buckets[:8]) + (", ..." if len(memory.buckets) > 8 else "")
+    view = memory.gradient_as_bucket_view
+    grads = "views into the buckets" if view else "a tensor per parameter"
+    lines = [
+        f"Memory per rank (exact, from the live objects): parameters {memory.parameters:,} bytes; gradients "
+        f"{memory.gradients:,} bytes ({grads}); DDP's {len(memory.buckets)} gradient bucket(s) {total:,} bytes "
+        f"[{sizes}]; optimizer state {memory.optimizer_state:,} bytes; held {memory.held:,} bytes "
+        f"({fmt_bytes(memory.held)}) before activations.",
+    ]
+    if not memory.buckets:
+        return "\n".join(lines)
+    if view:
+        lines.append(f"gradient_as_bucket_view is on: the gradients are the buckets, saving {total:,} bytes.")
+    else:
+        lines.append(f"The buckets are a second copy of the gradients: --trainer.strategy.gradient_as_bucket_view true "
+                     f"gives back {total:,} bytes ({fmt_bytes(total)}) per rank.")  # fmt: skip
+    largest = max(memory.buckets)
+    cap = f"{memory.bucket_cap / 2**20:g} MiB" if memory.bucket_cap else "its cap"
+    lines.append(f"bucket_cap_mb ({cap} now) changes how the {total:,} bytes split (largest bucket {largest:,}), not "
+                 "their sum.")  # fmt: skip
+    half = largest // 2
+    if memory.compression:
+        lines.append(f"{memory.compression} compression halves the bytes on the wire, not in memory: the buckets "
+                     f"stay in the parameters' dtype and each all-reduce casts a copy ({half:,} bytes for the largest "
+                     "bucket) for its time on the wire.")  # fmt: skip
+    else:
+        lines.append(
+            f"fp16/bf16 compression (CommMonitor(compression)) would halve the bytes on the wire but add a "
+            f"half-size copy of each bucket while it is all-reduced ({half:,} bytes for the largest)."
+        )
+    return "\n".join(lines)
+
+
+def holders(held: DDPMemory, allocated: Optional[int]) -> list[tuple[str, int]]:
+    """What held memory, largest first; ``the rest`` (activations, workspace) where the allocator's total is
+    known (CUDA)."""
+    parts = [("parameters", held.parameters), ("gradients", held.own_gradients), ("DDP's buckets", sum(held.buckets)),
+             ("optimizer state", held.optimizer_state)]  # fmt: skip
+    if allocated is not None:
+        parts.append(("the rest (activations, workspace)", max(allocated - held.held, 0)))
+    return sorted((p for p in parts if p[1]), key=lambda p: -p[1])
+
+
+def oom_line(oom: OutOfMemory, path: Optional[str] = None) -> str:
+    """One line: where the rank ran out of memory, where memory peaked, and what held it."""
+    held = ", ".join(f"{name} {fmt_bytes(n)}" for name, n in holders(oom.held, oom.allocated))
+    rest = "" if oom.allocated is not None else " (the rest is not measured on CPU)"
+    peak = ""
+    if oom.peak is not None:
+        peak = f"; memory peaked at {fmt_bytes(oom.peak)} in step {oom.peak_step}, {oom.peak_phase}"
+    saved = f"; record: {path}" if path else ""
+    snapshot = f"; snapshot: {oom.snapshot}" if oom.snapshot else ""
+    return (
+        f"rank {oom.rank} ran out of memory in step {oom.step}, {oom.phase} ({oom.error}){peak}; held then: "
+        f"{held or 'nothing the tool sees'}{rest}{saved}{snapshot}"
+    )

@@ -13,6 +13,9 @@ PROG = "lit-ddp-fit"
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+# report, trace_report, forecast: the text printed, the picture asked for not drawn (matplotlib missing, or the
+# folder not writable); --no-plot asks for none.
+EXIT_NO_PICTURE = 1
 
 
 class Ending(enum.IntEnum):

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from lit_ddp.analysis import plots
 from lit_ddp.analysis.tables import fmt_bandwidth, fmt_ms, table
 from lit_ddp.errors import ForecastError
 from lit_ddp.scaling.links import BYTES_PER_MS_PER_GBPS, LINK_NAMES, Topology, check_ranks, topology
@@ -75,16 +76,10 @@ def report(run: Measured, topo: Topology, ranks: Sequence[int], caps_mib: Sequen
     return "\n".join(lines)
 
 
-def plot(run: Measured, topo: Topology, ranks: Sequence[int], caps_mib: Sequence[float], out: Path) -> Path:
-    figure(run, topo, ranks, caps_mib).savefig(out, dpi=110)
-    return out
-
-
 def figure(run: Measured, topo: Topology, ranks: Sequence[int], caps_mib: Sequence[float]):
-    """Step time and scaling efficiency vs ranks, for the measured buckets and each what-if."""
-    from matplotlib.figure import Figure  # the Figure API, not pyplot: no global state, safe in notebooks
-
-    fig = Figure(figsize=(11, 4.2))
+    """``forecast.png``: step time and scaling efficiency vs ranks, for the measured buckets and each what-if (here,
+    not in ``lit_ddp.analysis.plots``: it draws the model's curves, and analysis is a floor below scaling)."""
+    fig = plots.figure(figsize=(11, 4.2))
     ax_step, ax_eff = fig.subplots(1, 2)
     top = base = simulate(run, 1, topo).step_ms  # nothing to reduce on 1 rank: the compute alone
     for i, (label, variant, buckets) in enumerate(what_ifs(run, caps_mib)):
@@ -174,9 +169,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="bucket caps to try (default 25,100)")  # fmt: skip
 
 
-def run(args: argparse.Namespace, run_dir: Path) -> str:
-    """Runs the forecast for parsed ``args``; returns the text to print and writes ``forecast.png`` (unless
-    ``args.no_plot``). Raises ``ForecastError`` (a ``ValueError``) with a one-line message on bad input."""
+def run(args: argparse.Namespace, run_dir: Path) -> int:
+    """Prints the forecast for parsed ``args`` and writes ``forecast.png`` (unless ``args.no_plot``); returns the
+    exit code, 0 or ``EXIT_NO_PICTURE`` (``lit_ddp.analysis.plots.write``). Raises ``ForecastError`` (a
+    ``ValueError``) with a one-line message on bad input, before it prints anything."""
     spec = "+".join(n for n in args.link if n)
     probe = args.probe if args.probe is not None else (run_dir / "probe.json")
     topo = topology(args.link, args.gpus_per_node, probe if "measured" in args.link else None)
@@ -184,13 +180,10 @@ def run(args: argparse.Namespace, run_dir: Path) -> str:
     for n in ranks:
         check_ranks(n, topo, spec)
     measured = measured_run(run_dir)
-    text = report(measured, topo, ranks, args.what_if_bucket_mb, str(run_dir))
-    if not getattr(args, "no_plot", False):
-        try:
-            text += f"\nwrote {plot(measured, topo, ranks, args.what_if_bucket_mb, run_dir / 'forecast.png')}"
-        except ImportError:
-            text += "\nno plot: matplotlib is missing (pip install 'lit_ddp[plot]')"
-    return text
+    print(report(measured, topo, ranks, args.what_if_bucket_mb, str(run_dir)))
+    if getattr(args, "no_plot", False):
+        return 0
+    return plots.write(lambda: figure(measured, topo, ranks, args.what_if_bucket_mb), run_dir / "forecast.png")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,10 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.forecast is None:
         args.forecast = [8, 64, 512]
     try:
-        print(run(args, args.run_dir))
+        return run(args, args.run_dir)
     except ForecastError as e:
         parser.error(str(e))
-    return 0
 
 
 if __name__ == "__main__":

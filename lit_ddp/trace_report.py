@@ -17,20 +17,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
+from lit_ddp.analysis import plots
 from lit_ddp.analysis.trace import (
-    GRADIENT,
     NoGpuEvents,
     RankAnalysis,
     TraceError,
     analyze_rank,
     load,
 )
-from lit_ddp.analysis.trace import merge as merge_intervals
 from lit_ddp.analysis.trace_tables import to_json, trace_report
 from lit_ddp.errors import EXIT_USAGE
 
 TRACE_REPORT_PROG = "python -m lit_ddp.trace_report"
-EXIT_NO_PICTURE = 1
 PICTURE = "trace.png"
 
 
@@ -65,66 +63,6 @@ def load_ranks(paths: Sequence[Path]) -> list[RankAnalysis]:
     return [analyze_rank(t) for t in sorted(traces, key=lambda t: t.rank)]
 
 
-COLORS = {
-    "compute only": "#4C72B0", "compute + communication": "#8172B3", "communication only": "#C44E52",
-    "memory only": "#55A868", "host wait": "#DDDDDD", "kernel wait": "#BBBBBB", "other wait": "#888888",
-}  # fmt: skip
-PHASE_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "update": "#55A868"}  # "other", or no phases: grey
-
-
-def plot(analyses: Sequence[RankAnalysis], out: Path) -> Path:
-    """Left: each rank's span split into compute, communication, memory and the three waits. Right: the first
-    counted step of each rank on the GPU, compute by phase above, collectives below (exposed part hatched)."""
-    # The Figure API, not pyplot: no backend switch and no global state (works inside a notebook too).
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(14, 2.6 + 0.9 * len(analyses)))
-    ax_bar, ax_line = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 2]})
-    for y, a in enumerate(analyses):
-        t, left = a.total, 0.0
-        comm_only = t.communication_us - t.overlap_us
-        for label, us in (("compute only", t.compute_us - t.overlap_us), ("compute + communication", t.overlap_us),
-                          ("communication only", comm_only), ("memory only", t.non_compute_us - comm_only),
-                          ("host wait", t.host_wait_us), ("kernel wait", t.kernel_wait_us),
-                          ("other wait", t.other_wait_us)):  # fmt: skip
-            ax_bar.barh(y, us / 1e3, left=left, color=COLORS[label], label=label if y == 0 else None)
-            left += us / 1e3
-        _timeline(ax_line, a, y)
-    for ax in (ax_bar, ax_line):
-        ax.set_yticks(range(len(analyses)), [f"rank {a.rank}" for a in analyses])
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4, fontsize=7)
-    ax_bar.set(title="GPU time over the counted steps", xlabel="ms")
-    ax_line.set(title="first counted step on the GPU", xlabel="ms from the step's first GPU op")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    return out
-
-
-def _timeline(ax, analysis: RankAnalysis, y: int) -> None:
-    step = next((s for s in analysis.steps if s.counted), None)
-    if step is None:
-        return
-    ops = [p for p in analysis.ops if p.step == step.step]
-    t0 = min(p.op.start_us for p in ops)
-    label = {"compute": True, GRADIENT: GRADIENT, "other": "other collective", "exposed": "exposed"} if y == 0 else {}
-    for phase in dict.fromkeys(p.phase for p in ops):  # in order of appearance
-        compute = [(p.op.start_us, p.op.end_us) for p in ops if p.phase == phase and p.op.kind == "compute"]
-        ax.broken_barh([((s - t0) / 1e3, (e - s) / 1e3) for s, e in merge_intervals(compute)], (y + 0.02, 0.45),
-                       color=PHASE_COLORS.get(phase, "#999999"),
-                       label=f"{phase or 'compute'} compute" if label else None)  # fmt: skip
-    ends = [p.op.end_us for p in ops if p.phase == "backward" and p.op.kind == "compute"]
-    for c in (c for c in analysis.collectives if c.step == step.step):
-        kind = GRADIENT if c.kind == GRADIENT else "other"
-        ax.broken_barh([((c.start_us - t0) / 1e3, c.duration_us / 1e3)], (y - 0.47, 0.45),
-                       color="#8172B3" if kind == GRADIENT else "#AAAAAA",
-                       label=label.pop(kind, None))  # fmt: skip
-        if ends and kind == GRADIENT and c.start_us + c.duration_us > max(ends):
-            lo = max(c.start_us, max(ends))
-            ax.broken_barh([((lo - t0) / 1e3, (c.start_us + c.duration_us - lo) / 1e3)], (y - 0.47, 0.45),
-                           facecolor="none", edgecolor="#C44E52", hatch="///",
-                           label=label.pop("exposed", None))  # fmt: skip
-
-
 def _same(a: Path, b: Path) -> bool:
     return a.resolve() == b.resolve()
 
@@ -147,14 +85,7 @@ def run(path: Path, json_out: Optional[Path] = None, picture: bool = True) -> in
         print(f"wrote {json_out}")
     if picture:
         out = (path if Path(path).is_dir() else Path(path).parent) / PICTURE
-        try:
-            print(f"wrote {plot(analyses, out)}")
-        except ImportError:
-            print("no picture: matplotlib is missing (pip install 'lit_ddp[plot]')", file=sys.stderr)
-            return EXIT_NO_PICTURE
-        except OSError as err:
-            print(f"no picture: {out}: {err.strerror}", file=sys.stderr)
-            return EXIT_NO_PICTURE
+        return plots.write(lambda: plots.trace_figure(analyses), out)
     return 0
 
 

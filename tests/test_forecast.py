@@ -5,11 +5,12 @@ and one real 2-rank gloo probe."""
 import argparse
 import json
 import math
+import sys
 
 import pytest
 
-from lit_ddp import forecast
-from lit_ddp.errors import ForecastError
+from lit_ddp import forecast, report
+from lit_ddp.errors import EXIT_NO_PICTURE, ForecastError
 from lit_ddp.records import schema as record
 from lit_ddp.records.schema import StepBuckets
 from lit_ddp.scaling import links, model
@@ -275,11 +276,12 @@ def parse(*argv):
 
 
 @pytest.mark.timeout(60)
-def test_run_prints_table_and_writes_plot(tmp_path):
+def test_run_prints_table_and_writes_plot(tmp_path, capsys):
     run_dir = write_run(tmp_path)
     (run_dir / "probe.json").write_text(json.dumps({"backend": "gloo", "world_size": 2, "rows": [
         p.__dict__ for p in probe_points(2, hop_us=0.0, busbw=0.001)]}))  # fmt: skip
-    text = forecast.run(parse("--forecast", "2", "--link", "measured"), run_dir)
+    assert forecast.run(parse("--forecast", "2", "--link", "measured"), run_dir) == 0
+    text = capsys.readouterr().out
     # 2 ranks at 1e3 B/ms: bucket 0 (400 B, ready at 5 ms) takes 0.4 ms, bucket 1 (600 B, ready at 8 ms) 0.6 ms,
     # all exposed. The 1 ms tail is copied back by bytes: 0.4 ms from 8 ms, 0.6 ms from the end at 8.6 ms, so
     # backward = 9.2 ms and step = 4 + 9.2 + 3 + 1 = 17.2 ms, against 17 ms on 1 rank; 2 x 32 rows.
@@ -287,11 +289,30 @@ def test_run_prints_table_and_writes_plot(tmp_path):
     assert rows["1"] == ["1", "1", "17.00", "ms", "0.00", "ms", "0.00", "ms", "100.0%", "1,882"]
     assert rows["2"] == ["2", "1", "17.20", "ms", "0.60", "ms", "1.00", "ms", "98.8%", "3,721"]
     assert "intra-node link measured: busbw 1.00 MB/s, 0 us per step" in text
-    assert (run_dir / "forecast.png").stat().st_size > 10_000
-    text = forecast.run(parse("--forecast", "8,64", "--link", "nvlink+ib400"), run_dir)
+    assert (run_dir / "forecast.png").stat().st_size > 10_000 and f"wrote {run_dir / 'forecast.png'}" in text
+    assert forecast.run(parse("--forecast", "8,64", "--link", "nvlink+ib400"), run_dir) == 0
+    text = capsys.readouterr().out
     rows = forecast_rows(text)
     assert sorted(rows, key=int) == ["1", "8", "64"] and rows["64"][1] == "8"  # 8 nodes
     assert "bucket_cap_mb 25 (1 buckets)" in text and "gradient_as_bucket_view (no copy-back)" in text
+
+
+@pytest.mark.timeout(60)
+def test_without_matplotlib_the_commands_print_their_text_and_exit_1(tmp_path, capsys, monkeypatch):
+    """report and forecast answer a missing matplotlib as trace_report does (lit_ddp.analysis.plots.write): the
+    text in full, one line per picture on stderr, exit EXIT_NO_PICTURE; --no-plot asks for none and exits 0."""
+    run_dir = write_run(tmp_path)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails as if matplotlib were missing
+    missing = "matplotlib is missing (pip install 'lit_ddp[plot]')"
+    assert forecast.main([str(run_dir), "--forecast", "8"]) == EXIT_NO_PICTURE
+    out, err = capsys.readouterr()
+    assert "Forecast from" in out and err.splitlines() == [f"no forecast.png: {missing}"]
+    assert report.main([str(run_dir), "--forecast", "8"]) == EXIT_NO_PICTURE
+    out, err = capsys.readouterr()
+    assert "Phase times" in out and "Forecast from" in out  # the forecast is not cut short by the first picture
+    assert err.splitlines() == [f"no phases.png: {missing}", f"no forecast.png: {missing}"]
+    assert report.main([str(run_dir), "--forecast", "8", "--no-plot"]) == 0 and not capsys.readouterr().err
+    assert not list(run_dir.glob("*.png"))
 
 
 @pytest.mark.timeout(10)

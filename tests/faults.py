@@ -81,3 +81,18 @@ class WritePid(Callback):
         with open(f"{path}.tmp", "w") as f:
             f.write(str(os.getpid()))
         os.replace(f"{path}.tmp", path)  # a reader never sees a half-written pid
+
+
+class OutOfMemoryOnRank(Callback):
+    """At ``step`` on ``rank``, the model's forward raises ``torch.OutOfMemoryError`` (a stand-in for CUDA's, which
+    is the same class): where a real one is raised, inside the training step."""
+
+    def __init__(self, rank: int = 1, step: int = 2) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            pl_module.register_forward_pre_hook(self._raise)
+
+    def _raise(self, module, args):
+        raise torch.OutOfMemoryError(f"CUDA out of memory (injected on rank {self.rank} at step {self.step})")

@@ -10,6 +10,7 @@ import math
 from typing import Optional
 
 from lit_ddp.analysis import stragglers
+from lit_ddp.analysis.memory import ddp_memory_lines
 from lit_ddp.analysis.phases import DEFAULT_PRECISION, sketch_or
 from lit_ddp.analysis.tables import fmt_bandwidth, fmt_ms, table
 from lit_ddp.analysis.trace import allreduce_bus_factor
@@ -69,6 +70,7 @@ def comm_table(record: CommRecord, phases: Optional[PhaseRecord] = None) -> str:
         + _precision_line(record)
         + _accumulation_line(record)
         + _unused_line(record)
+        + (f"\n{ddp_memory_lines(record.ddp_memory)}" if record.ddp_memory else "")
         # A straggler is the phase table's verdict when there is one; otherwise it is said here.
         + (f"\n{stragglers.verdict_line(found)}" if found and (phases is None or found.rank is None) else "")
     )

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Optional
 
 from lit_ddp.analysis import stragglers
+from lit_ddp.analysis.memory import has_memory, memory_cells, memory_line
 from lit_ddp.analysis.tables import fmt_ms, fmt_si, table
 from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, Sketch, StepPhases, StepRow
 
@@ -71,6 +72,10 @@ def phase_table(record: PhaseRecord, comm: Optional[CommRecord] = None) -> str:
     if busy:
         header.append("GPU busy (rank 0)")
         rows = [(*row, fmt_ms(_busy_median(busy, phase))) for row, phase in zip(rows, PHASES, strict=True)]
+    memory = has_memory(record)
+    if memory:  # the bytes of the rank whose step peaks highest (lit_ddp.analysis.memory)
+        header += ["peak memory", "retained"]
+        rows = [(*row, *cells) for row, cells in zip(rows, memory_cells(record), strict=True)]
     n_steady = phase_summary(record, 0, "step").count
     clock = record.meta.clock + CLOCKS.get(record.meta.clock, "")
     precision = "" if record.meta.precision == DEFAULT_PRECISION else f", precision {record.meta.precision}"
@@ -79,9 +84,11 @@ def phase_table(record: PhaseRecord, comm: Optional[CommRecord] = None) -> str:
     profiled = [s for s in record.profiled_steps if record.ranks[0].row(s)]
     if profiled:
         which = f"step {profiled[0]}" if len(profiled) == 1 else f"steps {profiled[0]}-{profiled[-1]}"
-        why = "for the GPU-busy column" if busy else "without completing a GPU-busy measurement"
+        why = ("for the GPU-busy column" if busy else "for the memory columns" if record.memory_source == "cpu_profiler"
+               else "without completing a GPU-busy measurement")  # fmt: skip
         title += f" ({which} ran under the profiler {why}, left out of the others)"
-    text = title + ":\n" + table(tuple(header), rows) + _outside_lines(record) + _skipped_line(record)
+    text = title + ":\n" + table(tuple(header), rows) + ("\n" + memory_line(record) if memory else "")
+    text += _outside_lines(record) + _skipped_line(record)
     if record.roofline:
         text += "\n" + roofline_table(record)
     return text + "\n" + verdict(record, comm)

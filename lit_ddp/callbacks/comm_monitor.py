@@ -29,6 +29,7 @@ from lit_ddp.callbacks.step_sync import StepSync
 from lit_ddp.measure import clock
 from lit_ddp.measure.clock import ClockOffset, HostClock, clock_for
 from lit_ddp.measure.gradients import check_all_used, without_grad
+from lit_ddp.measure.memory import ddp_memory
 from lit_ddp.records.schema import CommRecord, RankComm, Sketch, StepBuckets, Window, is_steady
 
 COMPRESSION_WRAPPERS = {
@@ -202,6 +203,7 @@ class CommMonitor(Callback):
             unused_bytes=sum(nbytes for _, nbytes in self._unused),
             unused_every_step=len(self._unused_sets) == 1,
             wire_dtype=self._wire_dtype,
+            ddp_memory=ddp_memory(trainer.strategy.model, trainer.optimizers, self.compression),
         )
         report_timers(trainer, self)
 

@@ -7,9 +7,11 @@ Marks each step at Lightning's hooks, a forward pre-hook on the wrapped model an
 (``lit_ddp.measure.clock``); on GPUs a few steps are profiled for GPU-busy time (``lit_ddp.measure.profiling``).
 Each rank keeps a bounded record, given to rank 0 once at the end of training: ``phases.json`` (a
 ``PhaseRecord``) and the phase table, roofline and verdict (``lit_ddp.analysis.phases``). Where each phase starts
-and ends: docs/output.md; a step: docs/architecture.md.
+and ends: docs/output.md; a step: docs/architecture.md. Memory per phase (``lit_ddp.measure.memory``), and
+where a rank ran out of it (``on_out_of_memory``): docs/memory.md.
 """
 
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,23 +22,28 @@ from lightning.pytorch.profilers import PyTorchProfiler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lit_ddp import _torch
+from lit_ddp.analysis.memory import oom_line
 from lit_ddp.analysis.phases import format_step
 from lit_ddp.callbacks.shared import device_name, gather_to_zero, grad_scaler, log_metrics, meta, report_timers, say
-from lit_ddp.measure import roofline
+from lit_ddp.measure import memory, roofline
 from lit_ddp.measure.clock import HostClock, clock_for
 from lit_ddp.measure.profiling import LightningProfilerTraces, TraceRecorder, describe, read_busy
 from lit_ddp.measure.step_marks import OptimizerSteps, StepMarks, close_micro_batch, phases_of
 from lit_ddp.records.schema import (
     MAX_SKIPPED_KEPT,
     PHASES,
+    OutOfMemory,
     PhaseRecord,
     RankPhases,
     Roofline,
     Sketch,
+    StepMemory,
     StepPhases,
     StepRow,
     Window,
     is_steady,
+    save,
 )
 
 FIRST_PROFILED_STEP = 2  # after the warm-up step and one more (allocator, DDP's bucket rebuild)
@@ -57,7 +64,11 @@ class PhaseTimer(Callback):
             trace in ``<log_dir>/traces`` and read from it the GPU's busy time inside each phase
             (``lit_ddp.measure.profiling``). ``None``: 3 on CUDA, 0 elsewhere; on CPU a number profiles the CPU
             only (traces, no GPU-busy column). With Lightning's ``PyTorchProfiler`` on, PhaseTimer reads its
-            traces instead and starts no profiler.
+            traces instead and starts no profiler. On CPU the profiled steps after the first also give memory per
+            phase (the CPU allocator's events; ``configs/mini_train_profile.yaml`` profiles 3).
+        memory_snapshot: On CUDA, record the allocator's history (``torch.cuda.memory._record_memory_history``)
+            and, if a rank runs out of memory, dump it to ``<log_dir>/memory_snapshot_rank<r>.pickle`` (open it in
+            https://pytorch.org/memory_viz). Off by default: recording slows every allocation.
     """
 
     def __init__(
@@ -67,6 +78,7 @@ class PhaseTimer(Callback):
         peak_gbps: Optional[PositiveFloat] = None,
         filename: str = "phases.json",
         kernel_steps: Optional[NonNegativeInt] = None,
+        memory_snapshot: bool = False,
     ) -> None:
         if kernel_steps is not None and kernel_steps < 0:
             raise ValueError(f"`PhaseTimer(kernel_steps={kernel_steps!r})` must be >= 0")
@@ -80,6 +92,15 @@ class PhaseTimer(Callback):
         self.peak_gbps = peak_gbps
         self.filename = filename
         self.kernel_steps = kernel_steps
+        self.memory_snapshot = memory_snapshot
+        self._memory: Any = memory.NoMarks()  # CUDA: the allocator read at each boundary
+        self._memory_window = Window()
+        self._memory_summaries: dict[str, Sketch] = {}
+        self._memory_new: list[StepMemory] = []  # rows not yet given to the loggers
+        self._anchors: dict[int, int] = {}  # CPU: profiled step -> bytes held at its start
+        self._training: tuple[Any, list] = (None, [])  # the (DDP-)wrapped model and the optimizers
+        self._run_dir: Optional[str] = None  # trainer.log_dir, asked once while every rank is there
+        self._oom_reported = False
         self._recorder: Optional[TraceRecorder | LightningProfilerTraces] = None
         self._busy: list[StepRow] = []  # per profiled step: GPU-busy ms of each phase
         self._clock: Any = HostClock()
@@ -115,6 +136,15 @@ class PhaseTimer(Callback):
         self.record, self.ended = None, False
         self._flops, self._counted = None, False
         self._busy, self._recorder = [], None
+        self._memory = memory.marks_for(trainer.strategy.root_device)
+        self._memory_summaries, self._memory_new, self._anchors, self._oom_reported = {}, [], {}, False
+        self._training = (trainer.strategy.model, list(trainer.optimizers))
+        self._run_dir = trainer.log_dir  # a broadcast, so here: a rank that runs out of memory alone needs it
+        if self.memory_snapshot:
+            if self._clock.name == "cuda_event":
+                _torch.record_memory_history(True)
+            else:
+                rank_zero_warn("PhaseTimer(memory_snapshot=True) needs CUDA: no memory snapshot on this device")
         kernel_steps = (
             self.kernel_steps if self.kernel_steps is not None else (3 if self._clock.name == "cuda_event" else 0)
         )
@@ -129,6 +159,7 @@ class PhaseTimer(Callback):
         profiled = kernel_steps if self._recorder is not None and self._recorder.owns_profiler else 0
         self.profiled_steps = range(FIRST_PROFILED_STEP, FIRST_PROFILED_STEP + profiled)
         self._window, self._summaries = Window(self.profiled_steps), {phase: Sketch() for phase in PHASES}
+        self._memory_window = Window(self.profiled_steps)
         # Lightning has no hook where the forward starts (after its own batch handling) nor where the
         # optimizer's step() returns: a forward pre-hook on the model Lightning calls, a step post-hook.
         self._handles = [
@@ -181,6 +212,10 @@ class PhaseTimer(Callback):
             toggled = True
         if recorder.active:
             recorder.begin_step(step)
+            if recorder.owns_profiler and self._memory.source is None and step > self.profiled_steps.start:
+                # CPU: what the step starts with, for its allocator events to count from (lit_ddp.measure.memory).
+                model, optimizers = self._training
+                self._anchors[step] = memory.ddp_memory(model, optimizers, allocated_only=True).held
         return toggled
 
     def _stop_recorder(self) -> None:
@@ -188,13 +223,17 @@ class PhaseTimer(Callback):
         once what came of it."""
         recorder = self._recorder
         steps = self.profiled_steps if recorder.owns_profiler else None  # Lightning's: the steps it recorded
-        found = read_busy(recorder.stop(), recorder.rank, steps)
+        paths = recorder.stop()
+        found = read_busy(paths, recorder.rank, steps)
         self._busy = found.rows
         rank_zero_info(describe(found, recorder.where, steps))
+        for row in memory.cpu_step_memory(paths, recorder.rank, self._anchors):
+            self._add_memory(row)
 
     def _mark(self, boundary: str) -> Any:
         if self._recorder is not None and self._recorder.active:
             self._recorder.mark(boundary)
+        self._memory.mark(boundary)
         return self._clock.mark()
 
     def _mark_once(self, boundary: str) -> None:
@@ -258,7 +297,11 @@ class PhaseTimer(Callback):
     def _close_step(self, end_mark: Any) -> None:
         """The step that was running ends where the next one starts (or training ends)."""
         if not self._marks:
+            self._memory.drop()
             return
+        row = self._memory.end_step(self._step)
+        if row is not None:
+            self._add_memory(row)
         marks = StepMarks(self._step, [*self._micro, close_micro_batch(self._marks, end_mark)], self._outside)
         if marks.complete():  # a step without an optimizer step, or that raised, has no phases to report
             self._pending.append(marks)
@@ -272,30 +315,82 @@ class PhaseTimer(Callback):
         self._remove_hooks()
         self._resolve(trainer, block=True)
         self.log_dir = trainer.log_dir  # a broadcast: every rank asks
+        kept = [row for _, row in self._memory_window.items()]
         ranks = gather_to_zero(trainer, RankPhases(trainer.global_rank, [row for _, row in self._window.items()],
-                                                   self._summaries, self._busy, self._outside_summaries))  # fmt: skip
+                                                   self._summaries, self._busy, self._outside_summaries, kept,
+                                                   self._memory_summaries))  # fmt: skip
         if ranks is not None and ranks[0].rows:
+            source = self._memory.source or (memory.CPU_SOURCE if ranks[0].memory else None)
             self.record = PhaseRecord(meta(trainer, self._clock.name), ranks, list(self.profiled_steps),
                                       self._roofline(trainer, pl_module), skipped_steps=self._skipped,
-                                      skipped_count=self._skipped_count)  # fmt: skip
+                                      skipped_count=self._skipped_count, memory_source=source)  # fmt: skip
         self.ended = True
         report_timers(trainer, self)
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """A failed fit leaves no profiler running and no hook behind: the next fit in this process needs neither."""
+        if isinstance(exception, torch.OutOfMemoryError):  # a rank in this process (ddp, torchrun, one device)
+            self.on_out_of_memory(trainer, exception)
         if self._recorder is not None:
             self._recorder.close()
         self._remove_hooks()
+
+    def on_out_of_memory(self, trainer: Trainer, exception: BaseException) -> None:
+        """On the rank that ran out of memory, before the job ends (the other ranks may wait in a collective): one
+        line naming the step and phase, where memory peaked and what held it, and ``oom_rank<r>.json`` beside the
+        run's record. ``LitDDPStrategy`` calls it where the error is raised (a ``ddp_spawn``/``ddp_fork`` rank
+        reaches no ``on_exception``), ``on_exception`` elsewhere; once per fit."""
+        if self._oom_reported:
+            return
+        self._oom_reported = True
+        model, optimizers = self._training
+        allocated = torch.cuda.memory_allocated(self._memory.device) if self._memory.source else None
+        rows = [row for _, row in self._memory_window.items()]
+        top = max(rows, key=lambda m: m.peak["step"], default=None)
+        peak, peak_step, peak_phase = (None, None, None)
+        if top is not None:
+            peak_step, peak = top.step, top.peak["step"]
+            peak_phase = max((p for p in top.peak if p != "step"), key=top.peak.get, default=None)
+        now = self._memory.peak_now()
+        if now is not None and (peak is None or now > peak):  # the step running (not closed yet) peaked higher
+            peak, peak_step, peak_phase = now, self._step, self._memory.phase
+        run_dir = Path(self._run_dir or ".")
+        rank = trainer.global_rank
+        snapshot = None
+        if self.memory_snapshot and self._memory.source:
+            snapshot = str(run_dir / f"memory_snapshot_rank{rank}.pickle")
+            _torch.dump_memory_snapshot(snapshot)
+        error = next(iter(str(exception).strip().splitlines()), type(exception).__name__)
+        oom = OutOfMemory(meta(trainer, self._clock.name), rank, self._step, self._memory.phase, error,
+                          memory.ddp_memory(model, optimizers, allocated_only=True), allocated, peak, peak_step,
+                          peak_phase, rows, self._memory.source, snapshot)  # fmt: skip
+        path = save(oom, run_dir / f"oom_rank{rank}.json")
+        print(f"lit-ddp: {oom_line(oom, str(path))}", file=sys.stderr, flush=True)
+
+    def _add_memory(self, row: StepMemory) -> None:
+        self._memory_window.add(row.step, row)
+        self._memory_new.append(row)
+        if is_steady(row.step, self._skipped):  # the profiled steps too: the allocator is not slowed
+            for name, value in (("start", row.start), *((f"peak.{p}", v) for p, v in row.peak.items()),
+                                *((f"retained.{p}", v) for p, v in row.retained.items())):  # fmt: skip
+                self._memory_summaries.setdefault(name, Sketch()).add(value)
 
     def _remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self.memory_snapshot and self._memory.source:
+            _torch.record_memory_history(False)
         self._real_flops.stop()  # a fit that failed in step 0 leaves no FLOP counter running either
 
     def _resolve(self, trainer: Trainer, block: bool) -> None:
         """Turns marks into milliseconds, oldest first, as far as they have completed."""
+        for row in self._memory_new:
+            metrics = {f"memory/{p}_{kind}_bytes": float(getattr(row, kind)[p]) for kind in ("peak", "retained")
+                       for p in PHASES if p in getattr(row, kind)}  # fmt: skip
+            log_metrics(trainer, metrics, step=row.step)
+        self._memory_new = []
         while self._pending:
             marks = self._pending[0]
             end = marks.outside[-1][2] if marks.outside else marks.end  # a validation span may end last (CUDA)

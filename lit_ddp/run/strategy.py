@@ -155,6 +155,31 @@ class LitDDPStrategy(DDPStrategy):
             lifecycle.teardown_process_group()
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().training_step(*args, **kwargs)
+        except torch.OutOfMemoryError as err:
+            self._out_of_memory(err)
+            raise
+
+    @override
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        try:  # automatic optimization: the closure's forward and backward, then the update
+            return super().optimizer_step(*args, **kwargs)
+        except torch.OutOfMemoryError as err:
+            self._out_of_memory(err)
+            raise
+
+    def _out_of_memory(self, exception: BaseException) -> None:
+        # Where the rank that ran out of memory still runs: a ddp_spawn/ddp_fork rank reaches no callback's
+        # on_exception, and the others may be waiting in a collective. PhaseTimer says where and what held it.
+        trainer = self.lightning_module.trainer
+        for callback in trainer.callbacks:
+            report = getattr(callback, "on_out_of_memory", None)
+            if report is not None:
+                report(trainer, exception)
+
+    @override
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         # Where DDP waits for every rank's gradients: a timeout here names the ranks that never arrived. (Here
         # and not in on_exception: ddp_fork/ddp_spawn ranks never call it.)

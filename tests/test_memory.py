@@ -1,0 +1,283 @@
+"""Memory: DDP's own bytes exactly as its layout, what gradient_as_bucket_view gives back, per-phase peaks of a
+model whose activations are known, the CUDA allocator's marks, and the line of a rank that runs out of memory.
+
+Two real 2-rank ``ddp_spawn`` runs (module-scoped: one without and one with ``gradient_as_bucket_view``) feed
+most tests; the rest are hand-driven."""
+
+import gzip
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+
+from lit_ddp import FixedBatchDataModule, LinearRegression, report
+from lit_ddp.analysis import trace
+from lit_ddp.analysis.comm import comm_table
+from lit_ddp.analysis.memory import oom_line
+from lit_ddp.analysis.phases import phase_table
+from lit_ddp.callbacks import CommMonitor, PhaseTimer
+from lit_ddp.measure import memory
+from lit_ddp.records import schema as record
+from lit_ddp.run.strategy import LitDDPStrategy
+from tests.recorders import RecordDDPBuckets
+from tests.runner import ROOT, run_fit
+from tests.trainers import fast_trainer
+
+DIM, HIDDEN, BATCH = 64, 4096, 16  # per rank
+ACTIVATION = BATCH * HIDDEN * 4  # one float32 [BATCH, HIDDEN] activation: 256 KiB
+STEPS = 5  # steps 2-4 profiled; 3 and 4 give memory on CPU
+
+
+class KnownActivations(LightningModule):
+    """``down(relu(up(x)))``: forward holds two [BATCH, HIDDEN] activations at once (up's output, then relu's),
+    and keeps relu's for backward; everything else it allocates is [BATCH, DIM], 256 times smaller."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, HIDDEN), nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return ((self(x) - y) ** 2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def memory_run(tmp_path, view: bool):
+    log_dir = tmp_path / "run" / "version_0"
+    trainer = fast_trainer(tmp_path, max_steps=STEPS, gradient_as_bucket_view=view, bucket_cap_mb=1,
+                           callbacks=[PhaseTimer(kernel_steps=3, print_steps=0), CommMonitor(),
+                                      RecordDDPBuckets(tmp_path / "ddp.json")],
+                           logger=CSVLogger(tmp_path, name="run", version=0))  # fmt: skip
+    trainer.fit(KnownActivations(), FixedBatchDataModule(dim=DIM, batch_size=BATCH))
+    phases, comm = record.load_run(log_dir)
+    return SimpleNamespace(phases=phases, comm=comm, ddp=json.loads((tmp_path / "ddp.json").read_text()), dir=log_dir)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same 2-rank run without and with ``gradient_as_bucket_view``."""
+    return {view: memory_run(tmp_path_factory.mktemp(f"view_{view}"), view) for view in (False, True)}
+
+
+@pytest.mark.timeout(240)
+def test_ddp_memory_is_ddps_own_layout_exactly(runs):
+    model = KnownActivations()
+    params = [p.numel() * 4 for p in model.parameters()]
+    for view, run in runs.items():
+        held = run.comm.ddp_memory
+        assert held.buckets == run.ddp["rebuilt_bucket_sizes"] == run.comm.layout  # DDP's own, after its rebuild
+        assert len(held.buckets) > 1  # bucket_cap_mb=1 splits the 8 MiB of gradients
+        assert sum(held.buckets) == held.gradients == held.parameters == sum(params)
+        assert held.gradient_as_bucket_view is view and held.bucket_cap == 2**20
+        # Adam: exp_avg and exp_avg_sq like each parameter, and a float32 step count per parameter.
+        assert held.optimizer_state == 2 * sum(params) + 4 * len(params)
+        assert held.own_gradients == (0 if view else sum(params))
+        assert held.held == held.parameters + held.own_gradients + sum(held.buckets) + held.optimizer_state
+
+
+@pytest.mark.timeout(240)
+def test_gradient_as_bucket_view_gives_back_the_bucket_bytes(runs, capsys):
+    separate, view = runs[False], runs[True]
+    layout = sum(separate.comm.ddp_memory.buckets)
+    saved = separate.phases.ranks[0].memory_summaries["peak.step"].max - view.phases.ranks[0].memory_summaries[
+        "peak.step"].max  # fmt: skip
+    with capsys.disabled():
+        print(f"\ngradient_as_bucket_view: the layout's buckets {layout:,} bytes; the CPU profiler's step peak "
+              f"{saved:,} bytes lower")  # fmt: skip
+    assert abs(saved - layout) <= 0.05 * layout
+    for rank in range(2):  # within the step both runs allocate the same: the saving is what the step holds
+        for run in runs.values():
+            assert run.phases.memory_source == "cpu_profiler"
+            assert [m.step for m in run.phases.ranks[rank].memory] == [3, 4]
+        above = [r.phases.ranks[rank].memory[-1].peak["step"] - r.phases.ranks[rank].memory[-1].start
+                 for r in (separate, view)]  # fmt: skip
+        assert abs(above[0] - above[1]) <= 0.05 * layout
+    # What the tables say: the saving, as the layout's bytes.
+    assert f"gradient_as_bucket_view true gives back {layout:,} bytes" in comm_table(separate.comm, separate.phases)
+    assert f"the gradients are the buckets, saving {layout:,} bytes" in comm_table(view.comm, view.phases)
+
+
+@pytest.mark.timeout(240)
+def test_forward_peak_holds_the_known_activations(runs):
+    # Bound: the two [BATCH, HIDDEN] activations, plus what else forward allocates (a few [BATCH, DIM] tensors,
+    # Lightning's scalars): under 64 KiB here.
+    for run in runs.values():
+        for rank in run.phases.ranks:
+            for m in rank.memory:
+                forward = m.peak["forward"] - m.start
+                assert 2 * ACTIVATION <= forward <= 2 * ACTIVATION + 64 * 1024, (m.step, forward)
+                kept = m.retained["forward"] - m.start  # relu's output, saved for backward
+                assert ACTIVATION <= kept <= ACTIVATION + 64 * 1024, (m.step, kept)
+                assert m.peak["step"] == max(m.peak[p] for p in record.PHASES if p != "step")
+
+
+@pytest.mark.timeout(240)
+def test_memory_reaches_the_table_every_logger_and_the_report(runs, capsys):
+    run = runs[False]
+    table = phase_table(run.phases, run.comm)
+    assert re.search(r"phase .* peak memory +retained\n", table)
+    assert "Memory (rank " in table and "profile_memory=True" in table
+    header = (run.dir / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {f"memory/{p}_peak_bytes" for p in record.PHASES} <= set(header)
+    assert report.main([str(run.dir), "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert "peak memory" in out and "Memory per rank (exact, from the live objects)" in out
+
+
+def test_trace_memory_per_phase_from_allocator_events(tmp_path):
+    """A hand-made trace: a step of forward (+100, +50, -50), other (-10) and backward (+30, -100)."""
+
+    def rng(name, ts, dur):
+        return {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur}
+
+    def mem(ts, nbytes):
+        return {"ph": "i", "cat": "cpu_instant_event", "name": "[memory]", "ts": ts,
+                "args": {"Bytes": nbytes, "Total Allocated": 0, "Device Type": 0}}  # fmt: skip
+
+    events = [rng("lit_ddp.step#3", 0, 100), rng(trace.OTHER, 0, 10), rng(trace.FORWARD, 10, 30),
+              rng(trace.OTHER, 40, 10), rng(trace.BACKWARD, 50, 50), mem(-5, 7), mem(12, 100), mem(15, 50),
+              mem(20, -50), mem(45, -10), mem(60, 30), mem(70, -100), mem(71, 1 << 20)]  # fmt: skip
+    events[-1]["args"]["Device Type"] = 1  # a CUDA event: not the CPU's
+    path = tmp_path / "rank0.pt.trace.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"traceEvents": events, "distributedInfo": {"rank": 0}}).encode()))
+    (step,) = trace.step_memory(trace.load(path))
+    assert step.step == 3
+    assert step.peak == {"step": 150, "other": 100, "forward": 150, "backward": 120}
+    assert step.retained == {"step": 20, "other": 90, "forward": 100, "backward": 20}
+    rows = memory.cpu_step_memory([path], rank=0, anchors={3: 1000})
+    assert [(r.step, r.start, r.peak["forward"], r.retained["step"]) for r in rows] == [(3, 1000, 1150, 1020)]
+    assert memory.cpu_step_memory([path], rank=1, anchors={3: 1000}) == []
+
+
+class FakeAllocator:
+    """``torch.cuda``'s allocator statistics, driven by hand."""
+
+    def __init__(self, monkeypatch):
+        self.now, self.peak, self.resets = 0, 0, 0
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.now)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.peak)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self.reset)
+
+    def reset(self, device=None):
+        self.peak, self.resets = self.now, self.resets + 1
+
+    def hold(self, nbytes):
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
+
+
+def test_allocator_marks_split_the_peak_at_each_boundary(monkeypatch):
+    alloc = FakeAllocator(monkeypatch)
+    alloc.hold(1000)  # what training holds before the step
+    marks = memory.AllocatorMarks(torch.device("cuda", 0))
+    marks.mark("start")
+    marks.drop()  # no step before this one
+    marks.mark("forward_start")
+    alloc.hold(300)  # activations
+    alloc.hold(200)
+    alloc.hold(-200)
+    marks.mark("forward_end")
+    marks.mark("backward_start")
+    alloc.hold(400)  # gradients
+    alloc.hold(-250)  # activations freed
+    marks.mark("backward_end")
+    marks.mark("update_start")
+    alloc.hold(600)
+    alloc.hold(-600)
+    marks.mark("update_end")
+    marks.mark("data_start")
+    marks.mark("start")
+    step = marks.end_step(7)
+    assert step.start == 1000
+    assert step.peak == {"step": 2050, "other": 1450, "forward": 1500, "backward": 1700, "update": 2050, "data": 1450}
+    assert step.retained == {"step": 1450, "other": 1450, "forward": 1300, "backward": 1450, "update": 1450,
+                             "data": 1450}  # fmt: skip
+    assert alloc.resets == 10  # the constructor's and one per boundary: each interval's own peak
+    assert marks.end_step(8).start == 1450  # the next step starts where this one ended
+
+
+class OutOfMemoryAtStep2(LinearRegression):
+    def forward(self, x):
+        if self.trainer.global_step == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (a stand-in on CPU)")
+        return super().forward(x)
+
+
+@pytest.mark.timeout(120)
+def test_out_of_memory_names_step_phase_and_holders(tmp_path, capfd):
+    """One rank in this process, under LitDDPStrategy (DDP and its buckets, no spawn)."""
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=LitDDPStrategy(start_method="popen", timeout_s=30),
+                      max_steps=5, callbacks=[PhaseTimer(print_steps=0)], logger=CSVLogger(tmp_path, name="run"),
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.fit(OutOfMemoryAtStep2(dim=256), FixedBatchDataModule(dim=256, batch_size=8))
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if "ran out of memory" in line]
+    assert len(lines) == 1, err  # once, though both the strategy and on_exception saw it
+    params = 4 * (256 * 256 + 256)
+    path = tmp_path / "run" / "version_0" / "oom_rank0.json"
+    assert lines[0] == (
+        f"lit-ddp: rank 0 ran out of memory in step 2, forward (CUDA out of memory. Tried to allocate 2.00 GiB (a "
+        f"stand-in on CPU)); held then: optimizer state 526.3 kB, parameters 263.2 kB, gradients 263.2 kB, DDP's "
+        f"buckets 263.2 kB (the rest is not measured on CPU); record: {path}"
+    )
+    (oom,) = record.load_oom(path.parent)
+    assert (oom.rank, oom.step, oom.phase, oom.held.parameters, oom.held.buckets) == (0, 2, "forward", params, [params])
+    assert oom_line(oom, str(path)) == lines[0].removeprefix("lit-ddp: ")
+    assert report.main([str(path.parent), "--no-plot"]) == 0
+    assert lines[0].removeprefix("lit-ddp: ") in capfd.readouterr().out.splitlines()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.timeout(240)
+def test_cuda_allocator_memory_per_phase_and_the_bucket_view(tmp_path):
+    peaks = {}
+    for view in (False, True):
+        log_dir = tmp_path / str(view) / "run" / "version_0"
+        trainer = Trainer(accelerator="gpu", devices=1, max_steps=STEPS,
+                          strategy=LitDDPStrategy(gradient_as_bucket_view=view, bucket_cap_mb=1),
+                          callbacks=[PhaseTimer(print_steps=0), CommMonitor()],
+                          logger=CSVLogger(tmp_path / str(view), name="run", version=0), enable_progress_bar=False,
+                          enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+        trainer.fit(KnownActivations(), FixedBatchDataModule(dim=DIM, batch_size=BATCH))
+        phases, comm = record.load_run(log_dir)
+        assert phases.memory_source == "cuda_allocator"
+        steady = [m for m in phases.ranks[0].memory if m.step >= 1]
+        assert len(steady) == STEPS - 1
+        for m in steady:  # the caching allocator rounds each block up to 512 bytes: within that
+            forward = m.peak["forward"] - m.start
+            assert 2 * ACTIVATION <= forward <= 2 * ACTIVATION + 64 * 1024, (m.step, forward)
+        peaks[view] = (phases.ranks[0].memory_summaries["peak.step"].max, sum(comm.ddp_memory.buckets))
+    saved, layout = peaks[False][0] - peaks[True][0], peaks[False][1]
+    print(f"gradient_as_bucket_view: the layout's buckets {layout:,} bytes; the CUDA allocator's step peak "
+          f"{saved:,} bytes lower")  # fmt: skip
+    assert abs(saved - layout) <= 0.05 * layout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_forked_rank_out_of_memory_says_so_before_the_job_ends(tmp_path):
+    """Under the CLI's ddp_fork ranks, where no callback's on_exception runs: LitDDPStrategy's catch."""
+    result = run_fit("--config", str(ROOT / "configs" / "mini_train_profile.yaml"), "--devices", "2",
+                     "--model.dim", "256", "--trainer.max_steps", "6",
+                     "--trainer.callbacks+=tests.faults.OutOfMemoryOnRank", "--trainer.callbacks.step=5", cwd=tmp_path,
+                     timeout=150)  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    path = tmp_path / "runs" / "mini_train_profile" / "version_0" / "oom_rank1.json"
+    (line,) = [line for line in result.stderr.splitlines() if "ran out of memory" in line]
+    assert re.fullmatch(r"lit-ddp: rank 1 ran out of memory in step 5, forward \(CUDA out of memory \(injected on "
+                        r"rank 1 at step 5\)\); memory peaked at [\d.]+ [kM]B in step [34], update; held then: .*"
+                        r"DDP's buckets 263.2 kB \(the rest is not measured on CPU\); record: " + re.escape(
+                            str(path.relative_to(tmp_path))), line), line  # fmt: skip
+    assert path.is_file() and not (path.parent / "oom_rank0.json").exists()
+    assert result.stderr.index(line) < result.stderr.index("rank 1 exited with code 1: OutOfMemoryError")

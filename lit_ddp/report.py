@@ -19,9 +19,10 @@ from pathlib import Path
 from lit_ddp import forecast, trace_report
 from lit_ddp.analysis import plots
 from lit_ddp.analysis.comm import comm_table
+from lit_ddp.analysis.memory import oom_line
 from lit_ddp.analysis.phases import phase_table
 from lit_ddp.errors import RecordError
-from lit_ddp.records.schema import load_run
+from lit_ddp.records.schema import load_oom, load_run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,8 +46,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.run_dir} is not a directory")
     try:
         phases, comm = load_run(args.run_dir)
+        out_of_memory = load_oom(args.run_dir)
     except RecordError as err:
         parser.error(str(err))
+    for oom in out_of_memory:  # the rank's line again, from the record it wrote before the job ended
+        print(oom_line(oom, str(args.run_dir / f"oom_rank{oom.rank}.json")))
+    if phases is None and comm is None and out_of_memory:
+        return 0  # a run that ran out of memory: its ranks' lines are its record
     if phases is None and comm is None:
         parser.error(f"{args.run_dir} holds neither phases.json nor comm.json: was PhaseTimer or CommMonitor on?")
     if phases is not None:

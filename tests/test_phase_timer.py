@@ -202,6 +202,14 @@ def test_a_profile_that_measured_nothing_says_so():
     assert table.endswith("Verdict: unknown: GPU-busy time was not measured (no profiled step completed)")
 
 
+def test_a_backward_bound_cpu_run_is_told_of_the_all_reduce_only_on_several_ranks():
+    steps = [(1.0, 6.0, 1.0, 1.0)] * 4  # backward 67% of the step
+    two, one = phase_table(phase_record([steps, steps])), phase_table(phase_record([steps]))
+    assert two.endswith("backward is 67% of the step; more overlap of the all-reduce with backward (smaller buckets; "
+                        "see the all-reduce table) would help")  # fmt: skip
+    assert one.endswith("backward is 67% of the step; fewer FLOPs or lower precision (bf16) in backward would help")
+
+
 def test_a_failed_fit_leaves_no_profiler_and_no_hook(stand_in_gpu, tmp_path):
     timer, trainer, model = drive_steps(stand_in_gpu, tmp_path, kernel_steps=3, steps=3)
     assert timer._recorder.active and model._forward_pre_hooks

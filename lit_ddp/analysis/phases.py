@@ -30,6 +30,8 @@ HINTS = {
     "data": "a faster input pipeline (DataLoader workers, pinned memory, prefetching)",
     "other": "less per-step Python: callbacks, logging, printing every step",
 }
+# One rank has no all-reduce to overlap (a run on one device, where CommMonitor stood aside).
+ONE_RANK_HINTS = {**HINTS, "backward": "fewer FLOPs or lower precision (bf16) in backward"}
 
 
 def format_step(step: int, phases: StepPhases) -> str:
@@ -145,7 +147,8 @@ def verdict(record: PhaseRecord, comm: Optional[CommRecord] = None) -> str:
         return f"Verdict: unknown: GPU-busy time was not measured ({why})"
     shares = {p: phase_summary(record, 0, p).median / step_ms for p in PHASES if p != "step"}
     top = max(shares, key=shares.get)
-    return f"Verdict: a CPU run (no device to idle): {top} is {shares[top]:.0%} of the step; {HINTS[top]} would help"
+    hints = ONE_RANK_HINTS if record.meta.world_size == 1 else HINTS
+    return f"Verdict: a CPU run (no device to idle): {top} is {shares[top]:.0%} of the step; {hints[top]} would help"
 
 
 def roofline_table(record: PhaseRecord) -> str:

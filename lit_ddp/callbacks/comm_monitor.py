@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.profiler import record_function
 from typing_extensions import override
@@ -53,7 +53,8 @@ class BucketTiming:
 
 
 class CommMonitor(Callback):
-    """Times and accounts every gradient bucket's all-reduce.
+    """Times and accounts every gradient bucket's all-reduce. With a strategy that is not DDP's (one device,
+    ``SingleDeviceStrategy``) there is no all-reduce: it stands aside with one warning, and writes no record.
 
     Args:
         compression: Cast gradients to ``fp16`` or ``bf16`` for the all-reduce (half the bytes on the wire).
@@ -84,6 +85,7 @@ class CommMonitor(Callback):
         self.ended = False
         self.log_dir: Optional[str] = None
         self._hook: Any = None
+        self.standing_aside = False  # this fit's strategy is not DDP: no hook, no record
 
     @staticmethod
     def unsupported(trainer: Trainer) -> Optional[str]:
@@ -98,8 +100,12 @@ class CommMonitor(Callback):
         if stage != "fit":
             return
         reason = self.unsupported(trainer)
+        self.standing_aside = reason is not None
         if reason:
-            raise MisconfigurationException(reason)
+            # A user debugging on one device keeps their callbacks list: one line, and the others still run.
+            rank_zero_warn(f"{reason}: it stands aside", stacklevel=5)  # Lightning's hook call: one line, as its own
+            self.record, self.ended = None, True  # report_timers does not wait for a record that never comes
+            return
         self._clock = clock_for(trainer.strategy.root_device)
         self._lock = threading.Lock()  # gloo completes futures on its own threads
         # Lightning 2.6 broadcasts a SIGTERM flag from rank 0 at every step: every rank would wait for a straggler
@@ -115,6 +121,8 @@ class CommMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.standing_aside:
+            return
         state, hook = self._hook
         trainer.strategy.model.register_comm_hook(state, hook)
         # Once, before the first step: where each rank's clock stands against rank 0's (arrivals compare then).
@@ -160,16 +168,22 @@ class CommMonitor(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.standing_aside:
+            return
         self._step = trainer.global_step
         self._collect(trainer, block=False)
 
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        if self.standing_aside:
+            return
         self._backward_start = self._clock.mark()
         self._backwards[self._step] = self._backwards.get(self._step, 0) + 1
 
     @override
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.standing_aside:
+            return
         if not trainer.strategy.model.find_unused_parameters:
             if trainer.global_step == 0:  # DDP would fail at the next forward, naming indices: name them now
                 check_all_used(pl_module, 0)
@@ -179,6 +193,8 @@ class CommMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.standing_aside:
+            return
         self._collect(trainer, block=True)
         self.log_dir = trainer.log_dir  # a broadcast: every rank asks
         rows = [row for _, row in self._window.items()]

@@ -14,6 +14,7 @@ from typing import Literal, Optional
 import torch
 from jsonargparse.typing import NonNegativeInt
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
@@ -47,7 +48,8 @@ def model_fingerprint(per_tensor: Tensor) -> Tensor:
 
 
 class SyncCheck(Callback):
-    """Checks that all ranks hold identical parameters (and, optionally, gradients) during training.
+    """Checks that all ranks hold identical parameters (and, optionally, gradients) during training. With a
+    strategy that is not DDP's (one device, ``SingleDeviceStrategy``) it stands aside with one warning.
 
     Args:
         every_n_steps: Check the weights after every n-th step; the last step is always checked (0: only it).
@@ -75,9 +77,12 @@ class SyncCheck(Callback):
         self._steps = OptimizerSteps()
         self._max_diff = 0.0
         self._out_of_sync = 0  # checks that found the ranks apart (mode="warn")
+        self.standing_aside = False  # this fit's strategy is not DDP's: nothing to compare, nothing done
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.standing_aside:
+            return
         self._last_checked_step, self._max_diff, self._out_of_sync = None, 0.0, 0
         if self.check_setup:
             self._check_optimizer_holds_wrapped_params(trainer)
@@ -85,11 +90,18 @@ class SyncCheck(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
-        if self.check_grads:
+        if self.check_grads and not self.standing_aside:
             self._compare(trainer, pl_module, "gradients", f"at step {trainer.global_step}")
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        strategy = trainer.strategy
+        self.standing_aside = stage == "fit" and not isinstance(strategy, DDPStrategy)
+        if self.standing_aside:
+            # One line, and the other callbacks still run: a user keeps their callbacks list while on one device.
+            reason = f"SyncCheck compares DDP's ranks and needs a DDP strategy, got {type(strategy).__name__}"
+            rank_zero_warn(f"{reason}: it stands aside", stacklevel=5)  # Lightning's hook call: one line, as its own
+            return
         self._sync = StepSync.attach(trainer, self, stage)
 
     @override
@@ -98,7 +110,7 @@ class SyncCheck(Callback):
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
-        if not self._steps.ended(trainer):  # a micro-batch: nothing changed
+        if self.standing_aside or not self._steps.ended(trainer):  # a micro-batch: nothing changed
             return
         step = trainer.global_step - 1
         last = is_last_step(trainer, batch_idx)

@@ -6,11 +6,13 @@ most tests; the rest are hand-driven."""
 
 import gzip
 import json
+import os
 import re
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
@@ -250,6 +252,9 @@ def test_cuda_allocator_memory_per_phase_and_the_bucket_view(tmp_path):
                           logger=CSVLogger(tmp_path / str(view), name="run", version=0), enable_progress_bar=False,
                           enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
         trainer.fit(KnownActivations(), FixedBatchDataModule(dim=DIM, batch_size=BATCH))
+        # One rank in this process: its process group and rendezvous port must not carry into the second fit.
+        dist.destroy_process_group()
+        os.environ.pop("MASTER_PORT", None)
         phases, comm = record.load_run(log_dir)
         assert phases.memory_source == "cuda_allocator"
         steady = [m for m in phases.ranks[0].memory if m.step >= 1]

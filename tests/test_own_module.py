@@ -1,57 +1,96 @@
-"""The callbacks in a user's own script: a plain ``Trainer(strategy="ddp")``, a model that is not ours (Lightning's
-demo Transformer on random tokens, SGD), 2 CPU ranks. Tables and verdict print once, on rank 0."""
+"""The callbacks in a user's own script, ``examples/own_module.py``: a plain ``Trainer(strategy="ddp")``, a model
+that is not ours (Lightning's demo Transformer on random tokens, SGD), 2 CPU ranks. Tables and verdict print once,
+on rank 0, then where the record went; Lightning's start-up lines and warnings are hidden as the CLI hides them. On
+one device the same callbacks list runs to the end: CommMonitor and SyncCheck stand aside, one line each."""
 
+import logging
 import re
+import sys
+import warnings
 
 import pytest
+import torch.distributed as dist
 
+from lit_ddp.run import console, lifecycle
 from tests.runner import run_module
 
-SCRIPT = """
-import torch
-from lightning.pytorch import Trainer, seed_everything
-from lightning.pytorch.demos import LightningTransformer
-from torch.utils.data import DataLoader, TensorDataset
-
-from lit_ddp.callbacks import CommMonitor, DeviceMap, PhaseTimer, SyncCheck
+# What Lightning prints in a script and the tool's callbacks hide (LeafSpec: torch >= 2.13 against Lightning 2.6).
+NOISE = ("Tip:", "GPU available", "Initializing distributed", "distributed_backend", "Seed set", "LeafSpec",
+         "`Trainer.fit` stopped", "terminate called")  # fmt: skip
 
 
-class RandomTokens(LightningTransformer):
-    def prepare_data(self):  # the demo downloads WikiText2 here; random tokens need nothing
-        pass
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-if __name__ == "__main__":
-    seed_everything(0)
-    tokens = torch.randint(0, 1000, (64, 17))
-    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
-    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=4, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[PhaseTimer(), CommMonitor(), SyncCheck(), DeviceMap()])
-    trainer.fit(RandomTokens(vocab_size=1000), data)
-"""
+def run_example(tmp_path, devices: int) -> str:
+    result = run_module("examples.own_module", "--devices", str(devices), cwd=tmp_path, timeout=140)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout + result.stderr  # Lightning's own log handler writes to stderr
 
 
 @pytest.mark.timeout(150)
 def test_callbacks_print_once_in_a_plain_script(tmp_path):
-    (tmp_path / "own_script.py").write_text(SCRIPT)
-    result = run_module("own_script", cwd=tmp_path, timeout=140)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout + result.stderr  # Lightning's own log handler writes to stderr
+    out = run_example(tmp_path, devices=2)
     for line in (
         "Phase times (perf_counter: host time), 2 rank(s), step 0 = warm-up, then 3 steady step(s):",
         "Roofline (rank 0, steady median):",
         "Gradient all-reduce per step (2 ranks, compression none, all ranks, steady median):",
         "weights in sync across 2 ranks after step 3: max |diff| = 0 (1,692,200 parameters)",
+        # Where the record went, the command ready to paste (the default logger's folder, under the cwd).
+        "Record in lightning_logs/version_0 (phases.json, comm.json); the tables again: python -m lit_ddp.report "
+        "lightning_logs/version_0",
     ):
         assert out.count(line) == 1, (line, out[-3000:])
+    assert (tmp_path / "lightning_logs" / "version_0" / "comm.json").is_file()
     assert len(re.findall(r"^rank\s+local\s+node", out, re.M)) == 1  # the device map
-    assert out.count("Step 0\n forward : ") == 1
+    assert "Step 0\n forward : " not in out  # PhaseTimer's per-step blocks are off by default
+    assert [noise for noise in NOISE if noise in out] == [], out[-3000:]
     # The roofline is right for a model that is not a stack of Linears: FLOPs counted on the real batch
     # (FlopCounterMode gives 388.7 MFLOP for this forward), SGD's 3 x 4 bytes per parameter.
     assert re.search(r"^forward\s+388\.7 MFLOP", out, re.M), out[-2000:]
     assert re.search(r"^update\s+20\.3 MB", out, re.M)  # 12 x 1,692,200 bytes
     assert "6,768,800 bytes reduced per step (6,768,800 bytes of gradients)" in out
+
+
+@pytest.mark.timeout(150)
+def test_on_one_device_comm_monitor_and_sync_check_stand_aside_and_the_run_goes_on(tmp_path):
+    out = run_example(tmp_path, devices=1)
+    aside = [line.split(": ", 1)[1] for line in out.splitlines() if "stands aside" in line]
+    assert aside == [
+        "CommMonitor times DDP's gradient buckets and needs a DDP strategy, got SingleDeviceStrategy: it stands aside",
+        "SyncCheck compares DDP's ranks and needs a DDP strategy, got SingleDeviceStrategy: it stands aside",
+    ], out[-3000:]
+    assert "Traceback" not in out and "warnings.warn" not in out and "rank_zero_warn(" not in out  # one line each
+    assert "Phase times (perf_counter: host time), 1 rank(s), step 0 = warm-up, then 3 steady step(s):" in out
+    assert "all-reduce with backward" not in out and "Gradient all-reduce per step" not in out  # one rank: none
+    assert "Record in lightning_logs/version_0 (phases.json); the tables again:" in out
+
+
+def test_lightning_s_noise_is_hidden_in_a_script_and_can_be_kept(monkeypatch):
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    record = rank_zero.makeRecord(rank_zero.name, logging.INFO, __file__, 1, "💡 Tip: install litlogger", (), None)
+    ours = rank_zero.makeRecord(rank_zero.name, logging.INFO, __file__, 1, "Phase times (perf_counter...", (), None)
+    leaf_spec = "`isinstance(treespec, LeafSpec)` is deprecated, use `isinstance(treespec, TreeSpec)` instead."
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        console.quiet_lightning()  # importing lit_ddp.callbacks did it already; again changes nothing
+        warnings.warn(leaf_spec, DeprecationWarning, stacklevel=1)
+    assert not rank_zero.filter(record) and rank_zero.filter(ours)
+    assert caught == []
+    # LIT_DDP_QUIET_LIGHTNING=0: nothing hidden.
+    for name in console.LIGHTNING_LOGGERS:
+        monkeypatch.setattr(logging.getLogger(name), "filters", [])
+    monkeypatch.setenv(console.QUIET_ENV, "0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        console.quiet_lightning()
+        warnings.warn(leaf_spec, DeprecationWarning, stacklevel=1)
+    assert rank_zero.filter(record) and len(caught) == 1
+
+
+def test_a_script_s_process_group_is_torn_down_at_exit_unless_the_script_failed(monkeypatch):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    monkeypatch.setattr(sys, "last_value", RuntimeError("the script failed"), raising=False)
+    lifecycle.teardown_at_exit()  # the other ranks may never come to a barrier: left alone
+    assert dist.is_initialized()
+    monkeypatch.delattr(sys, "last_value")
+    monkeypatch.delattr(sys, "last_exc", raising=False)
+    lifecycle.teardown_at_exit()
+    assert not dist.is_initialized()

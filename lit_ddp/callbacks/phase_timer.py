@@ -54,7 +54,9 @@ class PhaseTimer(Callback):
     """Times forward, backward and update of each step on each rank, correctly on GPUs.
 
     Args:
-        print_steps: Rank 0 prints the notes' per-step breakdown for the first ``print_steps`` steps.
+        print_steps: Rank 0 prints the notes' per-step block (``Step 0`` / ``forward : ...``) for the first
+            ``print_steps`` steps; 0 (the default): the tables at the end say it all (the notes' profile config
+            asks for 3).
         peak_tflops: Peak matmul TFLOP/s of one device, for the roofline's fraction of peak. By default the
             datasheet figure of a known GPU for the parameters' dtype (``lit_ddp.measure.roofline.GPU_PEAKS``).
         peak_gbps: Peak memory bandwidth (GB/s) of one device, for the update's fraction of peak; by default
@@ -73,7 +75,7 @@ class PhaseTimer(Callback):
 
     def __init__(
         self,
-        print_steps: NonNegativeInt = 3,
+        print_steps: NonNegativeInt = 0,
         peak_tflops: Optional[PositiveFloat] = None,
         peak_gbps: Optional[PositiveFloat] = None,
         filename: str = "phases.json",

@@ -2,6 +2,8 @@
 and the end of training of the timers (every rank's part of the record to rank 0, with the run's
 ``lit_ddp.records.schema.RunMeta``)."""
 
+import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Optional, Protocol, TypeVar, Union, runtime_checkable
@@ -148,10 +150,21 @@ def report_timers(trainer: Trainer, caller: Callback) -> None:
     if comm is not None:
         found = stragglers.find_straggler(comm, phases)
         comm.straggler = as_json(found) if found else None
-    for keeper in keepers:
-        if keeper.record is not None and keeper.log_dir is not None:
-            save(keeper.record, Path(keeper.log_dir) / keeper.filename)
+    written = [keeper for keeper in keepers if keeper.record is not None and keeper.log_dir is not None]
+    for keeper in written:
+        save(keeper.record, Path(keeper.log_dir) / keeper.filename)
     if phases is not None:
         say(trainer, phase_table(phases, comm))
     if comm is not None:
         say(trainer, comm_table(comm, phases))
+    if written:  # where it went, and the command that reads it, ready to paste (a script prints no other path)
+        run_dir = shown_path(written[0].log_dir)
+        files = ", ".join(keeper.filename for keeper in written)
+        command = f"python -m lit_ddp.report {shlex.quote(run_dir)}"
+        say(trainer, f"Record in {run_dir} ({files}); the tables again: {command}")
+
+
+def shown_path(path: str) -> str:
+    """``path`` as a user would type it here: relative to the working directory when it lies inside it."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith(os.pardir) else relative

@@ -5,7 +5,8 @@
 The callbacks speak through Lightning's rank-zero logging (``rank_zero_info``), as Lightning's own callbacks
 do, so they print in any script. Here that logging goes to stdout, and a filter drops the banners *by their
 text*: setting Lightning's loggers to WARNING would also hide the model summary and profiler report a user
-asked for.
+asked for. In a script, importing ``lit_ddp.callbacks`` drops Lightning's start-up lines and warnings the same
+way (``quiet_lightning``; ``LIT_DDP_QUIET_LIGHTNING=0`` keeps them).
 """
 
 import logging
@@ -16,12 +17,18 @@ import warnings
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+# Lightning's start-up lines that say nothing the tool does not say better (the device map, the Done line) or
+# that nobody can act on (a tip to install a cloud logger, every rank's "Seed set to 0"): dropped in the CLI and
+# in any script that imports the tool's callbacks (``quiet_lightning``).
+LIGHTNING_BANNERS = (
+    r"GPU available:|TPU available:|HPU available:|IPU available:|💡 Tip:"
+    r"|Initializing distributed:|-{10,}|distributed_backend=|LOCAL_RANK: \d+ - CUDA_VISIBLE_DEVICES"
+    r"|`Trainer.fit` stopped: `max_(steps|epochs)=\d+` reached|Seed set to \d+"
+)
 # Lightning's lines that say nothing about this run that the tool does not say better.
 BANNERS = re.compile(
-    r"^(\[rank: \d+\] )?(GPU available:|TPU available:|HPU available:|IPU available:|💡 Tip:"
-    r"|Initializing distributed:|-{10,}|distributed_backend=|LOCAL_RANK: \d+ - CUDA_VISIBLE_DEVICES"
-    r"|`Trainer.fit` stopped: `max_(steps|epochs)=\d+` reached"
-    r"|Using default `ModelCheckpoint`|You are using a CUDA device .* Tensor Cores|Seed set to \d+"
+    rf"^(\[rank: \d+\] )?({LIGHTNING_BANNERS}"
+    r"|Using default `ModelCheckpoint`|You are using a CUDA device .* Tensor Cores"
     # Under Slurm: the auto-requeue's set-up, its SIGTERM handler saying it does nothing (StepSync's stops the
     # run), the default Lightning takes at every checkpoint save (the auto-requeue's too), and "requeing job N...",
     # which "Requeued SLURM job: N" says again.
@@ -29,7 +36,20 @@ BANNERS = re.compile(
     r"|`weights_only` was not set, defaulting to `False`\.)"
 )
 
+# Warnings of Lightning's that nobody can act on, hidden in a script too (``quiet_lightning``).
+LIGHTNING_WARNINGS = (
+    # Any run not under srun on a machine where Slurm is installed (a login node; CI's one-node Slurm): the
+    # forked and torchrun runs do not need srun, and docs/launching.md says when to use it.
+    ".*The `srun` command is available on your system but is not used.*",
+    # The ddp_fork/ddp_spawn parent loads rank 0's final weights from the temporary file rank 0 wrote for it.
+    ".*`weights_only` was not set, defaulting to `False`.*",
+    # Lightning 2.6 against newer torch's pytree and collectives APIs.
+    ".*torch.distributed.nn.functional.all_gather is deprecated.*",
+    r".*isinstance\(treespec, LeafSpec\)` is deprecated.*",
+)
+
 NOISY_WARNINGS = (
+    *LIGHTNING_WARNINGS,
     # One fixed batch is the point of the experiment: no workers, no sampler.
     ".*does not have many workers.*",
     ".*Total length of .* across ranks is zero.*",
@@ -40,16 +60,8 @@ NOISY_WARNINGS = (
     # Only with an explicit `--trainer.accelerator cpu` on a GPU machine (auto takes the GPU): the user's choice,
     # and the device map says where each rank runs.
     ".*GPU available but not used.*",
-    # Any run not under srun on a machine where Slurm is installed (a login node; CI's one-node Slurm): the
-    # forked and torchrun runs do not need srun, and docs/launching.md says when to use it.
-    ".*The `srun` command is available on your system but is not used.*",
-    # The ddp_fork parent loads rank 0's final weights from the temporary file rank 0 wrote for it.
-    ".*`weights_only` was not set, defaulting to `False`.*",
     # `cli_main` always passes the (expanded) argv as `args`.
     ".*LightningCLI's args parameter is intended to run from within Python.*",
-    # Lightning 2.6 against newer torch's pytree and collectives APIs; nothing a user can act on.
-    ".*torch.distributed.nn.functional.all_gather is deprecated.*",
-    r".*isinstance\(treespec, LeafSpec\)` is deprecated.*",
 )
 
 
@@ -62,6 +74,39 @@ class DropBanners(logging.Filter):
         if record.levelno <= logging.INFO and rank_zero_only.rank != 0:
             return False
         return not BANNERS.match(record.getMessage())
+
+
+class DropLightningBanners(logging.Filter):
+    """Drops Lightning's start-up lines (``LIGHTNING_BANNERS``), and nothing else, on the loggers that emit them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _LIGHTNING_BANNERS.match(record.getMessage())
+
+
+_LIGHTNING_BANNERS = re.compile(rf"^(\[rank: \d+\] )?({LIGHTNING_BANNERS})")
+_DROP_LIGHTNING_BANNERS = DropLightningBanners()
+# Where Lightning's rank-zero helpers and its process-group set-up log from: a filter on a logger applies to every
+# record made there, whichever handler (Lightning's own, or the root's of a script that set up logging) prints it.
+LIGHTNING_LOGGERS = (
+    "lightning.pytorch.utilities.rank_zero",
+    "lightning.fabric.utilities.rank_zero",
+    "lightning.fabric.utilities.distributed",
+    "lightning.fabric.utilities.seed",
+)
+QUIET_ENV = "LIT_DDP_QUIET_LIGHTNING"
+
+
+def quiet_lightning() -> None:
+    """In a script that uses the tool's callbacks: Lightning's start-up lines and unactionable warnings dropped as
+    the CLI drops them (its model summary, profiler report and every other line still shown). Idempotent; nothing
+    when ``LIT_DDP_QUIET_LIGHTNING=0``. ``lit_ddp.callbacks`` calls it when imported, in every rank: before the
+    ``Trainer`` prints anything, and in ``ddp_spawn`` ranks too, which import it to unpickle the callbacks."""
+    if os.environ.get(QUIET_ENV, "1") == "0":
+        return
+    for name in LIGHTNING_LOGGERS:
+        logging.getLogger(name).addFilter(_DROP_LIGHTNING_BANNERS)  # a filter already there is not added twice
+    for pattern in LIGHTNING_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)  # an equal filter is moved to the front, not repeated
 
 
 # Set by ``setup`` for the ranks this process starts: a ddp_spawn rank is a fresh interpreter that set none of

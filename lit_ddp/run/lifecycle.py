@@ -123,6 +123,18 @@ def teardown_process_group() -> None:
         dist.destroy_process_group()
 
 
+def teardown_at_exit() -> None:
+    """An ``atexit`` handler (``lit_ddp.callbacks`` registers it): the process group a script's Trainer left alive,
+    torn down as ``teardown_process_group`` does before the interpreter finalizes. Left to finalization, a gloo
+    worker thread that drops the last reference to a finished work's tensors takes the GIL while the interpreter
+    is being torn down, and the thread's forced exit aborts the process ("terminate called without an active
+    exception", exit -6; pytorch#190489). Lightning does this at exit for NCCL only. Nothing after an uncaught
+    exception: the other ranks may never reach the barrier (their own error ends them)."""
+    if getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None:
+        return
+    teardown_process_group()
+
+
 def exit_code(run: Callable[[], Ending]) -> int:
     """Runs ``run`` and turns how it ended into the exit code and the one line a user reads."""
     agreed = {kind.__name__: code for kind, code in AGREED_ERRORS.items()}

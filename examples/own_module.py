@@ -1,0 +1,50 @@
+"""The tool's callbacks in a script of your own: a plain ``Trainer``, Lightning's own DDP strategy, a model that
+is not the tool's (Lightning's demo Transformer on random tokens, SGD).
+
+    python examples/own_module.py                # 2 CPU ranks, strategy="ddp"
+    python examples/own_module.py --devices 1    # one process: CommMonitor and SyncCheck stand aside
+
+What it prints, and where the record goes: docs/callbacks.md.
+"""
+
+import argparse
+
+import torch
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.demos import LightningTransformer
+from torch.utils.data import DataLoader, TensorDataset
+
+from lit_ddp.callbacks import CommMonitor, DeviceMap, PhaseTimer, SyncCheck
+
+
+class RandomTokens(LightningTransformer):
+    def prepare_data(self) -> None:  # the demo downloads WikiText2 here; random tokens need nothing
+        pass
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=2)
+    args = parser.parse_args()
+    seed_everything(0)
+    tokens = torch.randint(0, 1000, (64, 17))
+    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
+        max_steps=4,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        callbacks=[PhaseTimer(), CommMonitor(), SyncCheck(), DeviceMap()],
+    )
+    trainer.fit(RandomTokens(vocab_size=1000), data)
+
+
+if __name__ == "__main__":
+    main()

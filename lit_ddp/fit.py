@@ -10,6 +10,7 @@ wins; the tool's own callbacks are option groups (``--loss_monitor.*``, ``--sync
 option: docs/options.md.
 """
 
+import argparse
 import sys
 from pathlib import Path
 from typing import Optional
@@ -52,10 +53,29 @@ TRAINER_DEFAULTS = {
 }
 
 
+# --help opens with these, the tool's own options before the model's, the data's and Lightning's Trainer's.
+DESCRIPTION = (
+    "lit_ddp: the notes' DDP lab experiment in PyTorch Lightning, instrumented. It trains a Linear regression on N "
+    "processes (CPU with gloo, or GPUs with NCCL) and prints where each rank runs, each step's global loss and a "
+    "check that every rank holds the same weights; configs/mini_train_profile.yaml adds where each step's time "
+    "went. The tool's own options come first (--devices, then its callbacks: --loss_monitor.*, --sync_check.*, "
+    "--step_sync.*, --checkpoint.*), then Lightning's --trainer.*, the model's --model.* and the data's --data.*; "
+    "any of them can come from a YAML config (--config). Every option: docs/options.md."
+)
+USAGE = "%(prog)s [-h] [--devices N] [-c CONFIG] [--print_config] [--GROUP.OPTION VALUE ...]"
+
+
 class LitDDPCLI(LightningCLI):
     """LightningCLI with the tool's callbacks as option groups and ``--model.dim`` linked to the data."""
 
-    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+    def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # Help lists groups in the order they are added: the tool's own come before Lightning's Trainer.
+        parser.add_argument(
+            "--devices",
+            metavar="N",
+            default=argparse.SUPPRESS,  # for --help: on the command line expand_shorthands made it --trainer.devices
+            help="Shorthand for --trainer.devices N: how many processes (GPUs, or CPU processes), or 'auto'.",
+        )
         # The one way the tool's callbacks reach the Trainer: option groups that LightningCLI instantiates and
         # appends to `trainer.callbacks` (a config's own `trainer.callbacks` adds to them).
         parser.add_lightning_class_args(LossMonitor, "loss_monitor")
@@ -72,6 +92,9 @@ class LitDDPCLI(LightningCLI):
             help="Resume from this checkpoint; 'last': the run's last.ckpt (an error when there is none); 'auto': "
             "last.ckpt when torchrun restarted the job (--max-restarts), else start afresh.",
         )
+        super().add_core_arguments_to_parser(parser)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.dim", "data.dim")
 
     def instantiate_classes(self) -> None:
@@ -87,6 +110,9 @@ class LitDDPCLI(LightningCLI):
         super().__init__(*args, **kwargs)
 
     def before_instantiate_classes(self) -> None:
+        if "devices" in self.config:  # a config file's top-level key: the command line's was rewritten before parsing
+            raise UsageError(f"devices: {self.config.devices!r} in a config file: --devices is a command-line "
+                             "shorthand; a config file says trainer.devices")  # fmt: skip
         check_devices(self.config.trainer.accelerator, self.config.trainer.devices)
         if self.config.checkpoint.dirpath is None:
             self.config.checkpoint.dirpath = str(checkpoint_dir(self.config.trainer))
@@ -112,7 +138,7 @@ def build_cli(args: list[str], claim_log_version: bool = False) -> LitDDPCLI:
             save_config_kwargs={"overwrite": True},
             # The model owns its optimizer (configure_optimizers): no --optimizer to override it behind its back.
             auto_configure_optimizers=False,
-            parser_kwargs={"exit_on_error": False, "prog": _prog()},
+            parser_kwargs={"exit_on_error": False, "prog": _prog(), "description": DESCRIPTION, "usage": USAGE},
             claim_log_version=claim_log_version,
         )
     except ArgumentError as err:  # types, ranges, unknown keys, unreadable config files

@@ -149,6 +149,23 @@ def test_help_names_the_program_as_it_is_run(tmp_path):
     assert "fit.py" not in result.stdout
 
 
+def test_help_opens_with_the_tool_and_its_own_options(monkeypatch, capsys):
+    """What the tool is, --devices and the callbacks' groups come before Lightning's --trainer.* options."""
+    result = run_main(monkeypatch, capsys, "--help")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())  # however the terminal's width wrapped it
+    usage = "usage: lit-ddp-fit [-h] [--devices N] [-c CONFIG] [--print_config] [--GROUP.OPTION VALUE ...]"
+    assert text.startswith(f"{usage} lit_ddp: the notes' DDP lab experiment in PyTorch Lightning, instrumented.")
+    assert "--devices N Shorthand for --trainer.devices N" in text
+    assert "Lightning Trainer command line tool" not in text  # LightningCLI's own title
+    lines = result.stdout.splitlines()
+    option = [i for i, line in enumerate(lines) if re.match(r"  --\w", line)]  # option lines, not the text's
+    names = ("devices", "loss_monitor.", "sync_check.", "step_sync.", "checkpoint.", "trainer.", "model.")
+    first = {name: next(i for i in option if lines[i].startswith(f"  --{name}")) for name in names}
+    assert first["devices"] < first["loss_monitor."] < first["sync_check."] < first["step_sync."]
+    assert first["step_sync."] < first["checkpoint."] < first["trainer."] < first["model."]
+
+
 def test_lightning_s_own_ddp_strategy_runs_the_profile_config(tmp_path):
     result = run_fit("--trainer.strategy", "ddp", "--config", str(ROOT / "configs" / "mini_train_profile.yaml"),
                      "--devices", "2", "--trainer.max_steps", "3", "--model.dim", "256", cwd=tmp_path)  # fmt: skip
@@ -236,12 +253,15 @@ def test_bad_yaml_is_refused(tmp_path, capsys, monkeypatch):
     (tmp_path / "unknown_key.yaml").write_text("model:\n  width: 3\n")
     (tmp_path / "wrong_type.yaml").write_text("trainer:\n  max_steps: many\n")
     (tmp_path / "not_yaml.yaml").write_text("model: [dim: 3\n")
-    for name in ("unknown_key", "wrong_type", "not_yaml"):
+    (tmp_path / "devices.yaml").write_text("devices: 2\n")  # the command line's shorthand is no config key
+    for name in ("unknown_key", "wrong_type", "not_yaml", "devices"):
         monkeypatch.setattr(sys, "argv", ["lit-ddp-fit", "--config", str(tmp_path / f"{name}.yaml")])
         with pytest.raises(SystemExit) as exit_info:
             main()
         assert exit_info.value.code == 2, name
-        assert len(capsys.readouterr().err.strip().splitlines()) == 1, name
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, name
+    assert err.endswith("--devices is a command-line shorthand; a config file says trainer.devices"), err
 
 
 def test_bad_input_exits_2_without_traceback_or_spawn(tmp_path):

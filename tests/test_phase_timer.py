@@ -244,6 +244,10 @@ def test_roofline_fraction_of_peak():
     assert re.search(r"^forward\s+2.00 GFLOP\s+2.00 ms\s+1.00 TFLOP/s\s+50.0%$", table, re.M), table
     assert re.search(r"^backward\s+2.00 GFLOP\s+4.00 ms\s+500.0 GFLOP/s\s+25.0%$", table, re.M), table
     assert re.search(r"^update\s+1.00 GB\s+1.00 ms\s+1.00 TB/s\s+50.0%$", table, re.M), table
+    # A bandwidth as every bandwidth the tool prints, to three significant figures: 355.6 kB in 1 ms.
+    roof = Roofline(rows_per_rank=8, forward_flop=2e9, backward_flop=2e9, update_bytes=355_600)
+    table = roofline_table(phase_record([[(0, 0, 0, 0), (2.0, 4.0, 1.0, 0.0)]], roofline=roof))
+    assert re.search(r"^update\s+355.6 kB\s+1.00 ms\s+356 MB/s\s+-$", table, re.M), table
 
 
 def test_kernel_steps_on_cpu_profile_the_cpu_and_keep_the_trace(monkeypatch, tmp_path, caplog):

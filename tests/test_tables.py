@@ -28,10 +28,10 @@ def test_the_prefix_follows_the_magnitude(value, unit, text):
 
 @pytest.mark.parametrize(
     ("gb_per_s", "text"),
-    [(82e-6, "82.0 kB/s"), (0.0253, "25.3 MB/s"), (0.514, "514.0 MB/s"), (1.234, "1.23 GB/s"), (450, "450.0 GB/s"),
-     (math.nan, "-")],
+    [(82e-6, "82.0 kB/s"), (0.0253, "25.3 MB/s"), (0.5144, "514 MB/s"), (0.9996, "1.00 GB/s"), (1.234, "1.23 GB/s"),
+     (450, "450 GB/s"), (math.nan, "-")],
 )  # fmt: skip
-def test_bandwidth_follows_the_magnitude_as_bytes_do(gb_per_s, text):
+def test_bandwidth_follows_the_magnitude_to_three_significant_figures(gb_per_s, text):
     assert fmt_bandwidth(gb_per_s) == text
 
 

@@ -13,7 +13,7 @@ from typing import Optional
 
 from lit_ddp.analysis import stragglers
 from lit_ddp.analysis.memory import has_memory, memory_cells, memory_line
-from lit_ddp.analysis.tables import fmt_ms, fmt_si, table
+from lit_ddp.analysis.tables import fmt_bandwidth, fmt_ms, fmt_si, table
 from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, Sketch, StepPhases, StepRow
 
 CLOCKS = {  # what each clock's times mean
@@ -163,7 +163,11 @@ def roofline_table(record: PhaseRecord) -> str:
         ms = phase_summary(record, 0, phase).median
         rate = work / (ms / 1e3) if ms > 0 else math.nan  # per second
         frac = f"{rate / peak:.1%}" if peak else "-"
-        achieved = fmt_si(rate, f"{unit}/s") if not math.isnan(rate) else "-"
+        # The update's bytes/s as every bandwidth the tool prints (fmt_bandwidth), FLOP/s by fmt_si's rule.
+        if unit == "B":
+            achieved = fmt_bandwidth(rate / 1e9)
+        else:
+            achieved = fmt_si(rate, f"{unit}/s") if not math.isnan(rate) else "-"
         rows.append((phase, fmt_si(work, unit), fmt_ms(ms), achieved, frac))
     what = []
     if r.micro_batches > 1:

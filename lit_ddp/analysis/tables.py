@@ -19,9 +19,16 @@ def fmt_si(value: float, unit: str) -> str:
 
 
 def fmt_bandwidth(gb_per_s: float) -> str:
-    """A bandwidth given in GB/s (1e9 bytes/s) as ``fmt_si`` writes bytes: ``82.0 kB/s``, ``25.3 MB/s``,
-    ``1.23 GB/s``; ``-`` when it is not known (NaN)."""
-    return "-" if math.isnan(gb_per_s) else fmt_si(gb_per_s * 1e9, "B/s")
+    """A bandwidth given in GB/s (1e9 bytes/s), with the prefix its magnitude calls for as ``fmt_si`` chooses it,
+    to three significant figures: ``82.0 kB/s``, ``25.3 MB/s``, ``514 MB/s``, ``1.23 GB/s``; ``-`` when it is not
+    known (NaN)."""
+    if math.isnan(gb_per_s):
+        return "-"
+    value = float(f"{gb_per_s * 1e9:.3g}")  # rounded first: 999.6 MB/s is 1.00 GB/s, not 1000 MB/s
+    prefix, scale = next(((p, k) for p, k in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)) if abs(value) >= k),
+                         ("", 1.0))  # fmt: skip
+    scaled = value / scale
+    return f"{scaled:.{2 if abs(scaled) < 10 else 1 if abs(scaled) < 100 else 0}f} {prefix}B/s"
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[object]], left: int = 1) -> str:

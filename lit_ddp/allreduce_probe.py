@@ -9,11 +9,14 @@ ones: a barrier first so the ranks start together, then one all-reduce (on GPUs 
 ``synchronize``, which a probe may add). An iteration takes as long as its slowest rank; the size's time is
 the median over iterations. ``algbw = S / t`` and ``busbw = algbw * 2(n-1)/n`` as in nccl-tests
 (``doc/PERFORMANCE.md``). Rank 0 prints the table, the latency-bandwidth fit that ``lit_ddp.forecast``
-uses for ``--link measured``, and writes the JSON.
+uses for ``--link measured``, and writes the JSON. Under torchrun (``torchrun --nnodes N ... -m
+lit_ddp.allreduce_probe``, as nccl-tests under mpirun) it also measures within each node, between the nodes, and
+each pair of nodes point to point, which names a node whose link is slower than the others' (docs/launching.md).
 """
 
 import argparse
 import json
+import math
 import os
 import socket
 import statistics
@@ -91,6 +94,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _sweep(config: ProbeConfig, device: torch.device, group=None) -> list[list[float]]:
+    """Times (ms) of the all-reduce of every size and iteration over ``group``, each the slowest rank's."""
+    cuda = device.type == "cuda"
+    times = torch.zeros(len(config.sizes), config.iters, dtype=torch.float64)
+    for i, nbytes in enumerate(config.sizes):
+        # Zeros: the sums stay finite however many iterations run.
+        buffer = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+        for _ in range(config.warmup):
+            dist.all_reduce(buffer, group=group)
+        for j in range(config.iters):
+            dist.barrier(group=group)
+            if cuda:
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            dist.all_reduce(buffer, group=group)
+            if cuda:
+                torch.cuda.synchronize(device)
+            times[i, j] = (time.perf_counter() - start) * 1e3
+    # An iteration is over when its slowest rank is done.
+    slowest = times.to(device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return slowest.cpu().tolist()
+
+
 def _worker(rank: int, config: ProbeConfig) -> None:
     torch.set_num_threads(1)  # the ranks share this machine's cores; gloo's reduction runs on its own threads
     cuda = config.backend == "nccl"
@@ -99,26 +126,9 @@ def _worker(rank: int, config: ProbeConfig) -> None:
         torch.cuda.set_device(device)
     init_loopback_process_group(config.backend, rank, config.world_size, config.port, timedelta(seconds=60), device)
     try:
-        times = torch.zeros(len(config.sizes), config.iters, dtype=torch.float64)
-        for i, nbytes in enumerate(config.sizes):
-            # Zeros: the sums stay finite however many iterations run.
-            buffer = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
-            for _ in range(config.warmup):
-                dist.all_reduce(buffer)
-            for j in range(config.iters):
-                dist.barrier()
-                if cuda:
-                    torch.cuda.synchronize(device)
-                start = time.perf_counter()
-                dist.all_reduce(buffer)
-                if cuda:
-                    torch.cuda.synchronize(device)
-                times[i, j] = (time.perf_counter() - start) * 1e3
-        # An iteration is over when its slowest rank is done.
-        slowest = times.to(device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        times = _sweep(config, device)
         if rank == 0:
-            Path(config.result_path).write_text(json.dumps(slowest.cpu().tolist()))
+            Path(config.result_path).write_text(json.dumps(times))
     finally:
         dist.destroy_process_group()
 
@@ -174,9 +184,141 @@ def format_probe(record: dict) -> str:
     return "\n".join(lines)
 
 
+SLOW_LINK_SHARE = 0.75  # a node's link below this share of the other nodes' median is named
+
+
+def under_torchrun() -> bool:
+    """Started by torchrun (or a launcher that sets the same env:// variables and LOCAL_WORLD_SIZE)."""
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR"))
+
+
+def node_links(pairs: dict[tuple[int, int], float], nodes: int) -> list[float]:
+    """Each node's link rate from the point-to-point rates of the pairs of nodes, every node's link joining one
+    switch: a pair runs at the slower of its two links, so a node's link is (at least) its fastest pair's rate."""
+    return [max(rate for pair, rate in pairs.items() if k in pair) for k in range(nodes)]
+
+
+def slow_nodes(links: list[float]) -> list[int]:
+    """The nodes whose link is below ``SLOW_LINK_SHARE`` of the other nodes' median. Only with three nodes or
+    more: with two, each byte crosses both links, and the pair's rate is all a measurement can show."""
+    if len(links) < 3:
+        return []
+    return [k for k, rate in enumerate(links)
+            if rate < SLOW_LINK_SHARE * statistics.median(r for j, r in enumerate(links) if j != k)]  # fmt: skip
+
+
+def _pair_rates(nbytes: int, iters: int, leaders: list[int], rank: int) -> dict[tuple[int, int], float]:
+    """Bytes per second between each pair of nodes: their first ranks send ``nbytes`` one way, then the other,
+    timed by the receiver from a barrier of all ranks to the last byte; per direction the best of ``iters``
+    after one warm-up, and the pair's rate is its slower direction's. (Both ways at once, the acknowledgements of
+    one direction queue behind the other's data at a slow link, and a 2 MB exchange ran at 60-75% of the rate.)"""
+    n = len(leaders)
+    buffer = torch.zeros(nbytes // 4, dtype=torch.float32)
+    seen = torch.full((n, n), math.inf, dtype=torch.float64)
+    for i in range(n):
+        for j in range(n):
+            if i == j:
+                continue
+            best = 0.0
+            for it in range(iters + 1):
+                dist.barrier()
+                if rank == leaders[i]:
+                    dist.send(buffer, leaders[j])
+                elif rank == leaders[j]:
+                    start = time.perf_counter()
+                    dist.recv(buffer, leaders[i])
+                    if it:
+                        best = max(best, buffer.numel() * 4 / (time.perf_counter() - start))
+            if rank == leaders[j]:
+                seen[min(i, j), max(i, j)] = min(seen[min(i, j), max(i, j)].item(), best)
+    dist.all_reduce(seen, op=dist.ReduceOp.MIN)
+    return {(i, j): seen[i, j].item() for i in range(n) for j in range(i + 1, n)}
+
+
+def _rows_and_fit(sizes: list[int], times: list[list[float]], world_size: int) -> dict:
+    rows = probe_points(sizes, times, world_size)
+    fit = fit_probe(rows, world_size)
+    return {"world_size": world_size, "rows": [asdict(r) for r in rows],
+            "fit": {"hop_latency_us": fit.hop_latency_us, "busbw_gbps": fit.busbw_gbps}}  # fmt: skip
+
+
+def probe_nodes(max_bytes: int, min_bytes: int = KIB, warmup: int = 3, iters: int = 10) -> dict | None:
+    """This rank's part of the probe under torchrun (gloo): all ranks, within each node (several ranks per node),
+    between the nodes (one rank each) and each pair of nodes; rank 0 returns the record, the others None."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    nodes, node = world_size // per_node, rank // per_node  # torchrun numbers a node's ranks together
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    cpu = torch.device("cpu")
+    try:
+        sizes = sizes_between(min_bytes, max_bytes)
+        config = ProbeConfig(world_size, "gloo", tuple(sizes), warmup, iters, 0, "")
+        everyone = _rows_and_fit(sizes, _sweep(config, cpu), world_size)
+        record = {"backend": "gloo", "nodes": nodes, "ranks_per_node": per_node, "dtype": "float32",
+                  "warmup": warmup, "iters": iters, **everyone}  # fmt: skip
+        leaders = [k * per_node for k in range(nodes)]
+        if per_node > 1:
+            # Every rank creates every group, in the same order (torch.distributed.new_group).
+            node_groups = [dist.new_group(list(range(k * per_node, (k + 1) * per_node))) for k in range(nodes)]
+            leader_group = dist.new_group(leaders)
+            times = _sweep(config, cpu, node_groups[node])
+            record["intra_node"] = _rows_and_fit(sizes, times, per_node)  # rank 0's: node 0's
+            if nodes > 1 and rank in leaders:
+                record["inter_node"] = _rows_and_fit(sizes, _sweep(config, cpu, leader_group), nodes)
+        elif nodes > 1:
+            record["inter_node"] = {key: record[key] for key in ("world_size", "rows", "fit")}
+        if nodes > 1:
+            pairs = _pair_rates(max_bytes, iters, leaders, rank)
+            links = node_links(pairs, nodes)
+            record["pairs"] = [{"nodes": list(pair), "bytes_per_s": rate} for pair, rate in pairs.items()]
+            record["pair_bytes"] = max_bytes // 4 * 4
+            record["node_links_bytes_per_s"] = links
+            record["slow_nodes"] = slow_nodes(links)
+        return record if rank == 0 else None
+    finally:
+        dist.destroy_process_group()
+
+
+def _rate(bytes_per_s: float) -> str:
+    return f"{fmt_bandwidth(bytes_per_s / 1e9)} ({bytes_per_s * 8 / 1e6:.1f} Mbit/s)"
+
+
+def format_nodes(record: dict) -> str:
+    """What a probe across nodes adds to the all-ranks table: within a node, between nodes, each pair of nodes,
+    and the node whose link is slow, if any."""
+    lines, n = [], record["nodes"]
+    for key, what in (("intra_node", f"within node 0 ({record['ranks_per_node']} ranks)"),
+                      ("inter_node", f"between the {n} nodes (one rank each)")):  # fmt: skip
+        if key in record:
+            largest, fit = record[key]["rows"][-1], record[key]["fit"]
+            lines.append(f"{what}: busbw {fmt_bandwidth(largest['busbw_gbps'])} at {largest['nbytes']:,} bytes; "
+                         f"fit: {fit['hop_latency_us']:.1f} us per ring step, busbw "
+                         f"{fmt_bandwidth(fit['busbw_gbps'])}")  # fmt: skip
+    if "pairs" not in record:
+        return "\n".join(lines)
+    lines.append(f"point to point between the nodes ({record['pair_bytes']:,} bytes one way, then the other; the "
+                 f"slower direction, best of {record['iters']}):")  # fmt: skip
+    lines.append(table(("nodes", "rate"), [(f"{p['nodes'][0]}-{p['nodes'][1]}", _rate(p["bytes_per_s"]))
+                                           for p in record["pairs"]]))  # fmt: skip
+    links = record["node_links_bytes_per_s"]
+    if n == 2:
+        lines.append("with two nodes each byte crosses both nodes' links: which one bounds the pair's rate cannot be "
+                     "told apart (a third node can)")  # fmt: skip
+    for k in record["slow_nodes"]:
+        others = statistics.median(r for j, r in enumerate(links) if j != k)
+        lines.append(f"node {k}'s link is slow: {_rate(links[k])}, {links[k] / others:.2f} of the other nodes' "
+                     f"median {_rate(others)}; every pair with node {k} runs at it")  # fmt: skip
+    if n > 2 and not record["slow_nodes"]:
+        lines.append(f"no node's link is below {SLOW_LINK_SHARE:.0%} of the others' (slowest: node "
+                     f"{min(range(n), key=links.__getitem__)}, {_rate(min(links))})")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lit_ddp.allreduce_probe", description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2, help="ranks to start (>= 2)")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="ranks to start (>= 2; default 2); under torchrun, torchrun's ranks")  # fmt: skip
     parser.add_argument("--max-bytes", type=parse_bytes, default=64 * KIB**2,
                         help="largest buffer, e.g. 64M or a run's largest bucket in bytes (default 64M)")  # fmt: skip
     parser.add_argument("--min-bytes", type=parse_bytes, default=KIB, help="smallest buffer (default 1K)")
@@ -185,6 +327,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl on GPUs")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here")
     args = parser.parse_args(argv)
+    if under_torchrun():
+        if args.nproc is not None:
+            parser.error("--nproc: under torchrun the ranks are torchrun's (--nnodes x --nproc_per_node)")
+        if args.backend == "nccl":
+            parser.error("--backend nccl: the probe across nodes runs gloo")
+        record = probe_nodes(args.max_bytes, args.min_bytes, args.warmup, args.iters)
+        if record is not None:  # rank 0
+            print(f"{record['nodes']} node(s) x {record['ranks_per_node']} rank(s)")
+            print(format_probe(record))
+            print(format_nodes(record))
+            if args.out is not None:
+                args.out.write_text(json.dumps(record, indent=1))
+                print(f"wrote {args.out}")
+        return 0
+    args.nproc = 2 if args.nproc is None else args.nproc
     if args.nproc < 2:
         parser.error(f"--nproc must be >= 2 (one rank has nothing to all-reduce), got {args.nproc}")
     if args.min_bytes > args.max_bytes:

@@ -1,6 +1,7 @@
 """Nodes with a network between them on this machine (``nodes/cluster.sh``): the script leaves nothing behind, a
 shaped link runs at its rate, multi-node runs over it, and a partition that ends on every node."""
 
+import json
 import os
 import re
 import subprocess
@@ -219,3 +220,29 @@ def test_the_all_reduce_runs_at_the_rate_of_the_slower_link(request, run, mbit):
     print(f"{run}: {nbytes:,} bytes in {transfer_ms} ms = {nbytes * 8 / transfer_ms / 1e3:.1f} Mbit/s ({mbit})")
     assert nbytes * 8 / (transfer_ms / 1e3) == pytest.approx(mbit * 1e6, rel=0.1)
     assert "\nno straggler (" in out
+
+
+@pytest.mark.slow
+def test_the_probe_across_nodes_names_the_node_whose_link_is_slow(tmp_path):
+    """``allreduce_probe`` under torchrun on 3 nodes x 1 rank, node 2's link at 25 Mbit/s and the others' at 100:
+    the all-reduce between the nodes runs at the slowest link (busbw within 10%), every pair with node 2 runs at
+    its rate, and node 2 is named with it (within 10%); nobody else is."""
+    args = ("--max-bytes", "2M", "--warmup", "1", "--iters", "3", "--out", str(tmp_path / "probe.json"))
+    with nodes(3, "--rate", "100mbit", "--rate-2", "25mbit") as cluster, ExitStack() as stack:
+        launcher = ("torch.distributed.run", "--nnodes", "3", "--nproc_per_node", "1", "--master_addr",
+                    cluster.address(0), "--master_port", "29500")  # fmt: skip
+        probe = ("-m", "lit_ddp.allreduce_probe", *args)
+        runs = [stack.enter_context(start_on(cluster, k, *launcher, "--node_rank", str(k), *probe, cwd=tmp_path))
+                for k in range(3)]  # fmt: skip
+        codes = [run.wait(timeout=300) for run in runs]
+    assert codes == [0, 0, 0], [run.stderr[-2000:] for run in runs]
+    out = runs[0].stdout
+    print(out)
+    record = json.loads((tmp_path / "probe.json").read_text())
+    assert (record["nodes"], record["ranks_per_node"], record["slow_nodes"]) == (3, 1, [2])
+    slow = 25e6 / 8
+    assert record["node_links_bytes_per_s"][2] == pytest.approx(slow, rel=0.1)
+    assert record["inter_node"]["rows"][-1]["busbw_gbps"] * 1e9 == pytest.approx(slow, rel=0.1)
+    assert min(record["node_links_bytes_per_s"][:2]) > 2 * slow
+    assert re.search(r"^node 2's link is slow: [\d.]+ MB/s \(2[\d.]+ Mbit/s\), 0\.\d\d of the other nodes' median", out,
+                     re.M), out  # fmt: skip

@@ -246,3 +246,15 @@ def test_the_probe_across_nodes_names_the_node_whose_link_is_slow(tmp_path):
     assert min(record["node_links_bytes_per_s"][:2]) > 2 * slow
     assert re.search(r"^node 2's link is slow: [\d.]+ MB/s \(2[\d.]+ Mbit/s\), 0\.\d\d of the other nodes' median", out,
                      re.M), out  # fmt: skip
+
+
+def test_a_nodes_link_is_its_fastest_pair_and_a_slow_one_is_named_from_three_nodes_on():
+    from lit_ddp.allreduce_probe import node_links, slow_nodes
+
+    # Links 100, 100, 25, 100 (MB/s): every pair runs at its slower link.
+    true = [100.0, 100.0, 25.0, 100.0]
+    pairs = {(i, j): min(true[i], true[j]) for i in range(4) for j in range(i + 1, 4)}
+    assert node_links(pairs, 4) == true
+    assert slow_nodes(true) == [2]
+    assert slow_nodes([100.0, 90.0, 80.0]) == []  # 80 is not below 75% of the others' median
+    assert slow_nodes([100.0, 25.0]) == []  # two nodes: the pair's rate is all there is

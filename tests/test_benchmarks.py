@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks import common, gpu_busy, gpu_events, gpu_fits, gpu_scaling, gpu_syncs, step_time
+from benchmarks import clean_exit, common, gpu_busy, gpu_events, gpu_fits, gpu_scaling, gpu_syncs, step_time
 from lit_ddp.analysis.trace import union_length
 from lit_ddp.records.schema import PhaseRecord, RankPhases, RunMeta, StepPhases, StepRow
 from tests.runner import ROOT, pythonpath
@@ -191,3 +191,20 @@ def test_the_bare_lightning_loop_marks_every_step_on_every_rank(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     ranks = common.read_rank_files(tmp_path)
     assert len(ranks) == 2 and all(len(r["step_starts"]) == 5 for r in ranks)
+
+
+def test_clean_exit_counts_non_zero_exits_and_aborts_that_leave_exit_0(capsys):
+    # Four runs: clean; rank 1 of `ddp` aborted after rank 0 exited (the command's code stays 0); a rank died with
+    # SIGABRT; a run that hung past the timeout.
+    ends = [(0, ""), (0, "terminate called without an active exception"), (-6, "terminate called ..."), None]
+
+    def run(*args, **kwargs):
+        end = ends.pop(0)
+        if end is None:
+            raise subprocess.TimeoutExpired(args[0], kwargs["timeout"])
+        return subprocess.CompletedProcess(args[0], end[0], "", end[1])
+
+    with mock.patch.object(clean_exit.subprocess, "run", side_effect=run):
+        row = clean_exit.run_case("manual", runs=4, timeout=1.0)
+    assert row[:5] == ("manual", "4", "2", "-6: 1, timeout: 1", "2")
+    assert capsys.readouterr().err.count("manual: exit") == 3  # each unclean run's stderr is shown

@@ -5,12 +5,11 @@
 Every cluster here is named ``litddp-test-*`` (``LIT_DDP_NODES_PREFIX``), so a cluster a user started is left
 alone, and one test's nodes are removed before the next test's are made. Where the script cannot start (not
 root, no iproute2), the tests skip with its one-line reason, or fail with it when ``LIT_DDP_NODES_REQUIRED=1``
-(CI). A rate is measured with a plain TCP transfer (python sockets) between two nodes, bounded in bytes and time.
+(CI). A rate is measured with a plain TCP transfer between two nodes (tests.link_rate), bounded in bytes and time.
 """
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,6 @@ from tests.runner import ROOT, fit_command, pythonpath, start_module
 CLUSTER_SH = ROOT / "nodes" / "cluster.sh"
 PREFIX = "litddp-test-"
 PORT = 29500  # free in any node: each one is a fresh network namespace
-RATE_PORT = 5201
 
 
 def cluster_sh(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -153,10 +151,10 @@ def measure_rate(
     on a busy machine a sender or receiver that waits for a core falls below it)."""
     env = {**os.environ, "PYTHONPATH": pythonpath()}
     args = (cluster.address(receiver), str(nbytes), str(repeat))
-    receive = subprocess.Popen([*cluster.on(receiver), sys.executable, "-m", "tests.nodes", "receive", *args],
+    receive = subprocess.Popen([*cluster.on(receiver), sys.executable, "-m", "tests.link_rate", "receive", *args],
                                cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
     try:
-        send = subprocess.run([*cluster.on(sender), sys.executable, "-m", "tests.nodes", "send", *args], cwd=ROOT,
+        send = subprocess.run([*cluster.on(sender), sys.executable, "-m", "tests.link_rate", "send", *args], cwd=ROOT,
                               capture_output=True, text=True, timeout=timeout, env=env)  # fmt: skip
         assert send.returncode == 0, send.stderr
         out, _ = receive.communicate(timeout=timeout)
@@ -166,52 +164,3 @@ def measure_rate(
     transfers = json.loads(out)
     assert [t["bytes"] for t in transfers] == [nbytes] * repeat, transfers
     return max(t["bits_per_s"] for t in transfers)
-
-
-def _receive(address: str, nbytes: int, repeat: int, timeout: float = 20) -> None:
-    transfers = []
-    with socket.create_server((address, RATE_PORT)) as server:
-        server.settimeout(timeout)
-        for _ in range(repeat):
-            conn, _ = server.accept()
-            with conn:
-                conn.settimeout(timeout)
-                buf, got, first, start = bytearray(1 << 20), 0, 0, 0.0
-                while got < nbytes:
-                    n = conn.recv_into(buf)
-                    if not n:
-                        break
-                    if not got:
-                        first, start = n, time.perf_counter()
-                    got += n
-                elapsed = time.perf_counter() - start
-            # The first read's bytes arrived before the clock started.
-            transfers.append({"bytes": got, "bits_per_s": (got - first) * 8 / elapsed if elapsed > 0 else 0.0})
-    print(json.dumps(transfers))
-
-
-def _send(address: str, nbytes: int, repeat: int, timeout: float = 20) -> None:
-    chunk = bytes(1 << 20)
-    for _ in range(repeat):
-        deadline = time.monotonic() + timeout
-        while True:  # until the receiver listens
-            try:
-                conn = socket.create_connection((address, RATE_PORT), timeout=timeout)
-                break
-            except ConnectionRefusedError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        with conn:
-            sent = 0
-            while sent < nbytes:
-                part = chunk[: min(len(chunk), nbytes - sent)]
-                conn.sendall(part)
-                sent += len(part)
-            conn.shutdown(socket.SHUT_WR)
-            conn.recv(1)  # the receiver's close: the next transfer starts once this one is done
-
-
-if __name__ == "__main__":
-    role, address, count, times = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    (_receive if role == "receive" else _send)(address, count, times)

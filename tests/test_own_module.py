@@ -3,14 +3,17 @@ that is not ours (Lightning's demo Transformer on random tokens, SGD), 2 CPU ran
 on rank 0, then where the record went; Lightning's start-up lines and warnings are hidden as the CLI hides them. On
 one device the same callbacks list runs to the end: CommMonitor and SyncCheck stand aside, one line each."""
 
+import atexit
 import logging
 import re
 import sys
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
 
+from lit_ddp.callbacks.shared import exit_cleanly
 from lit_ddp.run import console, lifecycle
 from tests.runner import run_module
 
@@ -85,7 +88,19 @@ def test_lightning_s_noise_is_hidden_in_a_script_and_can_be_kept(monkeypatch):
     assert rank_zero.filter(record) and len(caught) == 1
 
 
-def test_a_script_s_process_group_is_torn_down_at_exit_unless_the_script_failed(monkeypatch):
+def test_a_script_s_process_group_is_torn_down_at_exit_once_training_ended_normally(monkeypatch):
+    registered = []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    monkeypatch.setattr(atexit, "unregister", lambda f: registered.remove(f) if f in registered else None)
+    trainer = SimpleNamespace(callbacks=[])
+    exit_cleanly(trainer)  # as each tool callback does
+    exit_cleanly(trainer)
+    (watcher,) = trainer.callbacks
+    assert registered == []  # a rank whose training fails may leave others hung in a collective: no barrier then
+    watcher.on_train_end(trainer, None)
+    watcher.on_train_end(trainer, None)  # a second fit
+    assert registered == [lifecycle.teardown_at_exit]
+    # At exit: the group torn down, unless an uncaught exception ended the script.
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     monkeypatch.setattr(sys, "last_value", RuntimeError("the script failed"), raising=False)
     lifecycle.teardown_at_exit()  # the other ranks may never come to a barrier: left alone

@@ -10,7 +10,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_ddp.callbacks.shared import gather_to_zero, say
+from lit_ddp.callbacks.shared import exit_cleanly, gather_to_zero, say
 from lit_ddp.measure import placement
 
 
@@ -20,6 +20,7 @@ class DeviceMap(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        exit_cleanly(trainer)
         row = placement.this_rank(
             trainer.global_rank, trainer.local_rank, trainer.node_rank, trainer.strategy.root_device
         )

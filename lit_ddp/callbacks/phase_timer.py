@@ -25,7 +25,16 @@ from typing_extensions import override
 from lit_ddp import _torch
 from lit_ddp.analysis.memory import oom_line
 from lit_ddp.analysis.phases import format_step
-from lit_ddp.callbacks.shared import device_name, gather_to_zero, grad_scaler, log_metrics, meta, report_timers, say
+from lit_ddp.callbacks.shared import (
+    device_name,
+    exit_cleanly,
+    gather_to_zero,
+    grad_scaler,
+    log_metrics,
+    meta,
+    report_timers,
+    say,
+)
 from lit_ddp.measure import memory, roofline
 from lit_ddp.measure.clock import HostClock, clock_for
 from lit_ddp.measure.profiling import LightningProfilerTraces, TraceRecorder, describe, read_busy
@@ -131,6 +140,7 @@ class PhaseTimer(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        exit_cleanly(trainer)
         self._clock = clock_for(trainer.strategy.root_device)
         self._pending, self._marks, self._micro, self._outside, self._outside_start = [], {}, [], [], None
         self._outside_summaries, self._stepped = {}, True

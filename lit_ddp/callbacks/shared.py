@@ -11,16 +11,18 @@ from typing import Optional, Protocol, TypeVar, Union, runtime_checkable
 import lightning
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from tqdm import tqdm
+from typing_extensions import override
 
 from lit_ddp.analysis import stragglers
 from lit_ddp.analysis.comm import comm_table
 from lit_ddp.analysis.phases import phase_table
 from lit_ddp.records.schema import CommRecord, PhaseRecord, RunMeta, as_json, save
+from lit_ddp.run import lifecycle
 
 T = TypeVar("T")
 
@@ -79,6 +81,23 @@ def gather_to_zero(trainer: Trainer, item: T) -> Optional[list[T]]:
     items: Optional[list] = [None] * trainer.world_size if trainer.is_global_zero else None
     dist.gather_object(item, items, dst=0)
     return items
+
+
+class ExitsCleanly(Callback):
+    """When training ends normally, this process will tear its process group down at exit, as the CLI does after
+    ``fit`` (``lit_ddp.run.lifecycle.teardown_at_exit``): a script's ranks exit without gloo aborting one. Added by
+    the tool's callbacks (``exit_cleanly``); a process whose training failed exits as Lightning leaves it."""
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        lifecycle.exit_cleanly()
+
+
+def exit_cleanly(trainer: Trainer) -> None:
+    """Adds ``ExitsCleanly`` to the Trainer's callbacks once (from a tool callback's ``setup`` or
+    ``on_train_start``: Lightning iterates ``trainer.callbacks`` afresh for every hook)."""
+    if not any(isinstance(c, ExitsCleanly) for c in trainer.callbacks):
+        trainer.callbacks.append(ExitsCleanly())
 
 
 def log_metrics(trainer: Trainer, metrics: dict[str, float], step: int) -> None:

@@ -26,7 +26,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_ddp import _lightning
-from lit_ddp.callbacks.shared import all_gather, is_last_step
+from lit_ddp.callbacks.shared import all_gather, exit_cleanly, is_last_step
 from lit_ddp.errors import PROG, Ending
 from lit_ddp.measure.step_marks import OptimizerSteps
 
@@ -110,6 +110,7 @@ class StepSync(Callback):
         # Idempotent: `attach` calls it for a StepSync it adds, and Lightning then calls it again.
         if stage != "fit":
             return
+        exit_cleanly(trainer)
         self._device = trainer.strategy.root_device
         self._sigterm, self.ending, self._in_flight = False, Ending.FINISHED, None
         self._requeue = self._requeued = False

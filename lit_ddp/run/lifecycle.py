@@ -6,6 +6,7 @@ travels with the step's collective: ``lit_ddp.callbacks.step_sync``.
     python -m lit_ddp.fit --devices 2      # then: kill -TERM <pid>  -> every rank stops at one step, exit 143
 """
 
+import atexit
 import contextlib
 import ctypes
 import os
@@ -124,15 +125,23 @@ def teardown_process_group() -> None:
 
 
 def teardown_at_exit() -> None:
-    """An ``atexit`` handler (``lit_ddp.callbacks`` registers it): the process group a script's Trainer left alive,
-    torn down as ``teardown_process_group`` does before the interpreter finalizes. Left to finalization, a gloo
-    worker thread that drops the last reference to a finished work's tensors takes the GIL while the interpreter
-    is being torn down, and the thread's forced exit aborts the process ("terminate called without an active
-    exception", exit -6; pytorch#190489). Lightning does this at exit for NCCL only. Nothing after an uncaught
-    exception: the other ranks may never reach the barrier (their own error ends them)."""
+    """An ``atexit`` handler (``exit_cleanly`` registers it): the process group a script's Trainer left alive, torn
+    down as ``teardown_process_group`` does before the interpreter finalizes. Left to finalization, a gloo worker
+    thread that drops the last reference to a finished work's tensors takes the GIL while the interpreter is being
+    torn down, and the thread's forced exit aborts the process ("terminate called without an active exception",
+    exit -6; pytorch#190489). Lightning does this at exit for NCCL only. Nothing after an uncaught exception: the
+    other ranks may never reach the barrier (their own error ends them)."""
     if getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None:
         return
     teardown_process_group()
+
+
+def exit_cleanly() -> None:
+    """This process tears its process group down at exit (``teardown_at_exit``); registered once, however often it
+    is called. For a process whose training ended normally only (``lit_ddp.callbacks.shared.ExitsCleanly``): after
+    a failure a rank may be hung in a collective, and the barrier would wait for it until the timeout."""
+    atexit.unregister(teardown_at_exit)
+    atexit.register(teardown_at_exit)
 
 
 def exit_code(run: Callable[[], Ending]) -> int:

@@ -5,11 +5,27 @@ import logging
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from tests.trainers import fast_trainer
+
+# The in-process tests fork their ranks from this process (tests/trainers.py), as `python -m lit_ddp.fit` does on
+# CPUs: no second round of importing torch and Lightning, ~3 s a rank. A forked child that enters an OpenMP
+# parallel region hangs when its parent had started GNU OpenMP's thread pool, so this process never starts one: one
+# intra-op thread, and OMP_NUM_THREADS set so that Lightning's launchers (which raise the count when it is unset)
+# leave it at that. Processes the tests start inherit it; two ranks on a 2-core machine had one thread each anyway.
+torch.set_num_threads(1)
+os.environ["OMP_NUM_THREADS"] = "1"
+
+# What Lightning's launchers write into os.environ, as the session started. A module- or session-scoped fixture that
+# starts ranks sets them before the per-test snapshot below is taken: a later run would take that MASTER_PORT again,
+# where the store of an in-process run that ended in an exception can still listen (kept by its traceback until
+# garbage collection): "Address already in use".
+_LAUNCHER_ENV = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK",
+                                                         "WORLD_SIZE")}  # fmt: skip
 
 # Loggers that `lit_ddp.run.console.setup` (run by an in-process `main()`) points at the stdout of its time, a
 # capsys buffer that is closed after its test.
@@ -21,6 +37,11 @@ def _restore_env_and_process_group():
     """Lightning's launchers write MASTER_ADDR/PORT, WORLD_SIZE, LOCAL_RANK... into os.environ, and a Trainer
     built as some rank (a simulated Slurm rank 3) sets the rank that rank_zero_info obeys in this process;
     undo both."""
+    for name, value in _LAUNCHER_ENV.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     env = dict(os.environ)
     ranks = rank_zero_only.rank, utils_rank_zero_only.rank
     yield

@@ -108,13 +108,16 @@ def test_sigterm_stops_every_rank_writes_a_checkpoint_and_exits_143(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["raise", "exit", "hang"])
-def test_ddp_spawn_ends_when_one_rank_fails(make_trainer, how):
-    """Under ddp_spawn torch's spawn watches the ranks: a rank that raises or exits ends the job at once; a
-    hung one is ended by the others' collective timing out (timeout_s)."""
+@pytest.mark.parametrize("how, start_method", [("raise", "fork"), ("exit", "fork"), ("hang", "fork"),
+                                               ("raise", "spawn")])  # fmt: skip
+def test_multiprocessing_ranks_end_when_one_rank_fails(make_trainer, how, start_method):
+    """Under ddp_fork and ddp_spawn torch's multiprocessing watches the ranks: a rank that raises or exits ends the
+    job at once; a hung one is ended by the others' collective timing out (timeout_s). Spawned once: the strategy
+    and the callbacks reach those ranks pickled."""
     from tests.faults import FailOnRank
 
-    trainer = make_trainer(max_steps=50, callbacks=[FailOnRank(rank=1, step=2, how=how)], timeout_s=5)
+    trainer = make_trainer(max_steps=50, callbacks=[FailOnRank(rank=1, step=2, how=how)], timeout_s=5,
+                           start_method=start_method)  # fmt: skip
     start = time.monotonic()
     with pytest.raises(Exception) as error:
         trainer.fit(LinearRegression(dim=16), FixedBatchDataModule(dim=16, batch_size=4))

@@ -308,13 +308,13 @@ class CountInsideFit(Callback):
 
 
 def fit_noisy(tmp_path: Path, callbacks: list[Callback]) -> dict[str, Tensor]:
-    """A 3-step, 2-rank CPU ddp_spawn fit of NoisyRegression; returns rank 0's final state dict."""
+    """A 3-step, 2-rank CPU ``ddp_fork`` fit of NoisyRegression; returns rank 0's final state dict."""
     seed_everything(0)
     model = NoisyRegression(dim=16, num_layers=3)
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=DDPStrategy(start_method="spawn", timeout=timedelta(seconds=30)),
+        strategy=DDPStrategy(start_method="fork", timeout=timedelta(seconds=30)),
         max_steps=3,
         callbacks=callbacks,
         logger=False,
@@ -328,7 +328,6 @@ def fit_noisy(tmp_path: Path, callbacks: list[Callback]) -> dict[str, Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)  # two fits of two spawned processes each: about 10 s apiece on a loaded CPU
 def test_counting_inside_a_ddp_fit_does_not_change_training(tmp_path):
     plain = fit_noisy(tmp_path, [])
     counted = fit_noisy(tmp_path, [CountInsideFit(tmp_path)])

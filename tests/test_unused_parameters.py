@@ -27,14 +27,15 @@ class WithUnusedLayer(LinearRegression):
 
 
 def user_trainer(tmp_path, strategy) -> Trainer:
-    """A plain Lightning Trainer as in a user's script, Lightning's own DDP strategy, 2 CPU ranks."""
+    """A plain Lightning Trainer as in a user's script, Lightning's own DDP strategy, 2 CPU ranks (forked from this
+    process: ``ddp_fork``)."""
     return Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=4, callbacks=[CommMonitor()],
                    logger=CSVLogger(tmp_path, name="run", version=0), enable_checkpointing=False,
                    enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
 
 
 def test_with_find_unused_parameters_the_table_says_what_got_no_gradient(tmp_path):
-    strategy = DDPStrategy(find_unused_parameters=True, start_method="spawn")
+    strategy = DDPStrategy(find_unused_parameters=True, start_method="fork")
     user_trainer(tmp_path, strategy).fit(WithUnusedLayer(), FixedBatchDataModule(dim=16, batch_size=4))
     _, comm = load_run(tmp_path / "run" / "version_0")
     assert comm.find_unused_parameters and comm.unused_every_step
@@ -47,7 +48,7 @@ def test_with_find_unused_parameters_the_table_says_what_got_no_gradient(tmp_pat
 
 
 def test_without_it_every_rank_stops_after_the_first_backward_naming_them(tmp_path):
-    strategy = DDPStrategy(start_method="spawn")
+    strategy = DDPStrategy(start_method="fork")
     with pytest.raises(ProcessRaisedException) as raised:
         user_trainer(tmp_path, strategy).fit(WithUnusedLayer(), FixedBatchDataModule(dim=16, batch_size=4))
     last = raised.value.msg.strip().splitlines()[-1]

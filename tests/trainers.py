@@ -1,5 +1,5 @@
-"""In-process CPU Trainers for the tests: the fast ``ddp_spawn`` Trainer, a profiled 2-rank run, and bitwise
-checkpoint comparison."""
+"""In-process CPU Trainers for the tests: the fast multi-process Trainer (ranks forked from the test process), a
+profiled 2-rank run, and bitwise checkpoint comparison."""
 
 import json
 from pathlib import Path
@@ -14,12 +14,15 @@ from tests.recorders import RecordDDPBuckets
 
 def fast_trainer(root_dir: Path, devices=2, max_steps=5, callbacks=(), logger=False, enable_checkpointing=False,
                  max_epochs=None, spawn=True, **strategy_kwargs) -> Trainer:  # fmt: skip
-    """CPU, ``ddp_spawn``, a few steps, quiet, logger and checkpointing off unless asked; ``strategy_kwargs`` go to
-    ``LitDDPStrategy``. ``spawn=False``: one rank in this process (Lightning's single-device strategy), whose logs
-    ``caplog`` sees."""
+    """CPU, ranks forked from this process (``ddp_fork``, what ``python -m lit_ddp.fit`` does on CPUs; a few
+    tests spawn on purpose), a few steps, quiet, logger and checkpointing off unless asked; ``strategy_kwargs`` go
+    to ``LitDDPStrategy``. ``spawn=False``: one rank in this process (Lightning's single-device strategy), whose
+    logs ``caplog`` sees."""
     if spawn:
         strategy_kwargs.setdefault("timeout_s", 30)
-        strategy = LitDDPStrategy(start_method="spawn", **strategy_kwargs)
+        # CUDA cannot be used in a forked child once this process has initialised it (a GPU test before).
+        strategy_kwargs.setdefault("start_method", "spawn" if torch.cuda.is_initialized() else "fork")
+        strategy = LitDDPStrategy(**strategy_kwargs)
     else:
         assert devices == 1 and not strategy_kwargs, "spawn=False runs one rank, with no DDP options"
         strategy = "auto"
@@ -53,7 +56,7 @@ def assert_same_checkpoint(a: Path, b: Path, global_step: int) -> None:
 
 
 def profile(make_trainer, tmp_path, dim, num_layers=1, compression=None, steps=4, **strategy_kwargs):
-    """A 2-rank ``ddp_spawn`` run with PhaseTimer and CommMonitor; returns its ``PhaseRecord`` and ``CommRecord``
+    """A 2-rank run with PhaseTimer and CommMonitor; returns its ``PhaseRecord`` and ``CommRecord``
     (as written to the log directory), DDP's own bucket sizes and the log directory."""
     from lit_ddp import FixedBatchDataModule, LinearRegression
     from lit_ddp.callbacks import CommMonitor, PhaseTimer

@@ -1,4 +1,5 @@
-"""Shared fixtures: the fast CPU trainer factory, and clean-up that keeps tests independent."""
+"""Shared fixtures: the fast CPU trainer factory, clean-up that keeps tests independent, and the runs that tests of
+several files read (each started once a session)."""
 
 import functools
 import logging
@@ -10,6 +11,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
+from tests.runner import FitRun, run_fit
 from tests.trainers import fast_trainer
 
 # The in-process tests fork their ranks from this process (tests/trainers.py), as `python -m lit_ddp.fit` does on
@@ -71,3 +73,23 @@ def make_trainer(tmp_path):
     """``make_trainer(devices=2, max_steps=5, callbacks=[...], **strategy_kwargs)``: ``fast_trainer`` in
     ``tmp_path``."""
     return functools.partial(fast_trainer, tmp_path)
+
+
+@pytest.fixture(scope="session")
+def notes_run(tmp_path_factory) -> FitRun:
+    """README's command 1 on the CPU: ``python -m lit_ddp.fit --devices 2``, the notes' run (dim 1024, 5 steps), in a
+    directory of its own; for the tests that read its output, its metrics or its run directory."""
+    cwd = tmp_path_factory.mktemp("notes_run")
+    return FitRun(run_fit("--devices", "2", cwd=cwd), cwd)
+
+
+@pytest.fixture(scope="session")
+def pytorch_profiler_run(tmp_path_factory) -> FitRun:
+    """A 2-rank run (dim 64, 8 steps) under Lightning's PyTorchProfiler (``--trainer.profiler pytorch``: one Chrome
+    trace per rank in the run directory), with a PhaseTimer that asks for a profile of its own (``kernel_steps=2``)."""
+    cwd = tmp_path_factory.mktemp("pytorch_profiler_run")
+    config = cwd / "profiled.yaml"
+    config.write_text("trainer:\n  max_steps: 8\n  callbacks:\n    - class_path: lit_ddp.callbacks.PhaseTimer\n"
+                      "      init_args: {kernel_steps: 2, print_steps: 0}\nmodel:\n  dim: 64\n")  # fmt: skip
+    return FitRun(run_fit("--config", str(config), "--devices", "2", "--trainer.profiler", "pytorch", cwd=cwd,
+                          timeout=120), cwd)  # fmt: skip

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -124,6 +125,14 @@ def run_fit(
     """``python -m lit_ddp.fit ARGS`` (on the CPU unless told otherwise) to completion: see ``run_module``."""
     return run_module(*fit_command(*args, launcher=launcher, accelerator=accelerator), cwd=cwd, timeout=timeout,
                       env=env)  # fmt: skip
+
+
+class FitRun(NamedTuple):
+    """A finished ``python -m lit_ddp.fit`` that several tests read (a session fixture of ``conftest.py``), and the
+    directory it ran in. Read it, do not run more there: copy ``cwd`` to go on from it."""
+
+    result: subprocess.CompletedProcess
+    cwd: Path
 
 
 def _decode(data: bytes) -> str:

@@ -12,11 +12,9 @@ def shown(stdout: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_spawned_ranks_print_what_forked_ranks_print(tmp_path):
-    for name in ("fork", "spawn"):
-        (tmp_path / name).mkdir()
-    forked = run_fit("--devices", "2", "--model.dim", "32", cwd=tmp_path / "fork")
-    spawned = run_fit("--devices", "2", "--model.dim", "32", "--trainer.strategy", "ddp_spawn", cwd=tmp_path / "spawn")
+def test_spawned_ranks_print_what_forked_ranks_print(notes_run, tmp_path):
+    forked = notes_run.result  # `--devices 2`: the ranks are forked
+    spawned = run_fit("--devices", "2", "--trainer.strategy", "ddp_spawn", cwd=tmp_path)
     assert forked.returncode == spawned.returncode == 0, spawned.stderr[-2000:]
     assert shown(spawned.stdout) == shown(forked.stdout), spawned.stdout
     assert "Trainer.fit` stopped" not in spawned.stdout and "Initializing distributed" not in spawned.stdout

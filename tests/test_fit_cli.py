@@ -1,6 +1,7 @@
 """``python -m lit_ddp.fit`` as a user runs it: the real ``ddp`` launcher in a subprocess, and ``cli_main``."""
 
 import re
+import shutil
 import sys
 
 import pytest
@@ -43,10 +44,11 @@ def assert_notes_output(result, version: int) -> list[float]:
     return losses
 
 
-def test_default_run_prints_the_notes_output_and_nothing_else(tmp_path):
-    losses = assert_notes_output(run_fit("--devices", "2", cwd=tmp_path), version=0)
-    # Again where torch reports a GPU (--trainer.accelerator cpu on a GPU machine): the same output, in a new run
-    # directory rather than a clash with the first run's config.yaml.
+def test_default_run_prints_the_notes_output_and_nothing_else(notes_run, tmp_path):
+    losses = assert_notes_output(notes_run.result, version=0)
+    # Again where torch reports a GPU (--trainer.accelerator cpu on a GPU machine), in a copy of the first run's
+    # directory: the same output, in a new run directory rather than a clash with the first run's config.yaml.
+    shutil.copytree(notes_run.cwd / "runs", tmp_path / "runs")
     fake = tmp_path / "one_fake_gpu"
     fake.mkdir()
     (fake / "sitecustomize.py").write_text(ONE_FAKE_GPU)
@@ -65,11 +67,12 @@ def test_four_cpu_processes_print_the_steps_once(tmp_path):
     assert "on 4 ranks" in result.stdout
 
 
-def test_two_ranks_and_one_rank_with_double_batch_print_the_same_losses(tmp_path, monkeypatch, capsys):
-    two = run_fit("--devices", "2", "--model.dim", "128", cwd=tmp_path)
+def test_two_ranks_and_one_rank_with_double_batch_print_the_same_losses(notes_run, tmp_path, monkeypatch, capsys):
+    """README's pair: ``--devices 2`` (the notes' run) and ``--devices 1 --data.batch_size 64``."""
+    two = notes_run.result
     assert two.returncode == 0, two.stderr[-3000:]
     # One process launches nothing, so it can run in this process.
-    one = run_main(monkeypatch, capsys, *CPU, "--devices", "1", "--data.batch_size", "64", "--model.dim", "128",
+    one = run_main(monkeypatch, capsys, *CPU, "--devices", "1", "--data.batch_size", "64",
                    f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}")  # fmt: skip
     assert one.returncode == 0, one.stderr[-3000:]
     assert len(step_losses(one.stdout)) == 5
@@ -202,8 +205,10 @@ def test_explicit_options_win_over_config_files_wherever_written(tmp_path):
     assert two_files.model.hparams.dim == 1024  # files keep their order: the later one wins
 
 
-def test_print_config_round_trips(tmp_path):
-    result = run_fit("--devices", "2", "--model.dim", "64", "--print_config", cwd=tmp_path)
+def test_print_config_round_trips(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    # It prints and exits before any rank starts, so it can run in this process.
+    result = run_main(monkeypatch, capsys, *CPU, "--devices", "2", "--model.dim", "64", "--print_config")
     assert result.returncode == 0, result.stderr
     config = yaml.safe_load(result.stdout)
     assert int(config["trainer"]["devices"]) == 2 and config["model"]["dim"] == 64

@@ -7,7 +7,7 @@ from lightning.pytorch import Callback
 from torch.nn.parallel import DistributedDataParallel
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
-from tests.runner import run_fit, step_losses
+from tests.runner import step_losses
 
 
 @pytest.mark.parametrize(
@@ -73,11 +73,11 @@ def test_optimizer_is_created_after_ddp_wrapping(make_trainer, tmp_path):
         }
 
 
-def test_the_epochs_mse_is_the_mean_of_the_printed_global_losses(tmp_path):
+def test_the_epochs_mse_is_the_mean_of_the_printed_global_losses(notes_run):
     # torchmetrics syncs across ranks once, at the epoch's end: every element of every rank's rows of the epoch.
-    result = run_fit("--devices", "2", "--model.dim", "32", cwd=tmp_path)
+    result = notes_run.result
     assert result.returncode == 0, result.stderr
-    with open(tmp_path / "runs" / "mini_train" / "version_0" / "metrics.csv", newline="") as f:
+    with open(notes_run.cwd / "runs" / "mini_train" / "version_0" / "metrics.csv", newline="") as f:
         (mse,) = [float(row["train/mse"]) for row in csv.DictReader(f) if row.get("train/mse")]
     losses = step_losses(result.stdout)
     assert len(losses) == 5

@@ -17,7 +17,7 @@ from lit_ddp.analysis.trace import BACKWARD, DATA, FORWARD, OTHER, STEP_PREFIX, 
 from lit_ddp.callbacks import PhaseTimer
 from lit_ddp.records import schema as record
 from tests.recorders import RecordLogs
-from tests.runner import ROOT, pythonpath, run_fit
+from tests.runner import ROOT, pythonpath
 
 ONE_STEP = [OTHER, FORWARD, OTHER, BACKWARD, OTHER, UPDATE, OTHER, DATA]  # each step's phase ranges, in order
 NO_GPU = "CPU activity only: the traces hold no GPU events, so there is no GPU-busy column"
@@ -69,19 +69,14 @@ def test_own_profile_on_two_cpu_ranks_keeps_each_ranks_trace(make_trainer, tmp_p
     ]
 
 
-@pytest.mark.timeout(150)
-def test_with_lightnings_pytorch_profiler_phase_timer_starts_none_and_reads_its_traces(tmp_path):
+def test_with_lightnings_pytorch_profiler_phase_timer_starts_none_and_reads_its_traces(pytorch_profiler_run):
     """kernel_steps=2 asks PhaseTimer for a profile; Lightning's profiler is on: PhaseTimer must start none (two
     at once fail), put its ranges into Lightning's traces, and read them at the end of training."""
-    config = tmp_path / "profiled.yaml"
-    config.write_text("trainer:\n  max_steps: 8\n  callbacks:\n    - class_path: lit_ddp.callbacks.PhaseTimer\n"
-                      "      init_args: {kernel_steps: 2, print_steps: 0}\nmodel:\n  dim: 64\n")  # fmt: skip
-    result = run_fit("--config", str(config), "--devices", "2", "--trainer.profiler", "pytorch", cwd=tmp_path,
-                     timeout=120)  # fmt: skip
+    result, cwd = pytorch_profiler_run
     assert result.returncode == 0, result.stderr[-3000:]
     assert "FIT Profiler Report" in result.stdout
-    log_dir = tmp_path / "runs" / "mini_train" / "version_0"
-    assert (f"PhaseTimer: 1 trace(s) of Lightning's PyTorchProfiler in {log_dir.relative_to(tmp_path)} hold no GPU "
+    log_dir = cwd / "runs" / "mini_train" / "version_0"
+    assert (f"PhaseTimer: 1 trace(s) of Lightning's PyTorchProfiler in {log_dir.relative_to(cwd)} hold no GPU "
             "events (a CPU-only profile), so there is no GPU-busy column") in result.stdout  # fmt: skip
     assert not (log_dir / "traces").exists()  # PhaseTimer profiled nothing itself
     phases = record.load(log_dir / "phases.json")

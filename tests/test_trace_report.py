@@ -12,7 +12,7 @@ from lit_ddp import trace_report
 from lit_ddp.analysis import trace_tables
 from lit_ddp.analysis.trace import GRADIENT, Breakdown, RankAnalysis
 from lit_ddp.errors import EXIT_NO_PICTURE
-from tests.runner import run_fit, run_module
+from tests.runner import run_module
 from tests.test_trace import A100, event, synthetic
 
 pytestmark = pytest.mark.timeout(60)
@@ -116,15 +116,15 @@ def test_a_cpu_only_trace_says_so_and_shows_no_zeros(tmp_path, capsys):
         one_line(err))  # fmt: skip
 
 
-@pytest.mark.timeout(90)
-def test_lightning_pytorch_profiler_traces_of_a_real_2_rank_run(tmp_path, capsys):
+@pytest.mark.timeout(150)
+def test_lightning_pytorch_profiler_traces_of_a_real_2_rank_run(pytorch_profiler_run, capsys):
     """Lightning's PyTorchProfiler writes one ``fit-<rank>-...pt.trace.json`` per rank somewhere under the run
     directory; on CPUs they hold no GPU events, and the report finds both and says so."""
-    done = run_fit("--devices", "2", "--trainer.profiler", "pytorch", "--trainer.max_steps", "4", cwd=tmp_path)
+    done, cwd = pytorch_profiler_run
     assert done.returncode == 0, done.stderr[-3000:]
-    traces = sorted(p.name for p in (tmp_path / "runs").rglob("*.pt.trace.json"))
+    traces = sorted(p.name for p in (cwd / "runs").rglob("*.pt.trace.json"))
     assert [name[:6] for name in traces] == ["fit-0-", "fit-1-"]
-    code, out, err = report_main(capsys, tmp_path / "runs")
+    code, out, err = report_main(capsys, cwd / "runs")
     assert (code, out) == (2, "")
     assert f"no GPU events (kernels, memcpy, memset) in 2 of 2 trace(s), CPU-only profiles: rank 0 {traces[0]}, " \
            f"rank 1 {traces[1]}" in one_line(err)  # fmt: skip

@@ -16,8 +16,8 @@ import termios
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -238,6 +238,11 @@ class Running:
         self._join(timeout=10)
         return code
 
+    def completed(self, timeout: float) -> subprocess.CompletedProcess:
+        """Once the command has exited and its output is read: as ``run_module`` returns it."""
+        code = self.wait(timeout)
+        return subprocess.CompletedProcess(self.proc.args, code, self.stdout, self.stderr)
+
     def _join(self, timeout: float) -> None:
         for reader in self._readers:
             reader.join(timeout=timeout)
@@ -266,6 +271,17 @@ def start_fit(
     """``python -m lit_ddp.fit ARGS`` (on the CPU unless told otherwise) in the background: see ``start_module``."""
     with start_module(*fit_command(*args, launcher=launcher, accelerator=accelerator), cwd=cwd, env=env) as run:
         yield run
+
+
+def run_fits(*runs: tuple[Sequence[str], Path], timeout: float = 120, **kwargs) -> list[subprocess.CompletedProcess]:
+    """Several ``python -m lit_ddp.fit`` at once, each ``(args, cwd)``, to completion within ``timeout`` (each
+    process killed afterwards, as ``run_module`` does); ``kwargs`` go to each ``start_fit``. A run's start-up
+    (importing torch and Lightning) uses one core: on a 2-core machine a second run's overlaps it. Only for runs
+    whose checks do not time anything."""
+    deadline = time.monotonic() + timeout
+    with ExitStack() as stack:
+        started = [stack.enter_context(start_fit(*args, cwd=cwd, **kwargs)) for args, cwd in runs]
+        return [run.completed(timeout=max(deadline - time.monotonic(), 0.1)) for run in started]
 
 
 # A 2-rank run that goes on until it is stopped: it prints step 0 only, checks sync only after its (never

@@ -17,7 +17,7 @@ from lit_ddp.records import schema as record
 from lit_ddp.scaling import model
 from lit_ddp.scaling.links import Link, Topology
 from lit_ddp.scaling.model import Bucket, Measured
-from tests.runner import run_fit, step_losses, step_numbers
+from tests.runner import run_fits, step_losses, step_numbers
 
 DIM, BATCH, STEPS, MICRO = 32, 8, 4, 4
 TIMED = ("--devices", "2", "--model.dim", str(DIM), "--data.batch_size", str(BATCH),
@@ -32,11 +32,13 @@ def logged_losses(run_dir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The same 2-rank run without and with accumulation (each in its own directory)."""
+    """The same 2-rank run without and with accumulation (each in its own directory), both at once."""
+    cwds = {micro: tmp_path_factory.mktemp(f"micro{micro}") for micro in (1, MICRO)}
+    results = run_fits(
+        *[((*TIMED, "--trainer.accumulate_grad_batches", str(micro)), cwd) for micro, cwd in cwds.items()]
+    )
     found = {}
-    for micro in (1, MICRO):
-        cwd = tmp_path_factory.mktemp(f"micro{micro}")
-        result = run_fit(*TIMED, "--trainer.accumulate_grad_batches", str(micro), cwd=cwd, timeout=120)
+    for (micro, cwd), result in zip(cwds.items(), results, strict=True):
         assert result.returncode == 0, result.stderr[-3000:]
         found[micro] = SimpleNamespace(result=result, dir=cwd / "runs" / "mini_train" / "version_0")
     return found

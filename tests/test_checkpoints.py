@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lit_ddp.run.checkpointing import AtomicCheckpointIO
-from tests.runner import run_fit, run_main
+from tests.runner import run_fit, run_fits, run_main
 from tests.trainers import assert_same_checkpoint
 
 CPU = ("--trainer.accelerator", "cpu")
@@ -105,10 +105,12 @@ def test_atomic_save_keeps_the_old_checkpoint_when_a_save_dies(tmp_path, monkeyp
 @pytest.mark.timeout(200)
 def test_resumed_run_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path):
     args = ("--devices", "2", "--model.dim", "64")
-    straight = run_fit(*args, "--trainer.max_steps", "10", "--checkpoint.every_n_steps", "10",
-                       "--trainer.logger.init_args.name", "straight", cwd=tmp_path)  # fmt: skip
-    first = run_fit(*args, "--trainer.max_steps", "5", "--checkpoint.every_n_steps", "5",
-                    "--trainer.logger.init_args.name", "resumed", cwd=tmp_path)  # fmt: skip
+    straight, first = run_fits(  # at once: the straight run and the first half of the resumed one
+        ((*args, "--trainer.max_steps", "10", "--checkpoint.every_n_steps", "10", "--trainer.logger.init_args.name",
+          "straight"), tmp_path),
+        ((*args, "--trainer.max_steps", "5", "--checkpoint.every_n_steps", "5", "--trainer.logger.init_args.name",
+          "resumed"), tmp_path),
+    )  # fmt: skip
     second = run_fit(*args, "--trainer.max_steps", "10", "--checkpoint.every_n_steps", "10", "--ckpt_path", "last",
                      "--trainer.logger.init_args.name", "resumed", cwd=tmp_path)  # fmt: skip
     for result in (straight, first, second):

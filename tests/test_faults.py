@@ -7,13 +7,15 @@ callback (``tests/faults.py``) or a signal. A NaN loss is LossMonitor's (``tests
 import os
 import re
 import signal
+import subprocess
 import time
+from contextlib import ExitStack
 
 import pytest
 from lightning.pytorch import Callback
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
-from tests.runner import Running, run_fit, start_fit, start_long_run
+from tests.runner import LONG_RUN, Running, run_fit, run_fits, start_fit, start_long_run
 
 
 def alive(pid: int) -> bool:
@@ -25,42 +27,85 @@ def alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
+def left_behind(pids: list[int], grace_s: float = 10) -> list[int]:
+    """Those of ``pids`` still alive after up to ``grace_s`` seconds."""
+    deadline = time.monotonic() + grace_s
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [p for p in pids if alive(p)]
+
+
 def wait_gone(run: Running, pids: list[int], timeout: float) -> int:
     """The command's exit code, once it and every pid in ``pids`` are gone."""
     code = run.wait(timeout=timeout)
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [p for p in pids if alive(p)], "a rank was left behind"
+    assert not left_behind(pids), "a rank was left behind"
     return code
+
+
+VICTIMS = ("launcher", "rank0", "rank1")
+
+
+@pytest.fixture(scope="module")
+def killed_runs(tmp_path_factory) -> dict[str, tuple[int, float, list[int]]]:
+    """One long run per victim of the test below, the three at once: once all are training, SIGKILL to each one's
+    victim; per victim the run's exit code, the seconds from the kill until it had exited, and what was left
+    behind of it."""
+    cwds = {victim: tmp_path_factory.mktemp(victim) for victim in VICTIMS}
+    with ExitStack() as stack:
+        runs = {victim: stack.enter_context(start_fit(*LONG_RUN, cwd=cwd)) for victim, cwd in cwds.items()}
+        ranks = {}
+        for victim, run in runs.items():
+            pid_files = [cwds[victim] / "pids" / f"rank{rank}" for rank in (0, 1)]
+            run.wait_for_files(pid_files)
+            run.wait_for(r"^Step 0, Loss ")
+            ranks[victim] = [int(p.read_text()) for p in pid_files]
+        start = time.monotonic()
+        for victim, run in runs.items():
+            os.kill(run.pid if victim == "launcher" else ranks[victim][int(victim[-1])], signal.SIGKILL)
+        ended = {}
+        for victim, run in runs.items():
+            code = run.wait(timeout=60)
+            ended[victim] = (code, time.monotonic() - start, left_behind([run.pid, *ranks[victim]]))
+    return ended
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("victim", ["launcher", "rank0", "rank1"])
-def test_sigkill_of_any_rank_ends_the_job(tmp_path, victim):
+@pytest.mark.parametrize("victim", VICTIMS)
+def test_sigkill_of_any_rank_ends_the_job(killed_runs, victim):
     """``launcher``: the process the user started (rank 0 itself under the ``ddp`` launcher, the parent of
     the ranks under ``ddp_fork``)."""
-    with start_long_run(tmp_path) as (run, ranks):
-        start = time.monotonic()
-        os.kill(run.pid if victim == "launcher" else ranks[int(victim[-1])], signal.SIGKILL)
-        code = wait_gone(run, [run.pid, *ranks], timeout=60)
+    code, seconds, behind = killed_runs[victim]
+    assert not behind, "a rank was left behind"
     assert code != 0
-    assert time.monotonic() - start < 60
+    assert seconds < 60
+
+
+FAILURES = [(rank, how) for rank in (0, 1) for how in ("raise", "exit")]
+
+
+@pytest.fixture(scope="module")
+def failed_runs(tmp_path_factory) -> tuple[dict[tuple[int, str], subprocess.CompletedProcess], float]:
+    """The runs of the test below, the four at once (rank 0 or 1 raises or exits at step 2 of 50), and the seconds
+    until the last had ended."""
+    runs = {(rank, how): (("--devices", "2", "--model.dim", "64", "--trainer.max_steps", "50",
+                           "--trainer.callbacks+=tests.faults.FailOnRank", f"--trainer.callbacks.rank={rank}",
+                           f"--trainer.callbacks.how={how}"), tmp_path_factory.mktemp(f"rank{rank}_{how}"))
+            for rank, how in FAILURES}  # fmt: skip
+    start = time.monotonic()
+    results = run_fits(*runs.values(), timeout=120)
+    return dict(zip(runs, results, strict=True)), time.monotonic() - start
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("how", ["raise", "exit"])
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_failing_rank_ends_the_job(tmp_path, how, rank):
-    start = time.monotonic()
-    result = run_fit("--devices", "2", "--model.dim", "64", "--trainer.max_steps", "50",
-                     "--trainer.callbacks+=tests.faults.FailOnRank",
-                     f"--trainer.callbacks.rank={rank}", f"--trainer.callbacks.how={how}",
-                     cwd=tmp_path, timeout=120)  # fmt: skip
+def test_a_failing_rank_ends_the_job(failed_runs, how, rank):
+    results, seconds = failed_runs
+    result = results[(rank, how)]
     assert result.returncode != 0
-    assert time.monotonic() - start < 60
+    assert seconds < 60  # every one of the four runs ended within it
     if how == "raise":
         assert f"injected failure on rank {rank}" in result.stderr
     if rank == 1:  # rank 0 itself often sees only "connection reset by peer"

@@ -7,7 +7,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 
 from lit_ddp.fit import build_cli
 from lit_ddp.measure.placement import problems, this_rank
-from tests.runner import STEP_LINE, TORCHRUN, free_port, run_fit, start_fit, start_long_run
+from tests.runner import STEP_LINE, TORCHRUN, free_port, run_fits, start_fit, start_long_run, step_numbers
 from tests.trainers import assert_same_checkpoint
 
 SLURM_RANK_3_OF_4 = {
@@ -36,15 +36,6 @@ def test_simulated_slurm_rank_gets_its_rank_and_device(monkeypatch):
 
 
 STANDALONE_2 = (*TORCHRUN, "--standalone", "--nproc_per_node", "2")
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(150)
-def test_torchrun_prints_the_steps_once(tmp_path):
-    result = run_fit("--devices", "2", "--model.dim", "64", launcher=STANDALONE_2, cwd=tmp_path, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert len(STEP_LINE.findall(result.stdout)) == 5
-    assert "on 2 ranks" in result.stdout
 
 
 @pytest.mark.slow
@@ -101,19 +92,22 @@ def test_single_node_run_listens_on_loopback_only(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_torchrun_restart_resumes_from_last_checkpoint_and_ends_like_an_undisturbed_run(tmp_path):
+    """The undisturbed run is a torchrun run too: each step printed once, by global rank 0."""
     args = ("--devices", "2", "--model.dim", "64", "--trainer.max_steps", "8", "--checkpoint.every_n_steps", "2",
             "--ckpt_path", "auto")  # fmt: skip
     # pytorch#135712 / #167288: a restarted gloo job can hang when the workers share the agent's TCP store.
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     torchrun = (*STANDALONE_2, "--max-restarts", "1")
-    faulty = run_fit(*args, "--trainer.logger.init_args.name", "faulty",
-                     "--trainer.callbacks+=tests.faults.FailOnRank", "--trainer.callbacks.step=5",
-                     "--trainer.callbacks.how=exit", "--trainer.callbacks.first_attempt_only=true",
-                     launcher=torchrun, cwd=tmp_path, timeout=200, env=env)  # fmt: skip
+    faulty, clean = run_fits(  # both at once
+        ((*args, "--trainer.logger.init_args.name", "faulty", "--trainer.callbacks+=tests.faults.FailOnRank",
+          "--trainer.callbacks.step=5", "--trainer.callbacks.how=exit", "--trainer.callbacks.first_attempt_only=true"),
+         tmp_path),
+        ((*args, "--trainer.logger.init_args.name", "clean"), tmp_path),
+        launcher=torchrun, timeout=200, env=env,
+    )  # fmt: skip
     assert faulty.returncode == 0, faulty.stderr[-3000:]
     assert "Step 4, Loss" in faulty.stdout and "Step 7, Loss" in faulty.stdout
-    clean = run_fit(*args, "--trainer.logger.init_args.name", "clean", launcher=torchrun, cwd=tmp_path, timeout=200,
-                    env=env)  # fmt: skip
     assert clean.returncode == 0, clean.stderr[-3000:]
+    assert step_numbers(clean.stdout) == list(range(8)) and "on 2 ranks" in clean.stdout, clean.stdout
     assert_same_checkpoint(tmp_path / "runs/faulty/checkpoints/last.ckpt",
                            tmp_path / "runs/clean/checkpoints/last.ckpt", global_step=8)  # fmt: skip

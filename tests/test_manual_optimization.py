@@ -1,25 +1,22 @@
 """Manual optimization (``automatic_optimization = False``, ``manual_backward``, ``optimizer.step()``) in a user's
-script on 2 CPU ranks (``strategy="ddp"``): every phase timed as in automatic optimization, the roofline's FLOPs
-counted in the real step (running the step again as a probe would train the model once more: the losses show it
-does not), the all-reduce, the sync check and one line per optimizer step. With the step taken every second
-batch, both batches are micro-batches of one step, and CommMonitor shows that each backward all-reduced (manual
-optimization has no no_sync unless the step asks for it)."""
+Trainer on 2 CPU ranks (Lightning's own DDP strategy): every phase timed as in automatic optimization, the
+roofline's FLOPs counted in the real step (running the step again as a probe would train the model once more: the
+losses show it does not), the all-reduce, the sync check and one line per optimizer step. With the step taken
+every second batch, both batches are micro-batches of one step, and CommMonitor shows that each backward
+all-reduced (manual optimization has no no_sync unless the step asks for it)."""
 
 import re
 
 import pytest
-
-from lit_ddp.records import schema as record
-from tests.runner import run_module, step_losses, step_numbers
-
-SCRIPT = """
-import sys
-
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp.callbacks import CommMonitor, LossMonitor, PhaseTimer, SyncCheck
+from lit_ddp.records import schema as record
+from tests.recorders import RecordLogs
+from tests.runner import step_losses, step_numbers
 
 
 class Manual(LinearRegression):
@@ -39,23 +36,20 @@ class Manual(LinearRegression):
         return loss
 
 
-if __name__ == "__main__":
-    seed_everything(0)
-    mode, every = sys.argv[1], int(sys.argv[2])
-    model = Manual(every=every, dim=32) if mode == "manual" else LinearRegression(dim=32)
-    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=4,
-                      logger=CSVLogger("out", name=mode, version=0), enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[PhaseTimer(), CommMonitor(), SyncCheck(), LossMonitor()])
-    trainer.fit(model, FixedBatchDataModule(dim=32, batch_size=8))
-"""
-
-
 def run(tmp_path, mode, every=1):
-    (tmp_path / "manual_script.py").write_text(SCRIPT)
-    result = run_module("manual_script", mode, str(every), cwd=tmp_path, timeout=140)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout + result.stderr  # Lightning's own log handler writes to stderr
+    """A user's Trainer (Lightning's own DDP strategy, 2 CPU ranks forked from this process), 4 steps of the manual
+    module or of the notes' (``mode="auto"``); what rank 0 printed, and the run's records."""
+    seed_everything(0)
+    model = Manual(every=every, dim=32) if mode == "manual" else LinearRegression(dim=32)
+    logs = tmp_path / f"{mode}_logs"
+    logs.mkdir()
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(start_method="fork"), max_steps=4,
+                      logger=CSVLogger(tmp_path / "out", name=mode, version=0), enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[PhaseTimer(), CommMonitor(), SyncCheck(), LossMonitor(),
+                                 RecordLogs(logs)])  # fmt: skip
+    trainer.fit(model, FixedBatchDataModule(dim=32, batch_size=8))
+    out = RecordLogs.read(logs, 0)
     assert "counting FLOPs failed" not in out, out[-3000:]
     return out, record.load_run(tmp_path / "out" / mode / "version_0")
 
@@ -71,7 +65,6 @@ def check_phases(phases, micro):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
 def test_manual_optimization_is_timed_as_automatic(tmp_path):
     out, (phases, comm) = run(tmp_path, "manual")
     auto_out, (auto_phases, _) = run(tmp_path, "auto")
@@ -88,7 +81,6 @@ def test_manual_optimization_is_timed_as_automatic(tmp_path):
     assert out.count("weights in sync across 2 ranks after step 3") == 1
 
 
-@pytest.mark.timeout(150)
 def test_manual_accumulation_over_two_batches(tmp_path):
     out, (phases, comm) = run(tmp_path, "manual", every=2)
     check_phases(phases, micro=2)

@@ -1,5 +1,5 @@
 """Mixed precision as users run it, on 2 CPU ranks: ``--trainer.precision bf16-mixed`` through the CLI, and
-``16-mixed`` with its grad scaler in a script of one's own (Lightning turns ``precision="16-mixed"`` on CPU into
+``16-mixed`` with its grad scaler in a Trainer of one's own (Lightning turns ``precision="16-mixed"`` on CPU into
 bf16; its ``MixedPrecision("16-mixed", "cpu")`` plugin runs fp16 autocast and a CPU GradScaler). The tables name
 the precision, the roofline takes the matching dtype's peak, the all-reduce table the dtype on the wire (fp32:
 mixed precision keeps fp32 gradients), and a step the grad scaler skipped is counted and said. The same on a GPU
@@ -9,13 +9,20 @@ import re
 
 import pytest
 import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins import MixedPrecision
+from lightning.pytorch.strategies import DDPStrategy
 
+from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp.analysis.phases import roofline_table
+from lit_ddp.callbacks import CommMonitor, LossMonitor, PhaseTimer, SyncCheck
 from lit_ddp.callbacks.phase_timer import _compute_dtype
 from lit_ddp.measure import roofline
 from lit_ddp.records import schema as record
+from tests.recorders import RecordLogs
 from tests.records import phase_record
-from tests.runner import run_fit, run_module, step_losses
+from tests.runner import run_fit, step_losses
 
 DIM = 32
 
@@ -38,44 +45,28 @@ def test_bf16_mixed_through_the_cli(tmp_path):
     assert phases.skipped_count == 0 and "skipped" not in out
 
 
-SCRIPT = """
-import sys
-
-import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
-from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.plugins import MixedPrecision
-
-from lit_ddp import FixedBatchDataModule, LinearRegression
-from lit_ddp.callbacks import CommMonitor, LossMonitor, PhaseTimer, SyncCheck
-
-
 class InfGradient(Callback):
-    # After step 2's backward (the all-reduce is done: every rank holds the same inf), as an fp16 overflow would.
+    """After step 2's backward (the all-reduce is done: every rank holds the same inf), as an fp16 overflow would."""
+
     def on_after_backward(self, trainer, pl_module):
         if trainer.global_step == 2:
             next(pl_module.parameters()).grad.view(-1)[0] = float("inf")
 
 
-if __name__ == "__main__":
-    seed_everything(0)
-    accelerator = sys.argv[1]
-    plugins = [MixedPrecision("16-mixed", "cpu")] if accelerator == "cpu" else []
-    trainer = Trainer(accelerator=accelerator, devices=2 if accelerator == "cpu" else 1, max_steps=5,
-                      strategy="ddp", plugins=plugins, precision=None if plugins else "16-mixed",
-                      logger=CSVLogger("out", name="run", version=0), enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[PhaseTimer(), CommMonitor(compression="fp16"), SyncCheck(), LossMonitor(),
-                                 InfGradient()])
-    trainer.fit(LinearRegression(dim=32), FixedBatchDataModule(dim=32, batch_size=8))
-"""
-
-
 def run_16_mixed(tmp_path, accelerator):
-    (tmp_path / "sixteen.py").write_text(SCRIPT)
-    result = run_module("sixteen", accelerator, cwd=tmp_path, timeout=140)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout + result.stderr  # Lightning's own log handler writes to stderr
+    """A user's Trainer at 16-mixed, Lightning's own DDP strategy: 2 CPU ranks forked from this process (with
+    Lightning's fp16 plugin), or 1 GPU; what rank 0 printed."""
+    seed_everything(0)
+    cpu = accelerator == "cpu"
+    plugins = [MixedPrecision("16-mixed", "cpu")] if cpu else []
+    trainer = Trainer(accelerator=accelerator, devices=2 if cpu else 1, max_steps=5,
+                      strategy=DDPStrategy(start_method="fork") if cpu else "ddp", plugins=plugins,
+                      precision=None if plugins else "16-mixed", logger=CSVLogger(tmp_path / "out", name="run",
+                      version=0), enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[PhaseTimer(), CommMonitor(compression="fp16"), SyncCheck(), LossMonitor(),
+                                 InfGradient(), RecordLogs(tmp_path)])  # fmt: skip
+    trainer.fit(LinearRegression(dim=32), FixedBatchDataModule(dim=32, batch_size=8))
+    return RecordLogs.read(tmp_path, 0)
 
 
 def check_16_mixed(out, tmp_path):
@@ -93,7 +84,6 @@ def check_16_mixed(out, tmp_path):
     assert phases.roofline.compute_dtype == "float16" and comm.wire_dtype == "float16"
 
 
-@pytest.mark.timeout(150)
 def test_16_mixed_grad_scaler_skip_in_a_users_script_on_cpu(tmp_path):
     out = run_16_mixed(tmp_path, "cpu")
     check_16_mixed(out, tmp_path)

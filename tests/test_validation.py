@@ -1,29 +1,25 @@
 """Validation inside fit (``val_check_interval``): Lightning runs it between two training batches, so its time
 fell into the ``data`` phase of the step it followed. PhaseTimer keeps it out of the steps' phases and reports it
-on a line of its own (time, how many runs). A patched clock checks the arithmetic; a user's script
-(``strategy="ddp"``, 2 CPU ranks, a 50 ms validation every 4 steps) checks what is printed and recorded."""
+on a line of its own (time, how many runs). A patched clock checks the arithmetic; a user's Trainer (Lightning's
+own DDP strategy, 2 CPU ranks forked from the test process, a 50 ms validation every 4 steps) checks what is
+printed and recorded."""
 
 import re
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-
-from lit_ddp import LinearRegression
-from lit_ddp.callbacks import PhaseTimer
-from lit_ddp.records import schema as record
-from tests.runner import run_module
-from tests.test_accumulation import FakeTrainer
-
-SCRIPT = """
-import time
-
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp.callbacks import LossMonitor, PhaseTimer
 from lit_ddp.lab.data import RepeatBatch
+from lit_ddp.records import schema as record
+from tests.recorders import RecordLogs
+from tests.test_accumulation import FakeTrainer
 
 
 class Validated(LinearRegression):
@@ -36,21 +32,15 @@ class WithValidation(FixedBatchDataModule):
         return RepeatBatch(self.batch, 1)
 
 
-if __name__ == "__main__":
-    seed_everything(0)
-    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=8, val_check_interval=4,
-                      logger=CSVLogger("out", name="run", version=0), enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=[PhaseTimer(), LossMonitor()])
-    trainer.fit(Validated(dim=32), WithValidation(dim=32, batch_size=8))
-"""
-
-
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(60)
 def test_validation_is_kept_out_of_the_steps_and_reported_apart(tmp_path):
-    (tmp_path / "validated.py").write_text(SCRIPT)
-    result = run_module("validated", cwd=tmp_path, timeout=140)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout + result.stderr  # Lightning's own log handler writes to stderr
+    seed_everything(0)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(start_method="fork"), max_steps=8,
+                      val_check_interval=4, logger=CSVLogger(tmp_path / "out", name="run", version=0),
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[PhaseTimer(), LossMonitor(), RecordLogs(tmp_path)])  # fmt: skip
+    trainer.fit(Validated(dim=32), WithValidation(dim=32, batch_size=8))
+    out = RecordLogs.read(tmp_path, 0)  # what rank 0 printed
     found = re.search(r"^validation inside fit, kept out of the steps above: 2 run\(s\), ([0-9.]+) ms in all, "
                       r"([0-9.]+) ms median \(rank \d, the longest\)$", out, re.M)  # fmt: skip
     assert found, out[-3000:]

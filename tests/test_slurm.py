@@ -20,7 +20,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
-from tests.runner import LONG_RUN, ROOT, run_fit, step_losses
+from tests.runner import LONG_RUN, ROOT, start_fit, step_losses
 from tests.slurm_cluster import Cluster, bring_up, shut_down
 from tests.test_faults import alive
 from tests.trainers import assert_same_checkpoint
@@ -113,10 +113,10 @@ def test_srun_runs_the_main_job_as_the_forked_run_does(slurm, tmp_path):
             "--trainer.callbacks+=tests.test_slurm.SayOnEveryRank")  # fmt: skip
     for name in ("srun", "forked"):
         (tmp_path / name).mkdir()
-    with slurm.job_name() as name:
+    with start_fit(*args, cwd=tmp_path / "forked") as forked_run, slurm.job_name() as name:  # both at once
         srun = slurm.srun_fit(name, *args, cwd=tmp_path / "srun")
+        forked = forked_run.completed(timeout=90)
     assert srun.returncode == 0, srun.stderr[-3000:]
-    forked = run_fit(*args, cwd=tmp_path / "forked")
     assert forked.returncode == 0, forked.stderr[-3000:]
     assert len(step_losses(srun.stdout)) == 5
     assert step_losses(srun.stdout) == step_losses(forked.stdout)
@@ -176,8 +176,11 @@ def test_requeue_by_sigusr1_resumes_from_lightning_s_checkpoint_and_ends_like_an
     writes it, then a barrier; rank 0 runs ``scontrol requeue``); Slurm stops the job (SIGTERM: exit 143) and
     starts it again, and Lightning resumes from that checkpoint. The signal reaches both ranks at step 150
     (``SignalJobAt``); the gather is read one step later, so the checkpoint holds 151 steps."""
-    (tmp_path / "slurm").mkdir()
-    fields, text = run_requeued_job(slurm, tmp_path / "slurm")
+    for name in ("slurm", "uninterrupted"):
+        (tmp_path / name).mkdir()
+    with start_fit("--devices", "2", *REQUEUE_RUN, cwd=tmp_path / "uninterrupted") as uninterrupted_run:  # at once
+        fields, text = run_requeued_job(slurm, tmp_path / "slurm")
+        uninterrupted = uninterrupted_run.completed(timeout=90)
     assert (fields.get("JobState"), fields.get("Restarts"), fields.get("ExitCode")) == ("COMPLETED", "1", "0:0"), (
         fields, text[-3000:])  # fmt: skip
     first, _, second = text.partition("lit-ddp-fit: stopped by SIGTERM")
@@ -186,8 +189,6 @@ def test_requeue_by_sigusr1_resumes_from_lightning_s_checkpoint_and_ends_like_an
     # The requeued run trained steps 151-299, from the checkpoint of step 151, and says so.
     assert re.search(r"^Done: 149 steps on 2 ranks \(resumed at step 151 from runs/hpc_ckpt_1\.ckpt\),", second,
                      re.M), text[-3000:]  # fmt: skip
-    (tmp_path / "uninterrupted").mkdir()
-    uninterrupted = run_fit("--devices", "2", *REQUEUE_RUN, cwd=tmp_path / "uninterrupted")
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
     checkpoint = Path("runs/mini_train/checkpoints/last.ckpt")
     assert_same_checkpoint(tmp_path / "slurm" / checkpoint, tmp_path / "uninterrupted" / checkpoint, global_step=300)

@@ -4,6 +4,7 @@ several files read (each started once a session)."""
 import functools
 import logging
 import os
+import shutil
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
-from tests.runner import FitRun, run_fit
+from tests.runner import PROFILE_RUN, ROOT, FitRun, run_fit
 from tests.trainers import fast_trainer
 
 # The in-process tests fork their ranks from this process (tests/trainers.py), as `python -m lit_ddp.fit` does on
@@ -93,3 +94,12 @@ def pytorch_profiler_run(tmp_path_factory) -> FitRun:
                       "      init_args: {kernel_steps: 2, print_steps: 0}\nmodel:\n  dim: 64\n")  # fmt: skip
     return FitRun(run_fit("--config", str(config), "--devices", "2", "--trainer.profiler", "pytorch", cwd=cwd,
                           timeout=120), cwd)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def profile_run(tmp_path_factory) -> FitRun:
+    """The notes' profiled variant, ``python -m lit_ddp.fit --config configs/mini_train_profile.yaml --devices 2``
+    (``tests.runner.PROFILE_RUN``), from a directory that holds a copy of ``configs/``."""
+    cwd = tmp_path_factory.mktemp("profile_run")
+    shutil.copytree(ROOT / "configs", cwd / "configs")
+    return FitRun(run_fit(*PROFILE_RUN, cwd=cwd, timeout=200), cwd)

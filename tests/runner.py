@@ -291,6 +291,11 @@ LONG_RUN = ("--devices", "2", "--model.dim", "64", "--trainer.max_steps", "10000
             "--trainer.callbacks+=tests.faults.WritePid")  # fmt: skip
 
 
+# The notes' profiled variant as its config's header, README and docs/forecast.md run it (from a directory that holds
+# configs/): Linear(4096), 10 steps, steps 2-4 under torch.profiler.
+PROFILE_RUN = ("--config", "configs/mini_train_profile.yaml", "--devices", "2")
+
+
 @contextmanager
 def start_long_run(tmp_path: Path, *extra: str) -> Iterator[tuple[Running, list[int]]]:
     """Starts ``LONG_RUN`` in ``tmp_path``; yields it and the pids of ranks 0 and 1 once both ranks are

@@ -9,7 +9,6 @@ from lightning.pytorch.loggers import CSVLogger
 from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp.callbacks import CommMonitor, PhaseTimer
 from lit_ddp.records import schema as record
-from tests.runner import ROOT, run_fit
 from tests.trainers import profile
 
 
@@ -63,14 +62,13 @@ def test_comm_monitor_stands_aside_without_ddp():
 
 
 @pytest.mark.slow
-def test_profile_config_prints_the_notes_format_and_tables(tmp_path):
-    result = run_fit("--config", str(ROOT / "configs" / "mini_train_profile.yaml"), "--devices", "2",
-                     "--trainer.max_steps", "5", cwd=tmp_path, timeout=120)  # fmt: skip
+def test_profile_config_prints_the_notes_format_and_tables(profile_run):
+    result = profile_run.result  # the config as it is: 10 steps at dim 4096
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     for step in range(3):
         assert f"Step {step}\n forward : " in out
-    assert ("Phase times (perf_counter: host time), 2 rank(s), step 0 = warm-up, then 1 steady step(s) (steps 2-4 "
+    assert ("Phase times (perf_counter: host time), 2 rank(s), step 0 = warm-up, then 6 steady step(s) (steps 2-4 "
             "ran under the profiler for the memory columns, left out of the others):") in out  # fmt: skip
     assert re.search(r"^phase .* peak memory +retained$", out, re.M), out
     assert "Memory per rank (exact, from the live objects): parameters 67,125,248 bytes" in out

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from lit_ddp.run.arguments import expand_shorthands
-from tests.runner import ROOT, run_main, run_module
+from tests.runner import PROFILE_RUN, ROOT, run_main, run_module
 
 DOCS = ROOT / "docs"
 
@@ -75,7 +75,9 @@ def test_shape_ignores_padding_only():
 
 @pytest.mark.slow  # the profile run, the probe and two forecasts: about 17 s on 2 cores
 @pytest.mark.timeout(300)
-def test_the_forecast_page_commands_run_as_shown(tmp_path):
+def test_the_forecast_page_commands_run_as_shown(profile_run, tmp_path):
+    """The measured run is the session's ``profile_run`` (the page's first command, checked); the other commands go
+    on from a copy of its directory."""
     commands = [
         line.split("#")[0].split()
         for line in code_blocks(section("forecast.md", "The commands"))[0].strip().splitlines()
@@ -83,12 +85,13 @@ def test_the_forecast_page_commands_run_as_shown(tmp_path):
     assert [c[:3] for c in commands] == [["python", "-m", "lit_ddp.fit"], ["python", "-m", "lit_ddp.forecast"],
                                          ["python", "-m", "lit_ddp.allreduce_probe"],
                                          ["python", "-m", "lit_ddp.forecast"]]  # fmt: skip
+    assert commands[0][3:] == list(PROFILE_RUN), "docs/forecast.md's measured run is not tests.runner.PROFILE_RUN"
     assert "--probe" in commands[3] and "probe.json" in commands[2]  # the probe's file is the one the forecast reads
-    shutil.copytree(ROOT / "configs", tmp_path / "configs")
-    outputs = []
-    for cmd in commands:
-        extra = ("--trainer.accelerator", "cpu") if cmd[2] == "lit_ddp.fit" else ()
-        result = run_module(*cmd[2:], *extra, cwd=tmp_path, timeout=200)
+    assert profile_run.result.returncode == 0, profile_run.result.stderr[-2000:]
+    shutil.copytree(profile_run.cwd, tmp_path, dirs_exist_ok=True)
+    outputs = [profile_run.result.stdout]
+    for cmd in commands[1:]:
+        result = run_module(*cmd[2:], cwd=tmp_path, timeout=200)
         assert result.returncode == 0, (cmd, result.stderr[-2000:])
         outputs.append(result.stdout)
     assert (tmp_path / "runs/mini_train_profile/version_0/forecast.png").is_file()

@@ -2,6 +2,7 @@
 several files read (each started once a session)."""
 
 import functools
+import gc
 import logging
 import os
 import shutil
@@ -30,6 +31,27 @@ os.environ["OMP_NUM_THREADS"] = "1"
 _LAUNCHER_ENV = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK",
                                                          "WORLD_SIZE")}  # fmt: skip
 
+# Threads of a process group and its store (gloo's loops, the TCPStore's): alive in this process after an in-process
+# run whose objects outlive it, kept by an exception's traceback until garbage collection. A rank forked while one of
+# them holds a lock can hang: both ranks of a PhaseTimer run waited in deepcopy for minutes, forked beside the
+# threads of test_memory's in-process out-of-memory run.
+_GROUP_THREADS = ("gloo", "pt_gloo", "pt_tcpstore")
+
+
+def _group_threads() -> list[str]:
+    """The names of this process's process-group threads (none where /proc is not there to tell)."""
+    names = []
+    tasks = "/proc/self/task"
+    for task in os.listdir(tasks) if os.path.isdir(tasks) else ():
+        try:
+            with open(f"{tasks}/{task}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        names += [name] if name.startswith(_GROUP_THREADS) else []
+    return names
+
+
 # Loggers that `lit_ddp.run.console.setup` (run by an in-process `main()`) points at the stdout of its time, a
 # capsys buffer that is closed after its test.
 _CONFIGURED_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lit_ddp", "torch.multiprocessing.spawn")
@@ -39,7 +61,7 @@ _CONFIGURED_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lit_ddp", "torc
 def _restore_env_and_process_group():
     """Lightning's launchers write MASTER_ADDR/PORT, WORLD_SIZE, LOCAL_RANK... into os.environ, and a Trainer
     built as some rank (a simulated Slurm rank 3) sets the rank that rank_zero_info obeys in this process;
-    undo both."""
+    undo both. A process group of an in-process run goes, threads and all, before the next test forks ranks."""
     for name, value in _LAUNCHER_ENV.items():
         if value is None:
             os.environ.pop(name, None)
@@ -50,6 +72,8 @@ def _restore_env_and_process_group():
     yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    if _group_threads():
+        gc.collect()  # the group's and the store's destructors join their threads
     os.environ.clear()
     os.environ.update(env)
     rank_zero_only.rank, utils_rank_zero_only.rank = ranks

@@ -9,11 +9,11 @@ import random
 
 import pytest
 
+from lit_ddp import report
 from lit_ddp.errors import RecordError
 from lit_ddp.records import schema as record
 from lit_ddp.records.schema import HEAD_STEPS, TAIL_STEPS, Roofline, Sketch, StepBuckets, Window
 from tests.records import comm_record, phase_record
-from tests.runner import run_module
 
 QUANTILES = (0.0, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 
@@ -163,11 +163,15 @@ def test_load_refuses_another_schema_in_one_line(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_report_exits_2_with_that_one_line(tmp_path):
+def test_report_exits_2_with_that_one_line(tmp_path, capsys):
+    """In this process: what ``python -m lit_ddp.report`` runs (its exit through ``sys.exit(main())`` is tested
+    where the command runs for real, e.g. ``tests/test_docs_commands.py``)."""
     old = schema_1_run(tmp_path / "old")
     with pytest.raises(RecordError) as refused:
         record.load(old / "phases.json")
-    result = run_module("lit_ddp.report", str(old), cwd=tmp_path, timeout=50)
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.splitlines()[-1] == f"python -m lit_ddp.report: error: {refused.value}"
-    assert "Traceback" not in result.stderr and result.stdout == ""
+    with pytest.raises(SystemExit) as exit_info:  # any other exception, a traceback, fails the test
+        report.main([str(old)])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2, captured.err
+    assert captured.err.splitlines()[-1] == f"python -m lit_ddp.report: error: {refused.value}"
+    assert captured.out == ""

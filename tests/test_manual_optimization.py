@@ -17,6 +17,7 @@ from lit_ddp.callbacks import CommMonitor, LossMonitor, PhaseTimer, SyncCheck
 from lit_ddp.records import schema as record
 from tests.recorders import RecordLogs
 from tests.runner import step_losses, step_numbers
+from tests.trainers import cpu_start_method
 
 
 class Manual(LinearRegression):
@@ -43,7 +44,7 @@ def run(tmp_path, mode, every=1):
     model = Manual(every=every, dim=32) if mode == "manual" else LinearRegression(dim=32)
     logs = tmp_path / f"{mode}_logs"
     logs.mkdir()
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(start_method="fork"), max_steps=4,
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(start_method=cpu_start_method()), max_steps=4,
                       logger=CSVLogger(tmp_path / "out", name=mode, version=0), enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[PhaseTimer(), CommMonitor(), SyncCheck(), LossMonitor(),

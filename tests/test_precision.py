@@ -23,6 +23,7 @@ from lit_ddp.records import schema as record
 from tests.recorders import RecordLogs
 from tests.records import phase_record
 from tests.runner import run_fit, step_losses
+from tests.trainers import cpu_start_method
 
 DIM = 32
 
@@ -60,7 +61,7 @@ def run_16_mixed(tmp_path, accelerator):
     cpu = accelerator == "cpu"
     plugins = [MixedPrecision("16-mixed", "cpu")] if cpu else []
     trainer = Trainer(accelerator=accelerator, devices=2 if cpu else 1, max_steps=5,
-                      strategy=DDPStrategy(start_method="fork") if cpu else "ddp", plugins=plugins,
+                      strategy=DDPStrategy(start_method=cpu_start_method()) if cpu else "ddp", plugins=plugins,
                       precision=None if plugins else "16-mixed", logger=CSVLogger(tmp_path / "out", name="run",
                       version=0), enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[PhaseTimer(), CommMonitor(compression="fp16"), SyncCheck(), LossMonitor(),

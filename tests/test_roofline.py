@@ -19,6 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lit_ddp.lab.data import FixedBatchDataModule
 from lit_ddp.lab.module import LinearRegression
 from lit_ddp.measure.roofline import GPU_PEAKS, StepFlops, count_step_flops, optimizer_update_bytes, peak_for
+from tests.trainers import cpu_start_method
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -314,7 +315,7 @@ def fit_noisy(tmp_path: Path, callbacks: list[Callback]) -> dict[str, Tensor]:
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=DDPStrategy(start_method="fork", timeout=timedelta(seconds=30)),
+        strategy=DDPStrategy(start_method=cpu_start_method(), timeout=timedelta(seconds=30)),
         max_steps=3,
         callbacks=callbacks,
         logger=False,

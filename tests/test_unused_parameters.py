@@ -16,6 +16,7 @@ from lit_ddp.analysis.comm import comm_table
 from lit_ddp.callbacks import CommMonitor
 from lit_ddp.records.schema import load_run
 from lit_ddp.run.lifecycle import exit_code
+from tests.trainers import cpu_start_method
 
 
 class WithUnusedLayer(LinearRegression):
@@ -35,7 +36,7 @@ def user_trainer(tmp_path, strategy) -> Trainer:
 
 
 def test_with_find_unused_parameters_the_table_says_what_got_no_gradient(tmp_path):
-    strategy = DDPStrategy(find_unused_parameters=True, start_method="fork")
+    strategy = DDPStrategy(find_unused_parameters=True, start_method=cpu_start_method())
     user_trainer(tmp_path, strategy).fit(WithUnusedLayer(), FixedBatchDataModule(dim=16, batch_size=4))
     _, comm = load_run(tmp_path / "run" / "version_0")
     assert comm.find_unused_parameters and comm.unused_every_step
@@ -48,7 +49,7 @@ def test_with_find_unused_parameters_the_table_says_what_got_no_gradient(tmp_pat
 
 
 def test_without_it_every_rank_stops_after_the_first_backward_naming_them(tmp_path):
-    strategy = DDPStrategy(start_method="fork")
+    strategy = DDPStrategy(start_method=cpu_start_method())
     with pytest.raises(ProcessRaisedException) as raised:
         user_trainer(tmp_path, strategy).fit(WithUnusedLayer(), FixedBatchDataModule(dim=16, batch_size=4))
     last = raised.value.msg.strip().splitlines()[-1]

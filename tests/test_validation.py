@@ -20,6 +20,7 @@ from lit_ddp.lab.data import RepeatBatch
 from lit_ddp.records import schema as record
 from tests.recorders import RecordLogs
 from tests.test_accumulation import FakeTrainer
+from tests.trainers import cpu_start_method
 
 
 class Validated(LinearRegression):
@@ -35,7 +36,7 @@ class WithValidation(FixedBatchDataModule):
 @pytest.mark.timeout(60)
 def test_validation_is_kept_out_of_the_steps_and_reported_apart(tmp_path):
     seed_everything(0)
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(start_method="fork"), max_steps=8,
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(start_method=cpu_start_method()), max_steps=8,
                       val_check_interval=4, logger=CSVLogger(tmp_path / "out", name="run", version=0),
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[PhaseTimer(), LossMonitor(), RecordLogs(tmp_path)])  # fmt: skip

@@ -12,6 +12,12 @@ from lit_ddp.run.strategy import LitDDPStrategy
 from tests.recorders import RecordDDPBuckets
 
 
+def cpu_start_method() -> str:
+    """How a test starts CPU ranks from this process: forked, as ``python -m lit_ddp.fit`` does on CPUs; spawned
+    once this process has initialised CUDA (a GPU test before it), which a forked child cannot use."""
+    return "spawn" if torch.cuda.is_initialized() else "fork"
+
+
 def fast_trainer(root_dir: Path, devices=2, max_steps=5, callbacks=(), logger=False, enable_checkpointing=False,
                  max_epochs=None, spawn=True, **strategy_kwargs) -> Trainer:  # fmt: skip
     """CPU, ranks forked from this process (``ddp_fork``, what ``python -m lit_ddp.fit`` does on CPUs; a few
@@ -20,8 +26,7 @@ def fast_trainer(root_dir: Path, devices=2, max_steps=5, callbacks=(), logger=Fa
     logs ``caplog`` sees."""
     if spawn:
         strategy_kwargs.setdefault("timeout_s", 30)
-        # CUDA cannot be used in a forked child once this process has initialised it (a GPU test before).
-        strategy_kwargs.setdefault("start_method", "spawn" if torch.cuda.is_initialized() else "fork")
+        strategy_kwargs.setdefault("start_method", cpu_start_method())
         strategy = LitDDPStrategy(**strategy_kwargs)
     else:
         assert devices == 1 and not strategy_kwargs, "spawn=False runs one rank, with no DDP options"

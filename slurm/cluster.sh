@@ -86,7 +86,12 @@ start() {
         echo "export SLURM_CONF=$CONF"
         return 0
     fi
-    [[ ! -s "$PIDS" ]] || die 2 "$DIR holds daemons of an earlier start that are not all running: run '$0 stop' first"
+    # An earlier start whose daemons did not all survive (a killed CI run, a reboot): stop what is left of it (only
+    # pids that are still its daemons) and start afresh.
+    if [[ -s "$PIDS" ]]; then
+        echo "cluster.sh: $DIR holds an earlier start that is not all running: stopping what is left of it" >&2
+        stop >/dev/null
+    fi
     rm -rf "$DIR"
     mkdir -p -m 700 "$DIR" "$DIR/munge" "$DIR/ctld" "$DIR/slurmd"
     local missing=""

@@ -3,6 +3,7 @@
     python -m lit_ddp.fit --devices 4
     python -m lit_ddp.fit --config configs/mini_train.yaml --trainer.max_steps 20
     python -m lit_ddp.fit --print_config
+    python -m lit_ddp.fit --model my_module.MyModel --model.width 64 --data my_module.MyData  # anyone's model
 
 ``--devices N`` is a shorthand for ``--trainer.devices N``; config files are applied first, so the command line
 wins; the tool's own callbacks are option groups (``--loss_monitor.*``, ``--sync_check.*``, ``--step_sync.*``,
@@ -11,30 +12,28 @@ option: docs/options.md.
 """
 
 import argparse
+import importlib
+import os
+import re
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from jsonargparse import ArgumentError
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lit_ddp
 from lit_ddp.callbacks import DeviceMap, LossMonitor, RunSummary, StepSync, SyncCheck
 from lit_ddp.errors import Ending, UsageError
 from lit_ddp.lab.data import FixedBatchDataModule
-from lit_ddp.lab.module import LinearRegression
 from lit_ddp.run import console, lifecycle
 from lit_ddp.run.arguments import check_devices, expand_shorthands
 from lit_ddp.run.checkpointing import LastCheckpoint, checkpoint_dir, resume_path
 from lit_ddp.run.run_dir import claim_version
 
-
-def _prog() -> str:
-    """The program as it was called: the console script, or the module."""
-    return "lit-ddp-fit" if Path(sys.argv[0]).name == "lit-ddp-fit" else "python -m lit_ddp.fit"
-
-
+LAB_MODEL, LAB_DATA = "lit_ddp.lab.module.LinearRegression", "lit_ddp.lab.data.FixedBatchDataModule"
 TRAINER_DEFAULTS = {
     "strategy": {"class_path": "lit_ddp.run.strategy.LitDDPStrategy"},
     "accelerator": "auto",
@@ -60,13 +59,23 @@ DESCRIPTION = (
     "check that every rank holds the same weights; configs/mini_train_profile.yaml adds where each step's time "
     "went. The tool's own options come first (--devices, then its callbacks: --loss_monitor.*, --sync_check.*, "
     "--step_sync.*, --checkpoint.*), then Lightning's --trainer.*, the model's --model.* and the data's --data.*; "
-    "any of them can come from a YAML config (--config). Every option: docs/options.md."
+    "any of them can come from a YAML config (--config). Any LightningModule and LightningDataModule importable "
+    "from here can take the lab's place: --model my_module.MyModel --data my_module.MyData (--model.help CLASS "
+    "lists a class's options). Every option: docs/options.md."
 )
 USAGE = "%(prog)s [-h] [--devices N] [-c CONFIG] [--print_config] [--GROUP.OPTION VALUE ...]"
 
 
 class LitDDPCLI(LightningCLI):
-    """LightningCLI with the tool's callbacks as option groups and ``--model.dim`` linked to the data."""
+    """LightningCLI with the tool's callbacks as option groups, any LightningModule (the lab's by default), and the
+    lab data's width taken from the model."""
+
+    script, module, description = "lit-ddp-fit", "lit_ddp.fit", DESCRIPTION
+
+    @classmethod
+    def prog(cls) -> str:
+        """The program as it was called: the console script, or the module."""
+        return cls.script if Path(sys.argv[0]).name == cls.script else f"python -m {cls.module}"
 
     def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # Help lists groups in the order they are added: the tool's own come before Lightning's Trainer.
@@ -95,7 +104,9 @@ class LitDDPCLI(LightningCLI):
         super().add_core_arguments_to_parser(parser)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.link_arguments("model.dim", "data.dim")
+        # Any LightningModule and LightningDataModule (``--model my_module.MyModel``, importable from the working
+        # directory); the notes' task when none is named.
+        parser.set_defaults({"model": {"class_path": LAB_MODEL}, "data": {"class_path": LAB_DATA}})
 
     def instantiate_classes(self) -> None:
         try:
@@ -114,23 +125,28 @@ class LitDDPCLI(LightningCLI):
             raise UsageError(f"devices: {self.config.devices!r} in a config file: --devices is a command-line "
                              "shorthand; a config file says trainer.devices")  # fmt: skip
         check_devices(self.config.trainer.accelerator, self.config.trainer.devices)
+        model, data = self.config.model, self.config.data
+        if _names(data.class_path, FixedBatchDataModule) and data.init_args.dim is None:  # the model's width
+            data.init_args.dim = model.init_args.get("dim") if "init_args" in model else None
         if self.config.checkpoint.dirpath is None:
             self.config.checkpoint.dirpath = str(checkpoint_dir(self.config.trainer))
         if self.claim_log_version:  # a run, not a look at the config: it gets a log folder of its own
             claim_version(self.config.trainer)
 
 
-def build_cli(args: list[str], claim_log_version: bool = False) -> LitDDPCLI:
+def build_cli(args: list[str], claim_log_version: bool = False, cli_class: type[LitDDPCLI] = LitDDPCLI,
+              **cli_kwargs: Any) -> LitDDPCLI:  # fmt: skip
     """Parses and validates ``args`` and instantiates model, data and Trainer; launches nothing. With
-    ``claim_log_version``, the run's log folder is claimed first (``lit_ddp.run.run_dir``).
+    ``claim_log_version``, the run's log folder is claimed first (``lit_ddp.run.run_dir``). ``cli_class`` and
+    ``cli_kwargs``: another command's CLI on the same options (``lit_ddp.tune``).
 
     Raises:
         UsageError: For anything wrong with the command line or the config files.
     """
     try:
-        return LitDDPCLI(
-            LinearRegression,
-            FixedBatchDataModule,
+        options = dict(
+            subclass_mode_model=True,
+            subclass_mode_data=True,
             args=expand_shorthands(args),
             run=False,
             trainer_defaults=TRAINER_DEFAULTS,
@@ -138,20 +154,48 @@ def build_cli(args: list[str], claim_log_version: bool = False) -> LitDDPCLI:
             save_config_kwargs={"overwrite": True},
             # The model owns its optimizer (configure_optimizers): no --optimizer to override it behind its back.
             auto_configure_optimizers=False,
-            parser_kwargs={"exit_on_error": False, "prog": _prog(), "description": DESCRIPTION, "usage": USAGE},
+            parser_kwargs={
+                "exit_on_error": False,
+                "prog": cli_class.prog(),
+                "description": cli_class.description,
+                "usage": USAGE,
+            },  # fmt: skip
             claim_log_version=claim_log_version,
         )
+        return cli_class(LightningModule, LightningDataModule, **{**options, **cli_kwargs})
     except ArgumentError as err:  # types, ranges, unknown keys, unreadable config files
         raise UsageError(_one_line(err)) from err
 
 
+def _names(class_path: str, cls: type) -> bool:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name, None) is cls
+
+
+# jsonargparse's error for --model/--data (subclass mode) tries each member of a Union in turn: the class's own
+# complaint is the one to show.
+_SUBCLASS_ERROR = re.compile(r'Parser key "(\w+)":.*?Problem with given class_path \'([^\']+)\': (.*?)'
+                             r"(?: - Expected a <class 'NoneType'>.*)?$")  # fmt: skip
+_INNER_KEY = re.compile(r'Parser key "([^"]+)": (.*)$')
+
+
 def _one_line(err: BaseException) -> str:
-    return " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    subclass = _SUBCLASS_ERROR.match(text)
+    if not subclass:
+        return text
+    group, class_path, message = subclass.groups()
+    inner = _INNER_KEY.match(message)
+    return (
+        f'Parser key "{group}.{inner[1]}": {inner[2]}' if inner else f'Parser key "{group}" ({class_path}): {message}'
+    )
 
 
 def cli_main(args: Optional[list[str]] = None) -> Ending:
     """Parses ``args`` (``sys.argv[1:]`` when ``None``), builds the Trainer and runs ``fit``; how it ended."""
     console.setup()
+    if os.getcwd() not in sys.path and "" not in sys.path:  # the console script: --model my_module.MyModel from here
+        sys.path.insert(0, os.getcwd())
     cli = build_cli(sys.argv[1:] if args is None else list(args), claim_log_version=True)
     hparams = {**cli.model.hparams, **cli.datamodule.hparams}
     for callback in cli.trainer.callbacks:

@@ -210,7 +210,7 @@ def test_print_config_round_trips(tmp_path, monkeypatch, capsys):
     result = run_main(monkeypatch, capsys, *CPU, "--devices", "2", "--model.dim", "64", "--print_config")
     assert result.returncode == 0, result.stderr
     config = yaml.safe_load(result.stdout)
-    assert int(config["trainer"]["devices"]) == 2 and config["model"]["dim"] == 64
+    assert int(config["trainer"]["devices"]) == 2 and config["model"]["init_args"]["dim"] == 64
     assert config["trainer"]["strategy"]["class_path"] == "lit_ddp.run.strategy.LitDDPStrategy"
     (tmp_path / "printed.yaml").write_text(result.stdout)
     cli = build_cli([*CPU, "--config", str(tmp_path / "printed.yaml")])

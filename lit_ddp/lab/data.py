@@ -9,7 +9,7 @@ checkable: both must train identically.
 """
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from jsonargparse.typing import NonNegativeInt, PositiveInt
@@ -67,7 +67,7 @@ class FixedBatchDataModule(LightningDataModule):
     """The same random batch every step, a different shard on every rank.
 
     Args:
-        dim: Feature width of inputs and targets; ``fit`` links it to ``--model.dim``.
+        dim: Feature width of inputs and targets; ``None``: the model's ``hparams.dim`` (``fit`` sets it so).
         batch_size: Rows per rank per step (the notes: 32).
         seed: Seed of the global batch. The model's initial weights come from ``seed_everything``.
         steps_per_epoch: Steps in one epoch (``--trainer.max_steps`` still ends the notes' run at 5).
@@ -75,13 +75,13 @@ class FixedBatchDataModule(LightningDataModule):
 
     def __init__(
         self,
-        dim: PositiveInt = 1024,
+        dim: Optional[PositiveInt] = None,
         batch_size: PositiveInt = 32,
         seed: NonNegativeInt = 0,
         steps_per_epoch: PositiveInt = 100,
     ) -> None:
         super().__init__()
-        if dim < 1 or batch_size < 1 or seed < 0 or steps_per_epoch < 1:
+        if (dim is not None and dim < 1) or batch_size < 1 or seed < 0 or steps_per_epoch < 1:
             raise ValueError(
                 f"`FixedBatchDataModule(dim={dim!r}, batch_size={batch_size!r}, seed={seed!r}, "
                 f"steps_per_epoch={steps_per_epoch!r})`: dim, batch_size and steps_per_epoch must be >= 1, seed >= 0"
@@ -91,9 +91,10 @@ class FixedBatchDataModule(LightningDataModule):
 
     def setup(self, stage: str) -> None:
         trainer = self.trainer
-        x, y = shard(
-            self.hparams.dim, self.hparams.batch_size, self.hparams.seed, trainer.global_rank, trainer.world_size
-        )
+        dim = self.hparams.dim or trainer.lightning_module.hparams.get("dim")
+        if dim is None:
+            raise ValueError("`FixedBatchDataModule(dim=None)` needs a model with `hparams.dim` (the width to draw)")
+        x, y = shard(dim, self.hparams.batch_size, self.hparams.seed, trainer.global_rank, trainer.world_size)
         # One host-to-device copy for the whole run; Lightning's per-step transfer is then a no-op.
         device = trainer.strategy.root_device
         self.batch = (x.to(device), y.to(device))

@@ -12,12 +12,16 @@ from lit_ddp.errors import UsageError
 
 
 def expand_shorthands(args: list[str]) -> list[str]:
-    """``--devices N`` -> ``--trainer.devices N``, and every ``--config`` first.
+    """``--devices N`` -> ``--trainer.devices N``, ``--key -1e-3`` -> ``--key=-1e-3``, and every ``--config`` first.
+
+    argparse reads a value that starts with ``-`` and is no plain number (``-1e-3``) as the next option, so the
+    error would name ``--model`` and not the value's option; joined to its key, it reaches the option's own check.
 
     jsonargparse applies arguments in order, so ``--devices 2 --config X.yaml`` would let the file's
     ``devices`` silently win. Moving the config files (in their own order) ahead of everything else makes
     explicit options beat config files wherever they are written.
     """
+    args = _join_negative_values(args)
     configs, rest, i = [], [], 0
     while i < len(args):
         arg = args[i]
@@ -27,12 +31,32 @@ def expand_shorthands(args: list[str]) -> list[str]:
             continue
         if arg.startswith("--config="):
             configs.append(arg)
+
         elif arg == "--devices" or arg.startswith("--devices="):
             rest.append(arg.replace("--devices", "--trainer.devices", 1))
         else:
             rest.append(arg)
         i += 1
     return configs + rest
+
+
+def _negative_number(text: str) -> bool:
+    try:
+        return text.startswith("-") and float(text) < 0
+    except ValueError:
+        return False
+
+
+def _join_negative_values(args: list[str]) -> list[str]:
+    joined, i = [], 0
+    while i < len(args):
+        if args[i].startswith("--") and "=" not in args[i] and i + 1 < len(args) and _negative_number(args[i + 1]):
+            joined.append(f"{args[i]}={args[i + 1]}")
+            i += 2
+        else:
+            joined.append(args[i])
+            i += 1
+    return joined
 
 
 def check_devices(accelerator: Any, devices: Any) -> None:

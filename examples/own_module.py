@@ -3,6 +3,7 @@ is not the tool's (Lightning's demo Transformer on random tokens, SGD).
 
     python examples/own_module.py                # 2 CPU ranks, strategy="ddp"
     python examples/own_module.py --devices 1    # one process: CommMonitor and SyncCheck stand aside
+    python -m lit_ddp.tune --model examples.own_module.RandomTokens --data examples.own_module.RandomTokenData
 
 What it prints, and where the record goes: docs/callbacks.md.
 """
@@ -10,7 +11,7 @@ What it prints, and where the record goes: docs/callbacks.md.
 import argparse
 
 import torch
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import LightningDataModule, Trainer, seed_everything
 from lightning.pytorch.demos import LightningTransformer
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -23,6 +24,19 @@ class RandomTokens(LightningTransformer):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class RandomTokenData(LightningDataModule):
+    """Random tokens in batches of ``batch_size`` sequences of ``length`` (the model predicts the next token)."""
+
+    def __init__(self, batch_size: int = 8, length: int = 16, vocab_size: int = 1000, rows: int = 64) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        tokens = torch.randint(0, vocab_size, (rows, length + 1), generator=torch.Generator().manual_seed(0))
+        self.dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.dataset, batch_size=self.batch_size)
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ from lit_ddp.callbacks.phase_timer import PhaseTimer
 from lit_ddp.callbacks.run_summary import RunSummary
 from lit_ddp.callbacks.step_sync import StepSync
 from lit_ddp.callbacks.sync_check import SyncCheck
+from lit_ddp.callbacks.tuner import DDPTuner
 from lit_ddp.errors import NonFiniteLossError, SyncError
 from lit_ddp.run import console
 
@@ -17,6 +18,7 @@ console.quiet_lightning()
 
 __all__ = [
     "CommMonitor",
+    "DDPTuner",
     "DeviceMap",
     "LossMonitor",
     "NonFiniteLossError",

@@ -200,4 +200,3 @@ def describe(busy: Busy, where: Optional[Path], steps: Optional[range] = None) -
     if not busy.gpu:
         return f"PhaseTimer: {count} hold no GPU events (a CPU-only profile), so there is no GPU-busy column"
     return f"PhaseTimer: GPU-busy time of {len(busy.rows)} step(s) from {count} ({read})"
-

@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from lit_ddp import _lightning
 from lit_ddp.measure.gradients import check_all_used
+from lit_ddp.measure.trials import buffer_sync
 from lit_ddp.run import lifecycle
 from lit_ddp.run.checkpointing import AtomicCheckpointIO
 from lit_ddp.run.hangs import name_absent_ranks
@@ -41,6 +42,8 @@ class LitDDPStrategy(DDPStrategy):
         bucket_cap_mb: DDP's gradient bucket size in MiB (torch's default: 25). Smaller buckets start
             all-reducing earlier in backward, at the cost of more messages.
         find_unused_parameters: Search the graph for parameters without gradients every step.
+        broadcast_buffers: DDP's ``broadcast_buffers``: rank 0's buffers (BatchNorm's running statistics) are sent
+            to every rank at each forward. Off, each rank keeps its own (one collective less per step).
         start_method: ``popen`` runs the script again for each rank (Lightning's ``ddp``); ``spawn``
             and ``fork`` start ranks with multiprocessing (``ddp_spawn``, ``ddp_fork``). ``auto``: ``fork``
             for several CPU processes on one Linux machine (the ranks start from the already imported and
@@ -60,6 +63,7 @@ class LitDDPStrategy(DDPStrategy):
         gradient_as_bucket_view: bool = False,
         bucket_cap_mb: Optional[PositiveFloat] = None,
         find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
         start_method: Literal["auto", "popen", "spawn", "fork", "forkserver"] = "auto",
         process_group_backend: Optional[Literal["nccl", "gloo"]] = None,
         ddp_comm_hook: Optional[Callable] = None,
@@ -75,6 +79,7 @@ class LitDDPStrategy(DDPStrategy):
             "gradient_as_bucket_view": gradient_as_bucket_view,
             "find_unused_parameters": find_unused_parameters,
         }
+        self.ddp_kwargs.update(buffer_sync(broadcast_buffers))
         if bucket_cap_mb is not None:
             self.ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
         self._backend_choice = process_group_backend

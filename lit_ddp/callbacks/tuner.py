@@ -1,0 +1,210 @@
+"""DDPTuner: measures DDP's knobs on the model the Trainer was given, in its ranks, and names the fastest.
+
+    python -m lit_ddp.tune --devices 2 --tune.budget_s 120
+    trainer = Trainer(strategy=LitDDPStrategy(), devices=2, callbacks=[DDPTuner()]); trainer.fit(model, data)
+
+At ``on_fit_start`` (the ranks started, the process group up) it runs the search of ``lit_ddp.scaling.tuning``
+with a ``TrialBench`` on the first batch of the training data, prints every trial and the verdict, and ends
+the fit before any training step. ``outcome`` holds the result (carried back to a ``ddp_fork`` parent).
+"""
+
+from typing import Any, Optional
+
+from jsonargparse.typing import PositiveFloat, PositiveInt
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import CombinedLoader
+from torch import Tensor
+from typing_extensions import override
+
+from lit_ddp.analysis.memory import fmt_bytes
+from lit_ddp.analysis.tables import fmt_ms, table
+from lit_ddp.callbacks.shared import say
+from lit_ddp.measure.trials import TrialBench, optimizer_impls
+from lit_ddp.scaling.tuning import Knobs, Model, Outcome, faster, search, speedup, to_record
+
+
+class DDPTuner(Callback):
+    """Tries DDP configurations on the Trainer's own model and prints which is fastest, beyond the noise.
+
+    Args:
+        budget_s: Seconds of trials (every rank's slowest) after which no new configuration is started.
+        steps: Timed steps per round of a trial.
+        warmup: Untimed steps before them (DDP rebuilds its buckets in the first; PowerSGD-free, so 2 suffice).
+        rounds: Rounds per configuration: its figure is the median round, the rounds' range its noise.
+        allow_lossy: Also try fp16/bf16 gradient compression (changes the numbers: reported with the loss and
+            max |Δw| against your configuration after the same steps).
+    """
+
+    carried_back = ("record",)
+
+    def __init__(self, budget_s: PositiveFloat = 120.0, steps: PositiveInt = 10, warmup: PositiveInt = 2,
+                 rounds: PositiveInt = 3, allow_lossy: bool = False) -> None:  # fmt: skip
+        if not (budget_s > 0 and steps >= 1 and warmup >= 1 and rounds >= 2):
+            given = f"budget_s={budget_s!r}, steps={steps!r}, warmup={warmup!r}, rounds={rounds!r}"
+            raise ValueError(f"`DDPTuner({given})`: budget_s must be > 0, steps and warmup >= 1, rounds >= 2")
+        self.budget_s, self.steps, self.warmup, self.rounds = budget_s, steps, warmup, rounds
+        self.allow_lossy = allow_lossy
+        self.outcome: Optional[Outcome] = None
+        self.record: Optional[dict] = None  # the outcome as JSON-ready data (lit_ddp.scaling.tuning.to_record)
+        self.rows = 0  # samples per step, every rank together
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not pl_module.automatic_optimization:
+            raise ValueError("DDPTuner: the model uses manual optimization; the tuner steps automatic ones only")
+        if not trainer.optimizers:
+            raise ValueError("DDPTuner: configure_optimizers returned no optimizer")
+        strategy = trainer.strategy
+        batch = strategy.batch_to_device(_first_batch(trainer, pl_module))
+        self.rows = _rows(batch) * trainer.world_size
+        bench = TrialBench(pl_module, batch, trainer.optimizers[0], strategy.root_device, self.steps, self.warmup,
+                           self.rounds)  # fmt: skip
+        base = _knobs_of(strategy)
+        model = Model(
+            grad_bytes=_grad_bytes(pl_module),
+            has_buffers=any(True for _ in pl_module.buffers()),
+            unused_parameters=not _all_get_grads(pl_module, batch),
+            optimizer_impls=optimizer_impls(trainer.optimizers[0]),
+            world_size=trainer.world_size,
+            bf16=strategy.root_device.type == "cuda",
+        )
+        self.outcome = search(bench.measure, model, base, self.budget_s, self.allow_lossy)
+        self.record = to_record(self.outcome, self.rows)
+        say(trainer, report(self.outcome, self.rows))
+        trainer.should_stop = True  # the fit ends before its first step: this was a tuning run
+
+
+def _first_batch(trainer: Trainer, pl_module: LightningModule) -> Any:
+    """The first training batch as ``training_step`` gets it (through Lightning's ``CombinedLoader``, as fit)."""
+    source = trainer.datamodule if trainer.datamodule is not None else pl_module
+    batch, _, _ = next(iter(CombinedLoader(source.train_dataloader(), "max_size_cycle")))
+    return batch
+
+
+def _rows(batch: Any) -> int:
+    """The batch's rows: the first dimension of its first tensor."""
+    if isinstance(batch, Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else []
+    return next((_rows(item) for item in items if isinstance(item, (Tensor, list, tuple, dict))), 0)
+
+
+def _grad_bytes(module: LightningModule) -> tuple[int, ...]:
+    params = [p for p in module.parameters() if p.requires_grad]
+    return tuple(p.numel() * p.element_size() for p in reversed(params))
+
+
+def _all_get_grads(module: LightningModule, batch: Any) -> bool:
+    """One forward and backward outside DDP: does every trainable parameter get a gradient?"""
+    saved = [p.grad for p in module.parameters()]
+    for p in module.parameters():
+        p.grad = None
+    module.log, module.log_dict = (lambda *a, **k: None), (lambda *a, **k: None)
+    try:
+        out = module.training_step(batch, 0)
+        (out["loss"] if isinstance(out, dict) else out).backward()
+        used = all(p.grad is not None for p in module.parameters() if p.requires_grad)
+    finally:
+        del module.log, module.log_dict
+        for p, grad in zip(module.parameters(), saved, strict=True):
+            p.grad = grad
+    return used
+
+
+def _knobs_of(strategy: Any) -> Knobs:
+    """The user's configuration: the strategy's DDP options."""
+    kwargs = getattr(strategy, "_ddp_kwargs", None) or getattr(strategy, "ddp_kwargs", {}) or {}
+    hook = getattr(getattr(strategy, "_ddp_comm_hook", None), "__name__", "")
+    return Knobs(
+        comm_hook={"fp16_compress_hook": "fp16", "bf16_compress_hook": "bf16"}.get(hook, "none"),  # type: ignore[arg-type]
+        bucket_cap_mb=kwargs.get("bucket_cap_mb"),
+        gradient_as_bucket_view=bool(kwargs.get("gradient_as_bucket_view", False)),
+        static_graph=bool(kwargs.get("static_graph", False)),
+        broadcast_buffers=bool(kwargs.get("broadcast_buffers", True)),
+        find_unused_parameters=bool(kwargs.get("find_unused_parameters", False)),
+    )
+
+
+def report(outcome: Outcome, rows: int) -> str:
+    """Every trial, and the verdict: the fastest against the user's configuration, with the rounds' range."""
+    base, best = outcome.base, outcome.best
+    memory_title = "peak memory" if base.peak_bytes is not None else "DDP holds"
+    no_comm = outcome.no_comm.median if outcome.no_comm else None
+    lines_rows = []
+    for trial in outcome.trials:
+        # Against the step without all-reduce of the user's configuration: for the DDP knobs only (an optimizer
+        # of its own changes the compute too).
+        same_compute = trial.knobs.optimizer == base.knobs.optimizer
+        exposed = fmt_ms(max(0.0, trial.median - no_comm)) if no_comm is not None and same_compute else "-"
+        memory = trial.peak_bytes if trial.peak_bytes is not None else trial.ddp_bytes
+        lines_rows.append((
+            trial.knobs.label(base.knobs) + (" *" if trial is best else ""),
+            fmt_ms(trial.median),
+            f"{fmt_ms(trial.low)}-{fmt_ms(trial.high)}",
+            exposed,
+            f"{rows / trial.median * 1e3:,.0f}" if rows else "-",
+            fmt_bytes(memory) if memory is not None else "-",
+            f"{trial.loss:.6g}" if trial.loss is not None else "-",
+            "0" if trial.max_dw == 0 else f"{trial.max_dw:.2g}" if trial.max_dw is not None else "-",
+            "yes" if trial.in_sync else "NO",
+        ))  # fmt: skip
+    lines = [
+        f"DDP tuning: {len(outcome.trials)} configuration(s), {len(base.rounds_ms)} rounds each; "
+        "step = median round (slowest rank), rounds = their range",
+        table(
+            (
+                "configuration",
+                "step",
+                "rounds",
+                "exposed comm",
+                "samples/s",
+                memory_title,
+                "loss",
+                "max |Δw|",
+                "in sync",
+            ),
+            lines_rows,
+        ),  # fmt: skip
+    ]
+    if outcome.no_comm is not None:
+        lines.append(f"without any all-reduce (noop hook, a reference): step {fmt_ms(outcome.no_comm.median)} "
+                     f"({fmt_ms(outcome.no_comm.low)}-{fmt_ms(outcome.no_comm.high)})")  # fmt: skip
+    for what, why in outcome.skipped:
+        lines.append(f"{what}: {why}")
+    lines.append(verdict(outcome))
+    return "\n".join(lines)
+
+
+def verdict(outcome: Outcome) -> str:
+    base, best = outcome.base, outcome.best
+    if best is base:
+        noise = max(t.spread for t in outcome.trials)
+        return (f"Verdict: keep your configuration: no configuration tried beats it beyond the noise (rounds within "
+                f"±{noise:.0%})" + _compression_hint(outcome))  # fmt: skip
+    ratio, low, high = speedup(base, best)
+    return (f"Verdict: {best.knobs.label(base.knobs)}: step {fmt_ms(base.median)} -> {fmt_ms(best.median)}, "
+            f"{ratio:.2f}x ({low:.2f}x-{high:.2f}x over the rounds), measured by lit_ddp.tune"
+            + _compression_hint(outcome))  # fmt: skip
+
+
+def _compression_hint(outcome: Outcome) -> str:
+    """Where the all-reduce still shows in the best step (beyond the noise, a fifth of it or more), the bytes on
+    the wire are what is left to cut: fp16/bf16 compression halves them (lossy, so only measured when allowed)."""
+    best, no_comm = outcome.best, outcome.no_comm
+    tried = any(t.knobs.comm_hook in ("fp16", "bf16") for t in outcome.trials)
+    if no_comm is None or tried or best.knobs.optimizer != outcome.base.knobs.optimizer or not faster(no_comm, best):
+        return ""
+    exposed = best.median - no_comm.median
+    if exposed < best.median / 5:
+        return ""
+    return (f". The all-reduce shows {fmt_ms(exposed)} of the {fmt_ms(best.median)} step: fp16/bf16 compression "
+            f"halves the bytes on the wire, at most ~{fmt_ms(exposed / 2)} less (an estimate; --tune.allow_lossy "
+            "measures it)")  # fmt: skip
+
+
+def strategy_line(knobs: Knobs) -> str:
+    """The ``LitDDPStrategy(...)`` of a script for ``knobs``."""
+    args = [f"{k}={v!r}" for k, v in knobs.changes(Knobs()).items() if k not in ("comm_hook", "optimizer")]
+    if knobs.comm_hook in ("fp16", "bf16"):
+        args.append(f"ddp_comm_hook=default_hooks.{knobs.comm_hook}_compress_hook")
+    return f"LitDDPStrategy({', '.join(args)})"

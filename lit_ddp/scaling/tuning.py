@@ -1,0 +1,231 @@
+"""The tuner's search: which DDP configurations to try, in what order, and when a difference is real.
+
+    python -m lit_ddp.tune --devices 2 --tune.budget_s 120     # lit_ddp.callbacks.DDPTuner runs this search
+
+Pure logic over measured trials (``Trial``: each round's median step, the slowest rank's), so that it is tested on
+hand-made ones. A difference is real only when the rounds do not overlap: the faster configuration's slowest round
+beats the other's fastest. The search is greedy, one knob at a time from the user's configuration, and keeps a
+change only when it is real; which knobs it tries follows from the first measurement (docs/tuning.md).
+"""
+
+import dataclasses
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+MIB = 1 << 20
+DEFAULT_CAP_MB = 25.0  # DistributedDataParallel's bucket_cap_mb
+FIRST_BUCKET_BYTES = 1 * MIB  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+
+Hook = Literal["none", "fp16", "bf16", "noop"]  # noop: no all-reduce at all, a reference only
+OptimizerImpl = Literal["as_configured", "foreach", "fused"]
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """One DDP configuration: ``LitDDPStrategy``'s options, and the optimizer's implementation."""
+
+    bucket_cap_mb: Optional[float] = None  # None: torch's default (25 MiB)
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    broadcast_buffers: bool = True
+    find_unused_parameters: bool = False
+    comm_hook: Hook = "none"
+    optimizer: OptimizerImpl = "as_configured"
+
+    @property
+    def lossy(self) -> bool:
+        return self.comm_hook != "none"
+
+    def changes(self, base: "Knobs") -> dict[str, object]:
+        mine, theirs = dataclasses.asdict(self), dataclasses.asdict(base)
+        return {name: value for name, value in mine.items() if value != theirs[name]}
+
+    def label(self, base: "Knobs") -> str:
+        changes = self.changes(base)
+        return ", ".join(f"{k}={_fmt(v)}" for k, v in changes.items()) if changes else "yours"
+
+
+def _fmt(value: object) -> str:
+    if value is None:
+        return "default"
+    return f"{value:g}" if isinstance(value, float) else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+@dataclass
+class Trial:
+    """What one configuration measured: the median step of each round (ms, slowest rank), and what it holds."""
+
+    knobs: Knobs
+    rounds_ms: list[float] = field(default_factory=list)
+    ddp_bytes: Optional[int] = None  # DDP's own memory from the live objects (parameters, gradients, buckets, state)
+    peak_bytes: Optional[int] = None  # the caching allocator's peak over the trial (CUDA only)
+    loss: Optional[float] = None  # the loss of the trial's last step
+    max_dw: Optional[float] = None  # max |w - w_yours| after the same steps from the same start
+    in_sync: bool = True  # every rank holds rank 0's weights at the trial's end
+    seconds: float = 0.0  # wall time of all its rounds
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.rounds_ms)
+
+    @property
+    def low(self) -> float:
+        return min(self.rounds_ms)
+
+    @property
+    def high(self) -> float:
+        return max(self.rounds_ms)
+
+    @property
+    def spread(self) -> float:
+        """Half the range of the rounds, as a fraction of the median: the noise this trial measured."""
+        return (self.high - self.low) / 2 / self.median if self.median else 0.0
+
+
+def faster(a: Trial, b: Trial) -> bool:
+    """``a`` is faster than ``b`` beyond the noise both measured: a's slowest round beats b's fastest."""
+    return a.high < b.low
+
+
+def speedup(base: Trial, other: Trial) -> tuple[float, float, float]:
+    """``base`` over ``other``: the medians' ratio, and the lowest and highest ratio the rounds allow."""
+    return base.median / other.median, base.low / other.high, base.high / other.low
+
+
+def layout(grad_bytes: Sequence[int], cap_mb: Optional[float]) -> list[int]:
+    """DDP's buckets (bytes each) after its first step, for gradients of ``grad_bytes`` in the order backward makes
+    them (about the reverse of ``parameters()``): a bucket closes once it holds the cap or more (a gradient is
+    never split); the first one's cap is 1 MiB under torch's default cap, the cap itself otherwise."""
+    cap = (DEFAULT_CAP_MB if cap_mb is None else cap_mb) * MIB
+    limit = FIRST_BUCKET_BYTES if cap_mb is None else cap
+    buckets: list[int] = []
+    current = 0
+    for size in grad_bytes:
+        current += size
+        if current >= limit:
+            buckets.append(current)
+            current, limit = 0, cap
+    return [*buckets, current] if current else buckets
+
+
+def bucket_caps(grad_bytes: Sequence[int], current: Optional[float]) -> list[float]:
+    """Caps (MiB) worth trying: each gives a layout different from the current one's and from the others' (a cap
+    that only moves where a bucket ends counts). A model with one gradient, or gradients too small to split, has
+    none."""
+    total = sum(grad_bytes)
+    seen = {tuple(layout(grad_bytes, current))}
+    caps = []
+    for fraction in (1.0, 1 / 2, 1 / 4, 1 / 8, 1 / 16):
+        cap = round(max(total * fraction / MIB, 1.0), 2)  # under 1 MiB: latency, whatever the link
+        buckets = tuple(layout(grad_bytes, cap))
+        if buckets not in seen:
+            seen.add(buckets)
+            caps.append(cap)
+    return caps
+
+
+@dataclass(frozen=True)
+class Model:
+    """What the search needs to know of the model, the optimizer and the run."""
+
+    grad_bytes: tuple[int, ...]  # each trainable parameter's gradient, in backward's order
+    has_buffers: bool
+    unused_parameters: bool  # some parameter got no gradient in the first backward
+    optimizer_impls: tuple[str, ...]  # "foreach" / "fused" where the optimizer takes them
+    world_size: int
+    bf16: bool  # the backend all-reduces bfloat16
+
+
+@dataclass
+class Outcome:
+    base: Trial
+    no_comm: Optional[Trial]
+    best: Trial
+    trials: list[Trial]
+    skipped: list[tuple[str, str]]  # candidates not tried or not kept, and why
+
+    @property
+    def exposed_ms(self) -> Optional[float]:
+        """The user's step over the same step without any all-reduce (noop hook): communication the step shows."""
+        return None if self.no_comm is None else max(0.0, self.base.median - self.no_comm.median)
+
+
+def stages(model: Model, base: Knobs, comm_shows: bool, allow_lossy: bool) -> list[tuple[str, list[Knobs]]]:
+    """The knobs to try, one stage per knob, each candidate a change of ``base`` (the search applies the best so far
+    on top). Bucket caps and compression only when communication shows in the step."""
+    out: list[tuple[str, list[Knobs]]] = []
+    if comm_shows and model.world_size > 1:
+        caps = bucket_caps(model.grad_bytes, base.bucket_cap_mb)
+        if caps:
+            out.append(("bucket_cap_mb", [dataclasses.replace(base, bucket_cap_mb=c) for c in caps]))
+    if not base.gradient_as_bucket_view:
+        out.append(("gradient_as_bucket_view", [dataclasses.replace(base, gradient_as_bucket_view=True)]))
+    if base.find_unused_parameters and not model.unused_parameters:
+        out.append(("find_unused_parameters", [dataclasses.replace(base, find_unused_parameters=False)]))
+    if not base.static_graph and not model.unused_parameters:
+        out.append(("static_graph", [dataclasses.replace(base, static_graph=True)]))
+    if base.broadcast_buffers and model.has_buffers:
+        out.append(("broadcast_buffers", [dataclasses.replace(base, broadcast_buffers=False)]))
+    impls = [i for i in model.optimizer_impls if i != base.optimizer]
+    if impls:
+        out.append(("optimizer", [dataclasses.replace(base, optimizer=i) for i in impls]))  # type: ignore[arg-type]
+    if allow_lossy and comm_shows and model.world_size > 1:
+        hooks = ["fp16", "bf16"] if model.bf16 else ["fp16"]
+        out.append(("comm_hook", [dataclasses.replace(base, comm_hook=h) for h in hooks]))  # type: ignore[arg-type]
+    return out
+
+
+def search(measure: Callable[[Knobs], Trial], model: Model, base: Knobs, budget_s: float,
+           allow_lossy: bool = False) -> Outcome:  # fmt: skip
+    """Measures ``base`` and the step without communication, then each stage's candidates on top of the best so
+    far; keeps a candidate only when it is ``faster`` than the best. Stops trying once the trials' wall time
+    would pass ``budget_s`` (a candidate is started only if a trial as long as the longest so far still fits).
+    ``measure`` must return the same numbers on every rank (the tuner all-reduces them): every rank then takes
+    the same path."""
+    trials = [measure(base)]
+    no_comm = measure(dataclasses.replace(base, comm_hook="noop")) if model.world_size > 1 else None  # type: ignore[arg-type]
+    spent = trials[0].seconds + (no_comm.seconds if no_comm else 0.0)
+    comm_shows = no_comm is not None and faster(no_comm, trials[0])
+    best = trials[0]
+    skipped: list[tuple[str, str]] = []
+    for _, candidates in stages(model, base, comm_shows, allow_lossy):
+        stage_best = best
+        for candidate in candidates:
+            knobs = dataclasses.replace(best.knobs, **candidate.changes(base))
+            if knobs in (t.knobs for t in trials):
+                continue
+            longest = max(t.seconds for t in trials)
+            if spent + longest > budget_s:
+                skipped.append((knobs.label(base), f"budget ({budget_s:g} s) spent"))
+                continue
+            trial = measure(knobs)
+            trials.append(trial)
+            spent += trial.seconds
+            if not trial.in_sync:
+                skipped.append((knobs.label(base), "ranks out of sync after it: not kept"))
+            elif faster(trial, stage_best):
+                stage_best = trial
+        best = stage_best
+    if no_comm is not None and not comm_shows:
+        skipped.append(("bucket_cap_mb, comm_hook", "not tried: the step without any all-reduce is no faster "
+                        "beyond the noise, so no bucket size or compression can shorten it"))  # fmt: skip
+    return Outcome(trials[0], no_comm, best, trials, skipped)
+
+
+def to_record(outcome: Outcome, rows: int) -> dict:
+    """The outcome as plain JSON-ready data (what ``--out``'s .json holds, and what a ``ddp_fork`` rank carries
+    back): every trial with its median and spread, the user's and the best knobs."""
+
+    def trial(t: Trial) -> dict:
+        return {**dataclasses.asdict(t), "median_ms": t.median, "spread": t.spread}
+
+    return {
+        "base": dataclasses.asdict(outcome.base.knobs),
+        "best": dataclasses.asdict(outcome.best.knobs),
+        "samples_per_step": rows,
+        "no_comm": trial(outcome.no_comm) if outcome.no_comm else None,
+        "trials": [trial(t) for t in outcome.trials],
+        "skipped": [list(s) for s in outcome.skipped],
+    }

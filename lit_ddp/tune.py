@@ -1,0 +1,121 @@
+"""The DDP tuner: measures DDP's knobs on a model in its own ranks and writes the fastest configuration.
+
+    python -m lit_ddp.tune --devices 2                                # the notes' model, fit's options
+    python -m lit_ddp.tune --config configs/mini_train_profile.yaml --devices 2 --tune.budget_s 60
+    python -m lit_ddp.tune --model my_module.MyModel --data my_module.MyData --devices 2 --out tuned.yaml
+    python -m lit_ddp.fit --config tuned.yaml                          # runs what it found
+
+Every option of ``lit_ddp.fit`` (so its configs), plus ``--tune.*`` (``lit_ddp.callbacks.DDPTuner``) and
+``--out``. Rank 0 writes the YAML, a JSON of every trial beside it, and prints the ``LitDDPStrategy(...)`` line
+for a script. How the search goes and what it leaves alone: docs/tuning.md.
+"""
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+from lightning.pytorch.cli import LightningArgumentParser
+
+from lit_ddp.callbacks import DDPTuner, DeviceMap
+from lit_ddp.callbacks.tuner import strategy_line
+from lit_ddp.errors import Ending, UsageError
+from lit_ddp.fit import LitDDPCLI, build_cli
+from lit_ddp.run import console, lifecycle
+from lit_ddp.scaling.tuning import Knobs
+
+STRATEGY = "lit_ddp.run.strategy.LitDDPStrategy"
+HOOK_PATHS = {
+    h: f"torch.distributed.algorithms.ddp_comm_hooks.default_hooks.{h}_compress_hook" for h in ("fp16", "bf16")
+}
+
+DESCRIPTION = (
+    "lit_ddp's DDP tuner: starts the ranks as `python -m lit_ddp.fit` would (same options and configs, any "
+    "LightningModule with --model/--data), then, instead of training, measures DDP configurations on the model's "
+    "first batch in short trials (bucket_cap_mb, gradient_as_bucket_view, static_graph, broadcast_buffers, "
+    "find_unused_parameters, the optimizer's foreach/fused step; fp16/bf16 compression with --tune.allow_lossy), "
+    "each in several rounds, and keeps a change only when it is faster beyond the noise the rounds show. It "
+    "prints every trial and the verdict, writes the winner as a config for `python -m lit_ddp.fit --config` "
+    "(--out) with a JSON of every trial beside it, and prints the strategy line for a script. Gradient "
+    "accumulation and the batch size are never touched (they change the training)."
+)
+
+
+class TuneCLI(LitDDPCLI):
+    """fit's options and configs, ``--tune.*`` and ``--out``; the Trainer keeps only the tuner (and the device map)."""
+
+    script, module, description = "lit-ddp-tune", "lit_ddp.tune", DESCRIPTION
+
+    def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        help_out = "Where rank 0 writes the winner as a fit config (and every trial as JSON, .json)."
+        parser.add_argument("--out", default="tuned.yaml", help=help_out)
+        parser.add_lightning_class_args(DDPTuner, "tune")
+        super().add_core_arguments_to_parser(parser)
+
+    def before_instantiate_classes(self) -> None:
+        self.fit_config = copy.deepcopy(self.config)  # what --out writes, with the winner's knobs
+        for key in ("tune", "out"):
+            del self.fit_config[key]
+        super().before_instantiate_classes()
+        self.config.trainer.logger = False  # a tuning run trains nothing: no log folder
+
+    def instantiate_classes(self) -> None:
+        super().instantiate_classes()
+        trainer = self.trainer
+        trainer.callbacks = [c for c in trainer.callbacks if not type(c).__module__.startswith("lit_ddp.")
+                             or isinstance(c, (DDPTuner, DeviceMap))]  # fmt: skip
+
+
+def tuned_config(cli: TuneCLI, knobs: Knobs) -> str:
+    """The user's config with the strategy (``LitDDPStrategy``) set to ``knobs``, as YAML for ``fit --config``."""
+    config = copy.deepcopy(cli.fit_config)
+    strategy = config.trainer.strategy
+    init_args = dict(strategy.init_args) if getattr(strategy, "class_path", None) == STRATEGY else {}
+    init_args.update(bucket_cap_mb=knobs.bucket_cap_mb, gradient_as_bucket_view=knobs.gradient_as_bucket_view,
+                     static_graph=knobs.static_graph, broadcast_buffers=knobs.broadcast_buffers,
+                     find_unused_parameters=knobs.find_unused_parameters,
+                     ddp_comm_hook=HOOK_PATHS.get(knobs.comm_hook))  # fmt: skip
+    config.trainer.strategy = {"class_path": STRATEGY, "init_args": init_args}
+    model_args = config.model.get("init_args")
+    if knobs.optimizer != "as_configured" and model_args is not None and {"foreach", "fused"} <= set(vars(model_args)):
+        model_args.foreach, model_args.fused = knobs.optimizer == "foreach", knobs.optimizer == "fused"
+    return cli.parser.dump(config, skip_check=True)
+
+
+def write(cli: TuneCLI, record: dict, out: Path) -> str:
+    """Writes ``out`` (YAML) and its ``.json`` (``record``, every trial); the lines that say so."""
+    best = Knobs(**record["best"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(tuned_config(cli, best))
+    json_path = out.with_suffix(".json")
+    json_path.write_text(json.dumps(record, indent=1) + "\n")
+    lines = [f"Wrote {out} (python -m lit_ddp.fit --config {out}) and {json_path}",
+             f"In a script: strategy={strategy_line(best)}"]  # fmt: skip
+    if best.optimizer != "as_configured":
+        lines.append(f"and the optimizer with {best.optimizer}=True (configure_optimizers)")
+    return "\n".join(lines)
+
+
+def cli_main(args: list[str] | None = None) -> Ending:
+    console.setup()
+    if "" not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))  # the console script: --model my_module.MyModel from here
+    cli = build_cli(sys.argv[1:] if args is None else list(args), cli_class=TuneCLI, save_config_callback=None)
+    if cli.datamodule is None:
+        raise UsageError("the tuner needs --data (a LightningDataModule)")
+    tuner = next(c for c in cli.trainer.callbacks if isinstance(c, DDPTuner))
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    lifecycle.teardown_process_group()
+    if cli.trainer.is_global_zero and tuner.record is not None:
+        print(write(cli, tuner.record, Path(cli.config.out)), flush=True)
+    return Ending.FINISHED
+
+
+def main() -> None:
+    code = lifecycle.exit_code(cli_main)
+    if code:
+        sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -34,6 +34,14 @@ def report(run: Measured, topo: Topology, ranks: Sequence[int], caps_mib: Sequen
         + ", ".join(f"{b.ready_ms:.1f}" for b in run.buckets)
         + " ms after backward start",
     ]
+    if run.device != "cuda" and any(link.name != "measured" for link in (topo.intra, topo.inter)):
+        lines.append(
+            f"Note: the compute was measured on a {run.device.upper()}"
+            + (f" ({run.device_name})" if run.device_name not in ("", run.device) else "")
+            + "; the links "
+            "below are a GPU cluster's. The forecast is that of this compute over those links, not of GPUs: run "
+            "the profile on the GPU to forecast a GPU cluster."
+        )
     for role, link in (("intra-node", topo.intra), ("inter-node", topo.inter)):
         lines.append(f"{role} link {link.name}: busbw {fmt_bandwidth(link.busbw_gbps)}, {link.hop_latency_us:.3g} us "
                      f"per step ({link.source})")  # fmt: skip

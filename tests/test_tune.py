@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lit_ddp.callbacks.tuner import report, strategy_line
 from lit_ddp.measure.memory import bucket_layout
-from lit_ddp.scaling.tuning import Knobs, Model, Trial, bucket_caps, faster, layout, search, speedup, to_record
+from lit_ddp.scaling.tuning import Knobs, Model, Trial, bucket_caps, faster, grid, layout, search, speedup, to_record
 from tests.runner import free_port, run_fit, run_module
 
 BASE = Knobs()
@@ -209,3 +209,16 @@ def test_tune_help_explains_itself_and_bad_options_are_one_line(tmp_path):
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
     assert "rounds >= 2" in bad.stderr
     assert not torch.distributed.is_initialized()
+
+
+def test_the_grid_measures_every_combination_and_picks_the_fastest_in_sync():
+    times = {
+        "yours": (10, 11, 12),
+        "comm_hook=noop": (1, 2, 3),
+        "gradient_as_bucket_view=true, static_graph=true": (5, 6, 7),
+    }
+    asked, measure = measuring(times)
+    outcome = grid(measure, model(grad_bytes=(1000,), optimizer_impls=("fused",)), BASE)
+    # gradient_as_bucket_view x static_graph x optimizer: 8 combinations (no bucket caps for one gradient)
+    assert len(outcome.trials) == 8 and len({t.knobs for t in outcome.trials}) == 8
+    assert outcome.best.knobs == Knobs(gradient_as_bucket_view=True, static_graph=True)

@@ -23,15 +23,16 @@ CLOCKS = {  # what each clock's times mean
 
 DEFAULT_PRECISION = "32-true"  # Lightning's default: the tables name any other, and the dtype on the wire
 
-HINTS = {
-    "forward": "a larger batch per rank or fewer, larger ops",
-    "backward": "more overlap of the all-reduce with backward (smaller buckets; see the all-reduce table)",
-    "update": "a fused or foreach optimizer (--model.fused true)",
-    "data": "a faster input pipeline (DataLoader workers, pinned memory, prefetching)",
-    "other": "less per-step Python: callbacks, logging, printing every step",
+# What each phase is, said with the verdict in place of advice that no figure backs: a change gets a figure from
+# python -m lit_ddp.tune (measured) or python -m lit_ddp.forecast (a what-if), never from a rule.
+WHAT_IT_IS = {
+    "forward": "the model's compute",
+    "backward": "the model's compute, and the gradient all-reduce where backward does not hide it",
+    "update": "the optimizer's step",
+    "data": "the input pipeline, outside DDP",
+    "other": "Python between the phases (Lightning's loop, callbacks, logging)",
 }
-# One rank has no all-reduce to overlap (a run on one device, where CommMonitor stood aside).
-ONE_RANK_HINTS = {**HINTS, "backward": "fewer FLOPs or lower precision (bf16) in backward"}
+MEASURE = "python -m lit_ddp.tune measures what DDP's knobs and the optimizer's fused step change on this model"
 
 
 def format_step(step: int, phases: StepPhases) -> str:
@@ -145,10 +146,26 @@ def verdict(record: PhaseRecord, comm: Optional[CommRecord] = None) -> str:
     if record.meta.clock == "cuda_event":
         why = "no profiled step completed" if record.profiled_steps else "PhaseTimer(kernel_steps=0)"
         return f"Verdict: unknown: GPU-busy time was not measured ({why})"
-    shares = {p: phase_summary(record, 0, p).median / step_ms for p in PHASES if p != "step"}
-    top = max(shares, key=shares.get)
-    hints = ONE_RANK_HINTS if record.meta.world_size == 1 else HINTS
-    return f"Verdict: a CPU run (no device to idle): {top} is {shares[top]:.0%} of the step; {hints[top]} would help"
+    return "Verdict: a CPU run (no device to idle): " + _cpu_verdict(record, comm, step_ms)
+
+
+def _cpu_verdict(record: PhaseRecord, comm: Optional[CommRecord], step_ms: float) -> str:
+    """The phase that takes most of rank 0's step, named only when it is beyond the steps' spread from the next
+    (its lower quartile above the next one's upper quartile); else the two are said to be level."""
+    sketches = {p: phase_summary(record, 0, p) for p in PHASES if p != "step"}
+    first, second = sorted(sketches, key=lambda p: sketches[p].median, reverse=True)[:2]
+    share = {p: sketches[p].median / step_ms for p in (first, second)}
+    if sketches[first].quantile(0.25) <= sketches[second].quantile(0.75):
+        text = (f"{first} ({share[first]:.0%}) and {second} ({share[second]:.0%}) take the step's largest shares, "
+                "level within the steps' spread: no one phase bounds it")  # fmt: skip
+    else:
+        what = "the model's compute" if first == "backward" and record.meta.world_size == 1 else WHAT_IT_IS[first]
+        text = f"{first} is {share[first]:.0%} of the step: {what}"
+    if comm is not None and record.meta.world_size > 1:
+        rows = [r for r in comm.ranks[0].rows if r.bytes == comm.layout]  # as comm_summary (which imports this)
+        exposed = sketch_or(comm.ranks[0].summaries, "exposed_ms", lambda: [r.exposed_ms for r in rows]).median
+        text += f"; the all-reduce shows {fmt_ms(exposed)} of the {fmt_ms(step_ms)} step (the all-reduce table)"
+    return text + f"; {MEASURE}"
 
 
 def roofline_table(record: PhaseRecord) -> str:

@@ -8,6 +8,7 @@ definitions (arrival, lateness, wait, transfer) and the bar a straggler must pas
 ``MIN_LATE_MS``, the run's noise): docs/stragglers.md.
 """
 
+import itertools
 import statistics
 from dataclasses import dataclass, field
 from typing import Optional
@@ -18,6 +19,9 @@ STRAGGLER_SHARE = 0.75
 # Below this a rank is not called a straggler whatever its lateness: two undelayed CPU ranks sharing two cores
 # were seen 2 ms apart at 87% of all-reduces (one core busier than the other), which is no straggler to fix.
 MIN_LATE_MS = 5.0
+# ... nor below this share of the step (the time between one all-reduce and the next step's): a property of the
+# workload, so the bar stays put from run to run (it was 3 x the lateness's spread, which moved 5 -> 227 ms).
+STEP_SHARE = 0.1
 
 
 @dataclass
@@ -82,8 +86,7 @@ def find_straggler(comm: CommRecord, phases: Optional[PhaseRecord] = None) -> Op
     share = sum(d > 0 for d in lateness[worst]) / len(lateness[worst])
     transfer_ms, wait_ms = _median(transfer_steps), [_median(w) for w in waits]
     error_ms = 1e3 * max(comm.clock_error_s or [0.0])
-    deviation = _median([abs(d - late) for d in lateness[worst]])
-    threshold = max(MIN_LATE_MS, 3 * error_ms, 3 * deviation)
+    threshold = max(MIN_LATE_MS, 3 * error_ms, STEP_SHARE * _step_ms(rows, steps, offsets))
     named = share >= STRAGGLER_SHARE and late > threshold
     verdict = Straggler(
         rank=worst if named else None, late_ms=late, share=share, wait_ms=wait_ms, transfer_ms=transfer_ms,
@@ -96,6 +99,12 @@ def find_straggler(comm: CommRecord, phases: Optional[PhaseRecord] = None) -> Op
             verdict.cause = max(verdict.extra_ms, key=verdict.extra_ms.get)
             verdict.cause_extra_ms = verdict.extra_ms[verdict.cause]
     return verdict
+
+
+def _step_ms(rows: list[dict], steps: list[int], offsets: list[float]) -> float:
+    """The median time from one step's first all-reduce to the next step's, on rank 0: the step's length."""
+    gaps = [(rows[0][b].arrival_s[0] - rows[0][a].arrival_s[0]) * 1e3 / (b - a) for a, b in itertools.pairwise(steps)]
+    return _median([g for g in gaps if g > 0])
 
 
 def _excess(phases: PhaseRecord, rank: int, waits: dict[int, list[float]]) -> dict[str, float]:

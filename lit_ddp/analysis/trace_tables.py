@@ -99,8 +99,9 @@ def trace_verdict(analyses: Sequence[RankAnalysis]) -> str:
                 "(bf16), fewer FLOPs or faster kernels would help")  # fmt: skip
     if top == "communication":
         return (
-            f"Verdict: communication-bound: {of_span['communication']} of the span only communication ran; "
-            "smaller DDP buckets (more overlap with backward), a bf16 compression hook or a faster link would help"
+            f"Verdict: communication-bound: {of_span['communication']} of the span only communication ran, which "
+            "no compute hid; what a bucket size or compression would change depends on the bytes and the link: "
+            "python -m lit_ddp.tune measures it on the model"
         )
     waits = f"host wait {_pct(t.host_wait_us, t.idle_us)}, kernel wait {_pct(t.kernel_wait_us, t.idle_us)}"
     if t.other_wait_us > t.host_wait_us + t.kernel_wait_us:

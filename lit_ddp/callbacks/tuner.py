@@ -20,7 +20,7 @@ from lit_ddp.analysis.memory import fmt_bytes
 from lit_ddp.analysis.tables import fmt_ms, table
 from lit_ddp.callbacks.shared import say
 from lit_ddp.measure.trials import TrialBench, optimizer_impls
-from lit_ddp.scaling.tuning import Knobs, Model, Outcome, faster, search, speedup, to_record
+from lit_ddp.scaling.tuning import Knobs, Model, Outcome, faster, grid, search, speedup, to_record
 
 
 class DDPTuner(Callback):
@@ -33,17 +33,19 @@ class DDPTuner(Callback):
         rounds: Rounds per configuration: its figure is the median round, the rounds' range its noise.
         allow_lossy: Also try fp16/bf16 gradient compression (changes the numbers: reported with the loss and
             max |Δw| against your configuration after the same steps).
+        grid: Measure every combination of the knobs instead (no budget; the reference benchmarks/tune_grid.py
+            holds the search against).
     """
 
     carried_back = ("record",)
 
     def __init__(self, budget_s: PositiveFloat = 120.0, steps: PositiveInt = 10, warmup: PositiveInt = 2,
-                 rounds: PositiveInt = 3, allow_lossy: bool = False) -> None:  # fmt: skip
+                 rounds: PositiveInt = 3, allow_lossy: bool = False, grid: bool = False) -> None:  # fmt: skip
         if not (budget_s > 0 and steps >= 1 and warmup >= 1 and rounds >= 2):
             given = f"budget_s={budget_s!r}, steps={steps!r}, warmup={warmup!r}, rounds={rounds!r}"
             raise ValueError(f"`DDPTuner({given})`: budget_s must be > 0, steps and warmup >= 1, rounds >= 2")
         self.budget_s, self.steps, self.warmup, self.rounds = budget_s, steps, warmup, rounds
-        self.allow_lossy = allow_lossy
+        self.allow_lossy, self.grid = allow_lossy, grid
         self.outcome: Optional[Outcome] = None
         self.record: Optional[dict] = None  # the outcome as JSON-ready data (lit_ddp.scaling.tuning.to_record)
         self.rows = 0  # samples per step, every rank together
@@ -68,7 +70,10 @@ class DDPTuner(Callback):
             world_size=trainer.world_size,
             bf16=strategy.root_device.type == "cuda",
         )
-        self.outcome = search(bench.measure, model, base, self.budget_s, self.allow_lossy)
+        if self.grid:
+            self.outcome = grid(bench.measure, model, base, self.allow_lossy)
+        else:
+            self.outcome = search(bench.measure, model, base, self.budget_s, self.allow_lossy)
         self.record = to_record(self.outcome, self.rows)
         say(trainer, report(self.outcome, self.rows))
         trainer.should_stop = True  # the fit ends before its first step: this was a tuning run

@@ -10,11 +10,13 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Optional
 
 from lit_ddp.analysis.comm import comm_summary
+from lit_ddp.analysis.memory import fmt_bytes
 from lit_ddp.analysis.phases import micro_batches, phase_summary
 from lit_ddp.errors import ForecastError, RecordError
-from lit_ddp.records.schema import PHASES, StepRow
+from lit_ddp.records.schema import PHASES, DDPMemory, StepRow
 from lit_ddp.records.schema import load_run as load_record
 from lit_ddp.scaling.links import Topology, allreduce_ms
 
@@ -48,6 +50,9 @@ class Measured:
     n_steps: int
     backward_before_ms: float = 0.0  # the backward of the micro-batches before the last (under no_sync)
     micro_batches: int = 1
+    device: str = "cuda"  # where the compute was measured ("cpu": a CPU's times, whatever links are assumed)
+    device_name: str = ""
+    held: Optional[DDPMemory] = None  # what rank 0's DDP training held (CommMonitor's DDPMemory)
 
 
 @dataclass(frozen=True)
@@ -138,7 +143,8 @@ def measured_run(run_dir: Path) -> Measured:
         rows_per_rank=phases.roofline.rows_per_rank if phases.roofline else None, compression=comm.compression,
         backward_ms=slowest("backward"), exposed_ms=slowest("exposed_ms"), comm_ms=slowest("total_ms"),
         step_ms=slowest("step"), n_steps=comm_summary(comm, 0, "total_ms").count,
-        backward_before_ms=slowest("backward_before"), micro_batches=micro,
+        backward_before_ms=slowest("backward_before"), micro_batches=micro, device=phases.meta.device,
+        device_name=phases.meta.device_name, held=comm.ddp_memory,
     )  # fmt: skip
 
 
@@ -160,5 +166,8 @@ def what_ifs(run: Measured, caps_mib: Sequence[float]) -> list[tuple[str, Measur
         rows.append((f"no compression (2x the {run.compression} bytes)", run, double))
     # The gradients are the buckets: no copy back into .grad (and none into the bucket during backward, a saving
     # the run cannot separate from backward's compute, so not counted).
-    rows.append(("gradient_as_bucket_view (no copy-back)", replace(run, tail_ms=0.0), run.buckets))
+    label = "gradient_as_bucket_view (no copy-back)"
+    if run.held is not None and not run.held.gradient_as_bucket_view and run.held.buckets:
+        label = f"gradient_as_bucket_view (no copy-back; {fmt_bytes(sum(run.held.buckets))} less held per rank)"
+    rows.append((label, replace(run, tail_ms=0.0), run.buckets))
     return rows

@@ -214,6 +214,21 @@ def search(measure: Callable[[Knobs], Trial], model: Model, base: Knobs, budget_
     return Outcome(trials[0], no_comm, best, trials, skipped)
 
 
+def grid(measure: Callable[[Knobs], Trial], model: Model, base: Knobs, allow_lossy: bool = False) -> Outcome:
+    """Every combination of the knobs ``search`` could try (as if communication showed): the reference a
+    benchmark holds the search against. The best is the fastest median among the trials that kept the ranks in
+    sync; slow, as it has no budget."""
+    trials = [measure(base)]
+    no_comm = measure(dataclasses.replace(base, comm_hook="noop")) if model.world_size > 1 else None  # type: ignore[arg-type]
+    combos: list[Knobs] = [base]
+    for _, candidates in stages(model, base, comm_shows=True, allow_lossy=allow_lossy):
+        combos += [dataclasses.replace(k, **c.changes(base)) for k in combos for c in candidates]
+    for knobs in combos[1:]:
+        trials.append(measure(knobs))
+    best = min((t for t in trials if t.in_sync), key=lambda t: t.median)
+    return Outcome(trials[0], no_comm, best, trials, [])
+
+
 def to_record(outcome: Outcome, rows: int) -> dict:
     """The outcome as plain JSON-ready data (what ``--out``'s .json holds, and what a ``ddp_fork`` rank carries
     back): every trial with its median and spread, the user's and the best knobs."""

@@ -1,0 +1,141 @@
+"""The tuner held against the whole grid of the same knobs: does its pick match the grid's best, in how much of
+the grid's time, and does a fresh measurement confirm the speedup it claims?
+
+    python benchmarks/tune_grid.py                     # (a) loopback, 2 CPU ranks, Lightning's demo Transformer
+    python benchmarks/tune_grid.py --case nodes        # (b) 2 nodes x 1 rank over a 100 Mbit/s link (as root)
+    python benchmarks/tune_grid.py --case all --allow-lossy
+
+Per case, three runs of ``python -m lit_ddp.tune`` on the same model: the tuner (its greedy search with
+``--tune.budget_s``), the grid (``--tune.grid true``: every combination of the knobs the tuner may try), and the
+tuner again (a second opinion). The grid is also the fresh measurement of the speedup the first tune claims: it
+measures the user's configuration and the pick again, in another process group, rounds of its own. Printed per
+case: the pick and the grid's best (medians of their rounds in the grid, and the gap), the wall times (whole
+commands, and the trials' own seconds), the claimed and the re-measured speedup. Targets (issue 28): the pick
+within 5% of the grid's best, at most a third of the grid's wall time, the speedup confirmed within 10%.
+
+The nodes case makes its two namespaces with ``nodes/cluster.sh`` (prefix ``litddp-bench-``) and removes them
+afterwards, whatever happens; other work on the machine skews everything, so the load average is printed first.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if not __package__:  # run as a file: the repository on sys.path instead of benchmarks/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks.common import ROOT, child_env  # noqa: E402
+from lit_ddp.analysis.tables import table  # noqa: E402
+
+MODEL = ("--model", "examples.own_module.RandomTokens", "--model.vocab_size", "1000",
+         "--data", "examples.own_module.RandomTokenData")  # fmt: skip
+PREFIX = "litddp-bench-"
+CLUSTER = ROOT / "nodes" / "cluster.sh"
+
+
+def tune_loopback(out: Path, extra: list[str]) -> float:
+    """``lit_ddp.tune`` on 2 CPU ranks of this machine; its wall time (s)."""
+    command = [sys.executable, "-m", "lit_ddp.tune", "--trainer.accelerator", "cpu", "--devices", "2", *MODEL,
+               "--out", str(out), *extra]  # fmt: skip
+    began = time.perf_counter()
+    subprocess.run(command, cwd=ROOT, env=child_env(OMP_NUM_THREADS="1"), check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - began
+
+
+def tune_nodes(out: Path, extra: list[str]) -> float:
+    """``lit_ddp.tune`` under torchrun, one rank on each of two nodes of ``nodes/cluster.sh``; its wall time (s)."""
+    procs = []
+    began = time.perf_counter()
+    for k in (0, 1):
+        command = ["ip", "netns", "exec", f"{PREFIX}node{k}", "env", "GLOO_SOCKET_IFNAME=eth0", sys.executable, "-m",
+                   "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(k),
+                   "--master_addr", "198.18.0.1", "--master_port", "29500", "-m", "lit_ddp.tune",
+                   "--trainer.accelerator", "cpu", "--devices", "1", "--trainer.num_nodes", "2", *MODEL,
+                   "--out", str(out), *extra]  # fmt: skip
+        procs.append(subprocess.Popen(command, cwd=ROOT, env=child_env(OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL))
+    codes = [p.wait(timeout=3600) for p in procs]
+    if any(codes):
+        raise SystemExit(f"tune_grid: a node's tune exited with {codes}")
+    return time.perf_counter() - began
+
+
+def trials_by_knobs(record: dict) -> dict[str, dict]:
+    return {json.dumps(t["knobs"], sort_keys=True): t for t in record["trials"]}
+
+
+def label(knobs: dict, base: dict) -> str:
+    changes = [f"{k}={v}" for k, v in knobs.items() if v != base[k]]
+    return ", ".join(changes) or "yours"
+
+
+def run_case(case: str, work: Path, tune_args: list[str]) -> tuple:
+    run = tune_nodes if case == "nodes" else tune_loopback
+    walls, records = {}, {}
+    for name, extra in (("tuner", tune_args), ("grid", [*tune_args, "--tune.grid", "true"]), ("again", tune_args)):
+        out = work / case / f"{name}.yaml"
+        walls[name] = run(out, extra)
+        records[name] = json.loads(out.with_suffix(".json").read_text())
+        print(f"{case}: {name} done in {walls[name]:.0f} s", file=sys.stderr, flush=True)
+    tuner, grid, again = records["tuner"], records["grid"], records["again"]
+    base = tuner["base"]
+    in_grid = trials_by_knobs(grid)
+    key = json.dumps(tuner["best"], sort_keys=True)
+    pick, best = in_grid[key], min((t for t in grid["trials"] if t["in_sync"]), key=lambda t: t["median_ms"])
+    grid_base = in_grid[json.dumps(base, sort_keys=True)]
+    tuned = trials_by_knobs(tuner)
+    claimed = tuned[json.dumps(base, sort_keys=True)]["median_ms"] / tuned[key]["median_ms"]
+    fresh = grid_base["median_ms"] / pick["median_ms"]
+    seconds = {name: sum(t["seconds"] for t in r["trials"]) + (r["no_comm"] or {}).get("seconds", 0)
+               for name, r in records.items()}  # fmt: skip
+    return (
+        case,
+        label(tuner["best"], base),
+        label(again["best"], base),
+        f"{pick['median_ms']:.1f}",
+        f"{label(best['knobs'], base)}: {best['median_ms']:.1f}",
+        f"{pick['median_ms'] / best['median_ms'] - 1:+.1%}",
+        f"{walls['tuner']:.0f} / {walls['grid']:.0f} ({seconds['tuner']:.0f} / {seconds['grid']:.0f})",
+        f"{walls['tuner'] / walls['grid']:.2f}",
+        f"{claimed:.2f}x / {fresh:.2f}x ({fresh / claimed - 1:+.0%})",
+        f"{len(tuner['trials'])} / {len(grid['trials'])}",
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", choices=("loopback", "nodes", "all"), default="loopback")
+    parser.add_argument("--budget", type=float, default=120.0, help="the tuner's --tune.budget_s")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--allow-lossy", action="store_true")
+    parser.add_argument("--rate", default="100mbit", help="the nodes case's link rate")
+    args = parser.parse_args()
+    print(f"load average {os.getloadavg()[0]:.2f}; torch {__import__('torch').__version__}", flush=True)
+    tune_args = ["--tune.budget_s", str(args.budget), "--tune.steps", str(args.steps), "--tune.rounds",
+                 str(args.rounds), "--tune.allow_lossy", str(args.allow_lossy).lower()]  # fmt: skip
+    cases = ("loopback", "nodes") if args.case == "all" else (args.case,)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tune_grid.") as work:
+        for case in cases:
+            if case != "nodes":
+                rows.append(run_case(case, Path(work), tune_args))
+                continue
+            env = {**os.environ, "LIT_DDP_NODES_PREFIX": PREFIX}
+            subprocess.run(["bash", str(CLUSTER), "start", "2", "--rate", args.rate], env=env, check=True)
+            try:
+                rows.append(run_case(case, Path(work), tune_args))
+            finally:
+                subprocess.run(["bash", str(CLUSTER), "stop"], env=env, check=False)
+    header = ("case", "tuner's pick", "a second tune's pick", "pick in the grid (ms)", "grid's best (ms)",
+              "pick vs best", "wall s: tuner / grid (trials)", "wall ratio", "speedup: claimed / grid's",
+              "configurations: tuner / grid")  # fmt: skip
+    print(table(header, rows))
+
+
+if __name__ == "__main__":
+    main()

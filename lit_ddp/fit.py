@@ -29,7 +29,7 @@ from lit_ddp.callbacks import DeviceMap, LossMonitor, RunSummary, StepSync, Sync
 from lit_ddp.errors import Ending, UsageError
 from lit_ddp.lab.data import FixedBatchDataModule
 from lit_ddp.run import console, lifecycle
-from lit_ddp.run.arguments import check_devices, expand_shorthands
+from lit_ddp.run.arguments import check_devices, default_classes, expand_shorthands
 from lit_ddp.run.checkpointing import LastCheckpoint, checkpoint_dir, resume_path
 from lit_ddp.run.run_dir import claim_version
 
@@ -103,11 +103,6 @@ class LitDDPCLI(LightningCLI):
         )
         super().add_core_arguments_to_parser(parser)
 
-    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        # Any LightningModule and LightningDataModule (``--model my_module.MyModel``, importable from the working
-        # directory); the notes' task when none is named.
-        parser.set_defaults({"model": {"class_path": LAB_MODEL}, "data": {"class_path": LAB_DATA}})
-
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
@@ -147,7 +142,9 @@ def build_cli(args: list[str], claim_log_version: bool = False, cli_class: type[
         options = dict(
             subclass_mode_model=True,
             subclass_mode_data=True,
-            args=expand_shorthands(args),
+            # Any LightningModule and LightningDataModule (--model my_module.MyModel, importable from the working
+            # directory); the notes' task when none is named.
+            args=default_classes(expand_shorthands(args), {"model": LAB_MODEL, "data": LAB_DATA}),
             run=False,
             trainer_defaults=TRAINER_DEFAULTS,
             seed_everything_default=0,

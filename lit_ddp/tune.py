@@ -112,7 +112,7 @@ def cli_main(args: list[str] | None = None) -> Ending:
 
 
 def main() -> None:
-    code = lifecycle.exit_code(cli_main)
+    code = lifecycle.exit_code(cli_main, prog="lit-ddp-tune")
     if code:
         sys.exit(code)
 

@@ -3,6 +3,7 @@ one real short tune of a user's module on 2 CPU ranks whose YAML ``lit_ddp.fit -
 
 import dataclasses
 import json
+import sys
 import textwrap
 from datetime import timedelta
 
@@ -13,8 +14,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lit_ddp.callbacks.tuner import report, strategy_line
+from lit_ddp.fit import build_cli
 from lit_ddp.measure.memory import bucket_layout
 from lit_ddp.scaling.tuning import Knobs, Model, Trial, bucket_caps, faster, grid, layout, search, speedup, to_record
+from lit_ddp.tune import main as tune_main
 from tests.runner import free_port, run_fit, run_module
 
 BASE = Knobs()
@@ -198,16 +201,28 @@ def test_a_short_tune_of_a_users_module_writes_a_config_that_fit_runs(tmp_path):
     assert "Done: 2 steps on 2 ranks" in fit.stdout
 
 
-def test_tune_help_explains_itself_and_bad_options_are_one_line(tmp_path):
-    help_text = run_module("lit_ddp.tune", "--help", cwd=tmp_path, timeout=60)
-    assert help_text.returncode == 0
-    assert help_text.stdout.startswith("usage: python -m lit_ddp.tune")
+def run_tune_main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """``lit-ddp-tune ARGS`` in this process (what starts no rank): exit code, stdout, stderr."""
+    monkeypatch.setattr(sys, "argv", ["lit-ddp-tune", *args])
+    try:
+        tune_main()
+        code = 0
+    except SystemExit as exit_info:
+        code = exit_info.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_tune_help_explains_itself_and_bad_options_are_one_line(monkeypatch, capsys):
+    code, shown, _ = run_tune_main(monkeypatch, capsys, "--help")
+    assert code == 0 and shown.startswith("usage: lit-ddp-tune")
+    assert "instead of training, measures DDP configurations on the model's first batch" in " ".join(shown.split())
     for option in ("--tune.budget_s", "--tune.allow_lossy", "--out", "--devices", "--model CONFIG | CLASS_PATH_OR_NAME",
                    "--model.help", "--data CONFIG | CLASS_PATH_OR_NAME"):  # fmt: skip
-        assert option in help_text.stdout, option
-    bad = run_module("lit_ddp.tune", "--tune.rounds", "1", "--trainer.accelerator", "cpu", cwd=tmp_path, timeout=60)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
-    assert "rounds >= 2" in bad.stderr
+        assert option in shown, option
+    code, _, err = run_tune_main(monkeypatch, capsys, "--tune.rounds", "1", "--trainer.accelerator", "cpu")
+    assert code == 2 and err.count("\n") == 1 and err.startswith("lit-ddp-tune: error: "), err
+    assert "rounds >= 2" in err
     assert not torch.distributed.is_initialized()
 
 
@@ -222,3 +237,32 @@ def test_the_grid_measures_every_combination_and_picks_the_fastest_in_sync():
     # gradient_as_bucket_view x static_graph x optimizer: 8 combinations (no bucket caps for one gradient)
     assert len(outcome.trials) == 8 and len({t.knobs for t in outcome.trials}) == 8
     assert outcome.best.knobs == Knobs(gradient_as_bucket_view=True, static_graph=True)
+
+
+MINE = """
+    from lightning.pytorch import LightningDataModule, LightningModule
+
+    class M(LightningModule):
+        def __init__(self, lr: float = 0.5, dim: int = 3):
+            super().__init__()
+            self.lr, self.dim = lr, dim
+
+    class D(LightningDataModule):
+        def __init__(self, batch_size: int = 8):
+            super().__init__()
+            self.batch_size = batch_size
+"""
+
+
+def test_a_users_classes_keep_their_own_defaults_not_the_labs(tmp_path, monkeypatch):
+    """The lab's classes are the default, and a class of the user's that takes the same names (lr, dim,
+    batch_size) gets its own defaults, from the command line as from a config file."""
+    (tmp_path / "mine.py").write_text(textwrap.dedent(MINE))
+    (tmp_path / "mine.yaml").write_text("model:\n  class_path: mine.M\ndata:\n  class_path: mine.D\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cpu = ["--trainer.accelerator", "cpu", "--devices", "1"]
+    for args in (["--model", "mine.M", "--data", "mine.D"], ["--config", str(tmp_path / "mine.yaml")]):
+        cli = build_cli([*cpu, *args])
+        assert (cli.model.lr, cli.model.dim, cli.datamodule.batch_size) == (0.5, 3, 8), args
+    lab = build_cli([*cpu, "--model.dim", "16"])
+    assert type(lab.model).__name__ == "LinearRegression" and lab.datamodule.hparams.dim == 16

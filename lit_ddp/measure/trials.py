@@ -91,6 +91,7 @@ class TrialBench:
         self.module, self.batch, self.optimizer, self.device = module, batch, optimizer, device
         self.steps, self.warmup, self.rounds = steps, warmup, rounds
         self.start = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        self.seed = torch.initial_seed()  # every round draws the same dropout masks: the weights compare
         self.reference: list[Tensor] | None = None  # the user's configuration's weights after a round
 
     def measure(self, knobs: Knobs) -> Trial:
@@ -112,6 +113,8 @@ class TrialBench:
 
     def _round(self, knobs: Knobs) -> tuple[list[float], float, int, int | None]:
         self.module.load_state_dict(self.start)
+        self.module.train()
+        torch.manual_seed(self.seed)
         for p in self.module.parameters():
             p.grad = None
         cuda = self.device.type == "cuda"

@@ -7,6 +7,7 @@ naming the option.
 from typing import Any
 
 import torch
+import yaml
 
 from lit_ddp.errors import UsageError
 
@@ -38,6 +39,34 @@ def expand_shorthands(args: list[str]) -> list[str]:
             rest.append(arg)
         i += 1
     return configs + rest
+
+
+def default_classes(args: list[str], defaults: dict[str, str]) -> list[str]:
+    """``--GROUP=CLASS`` first for each group of ``defaults`` that neither the command line nor a config file names
+    a class for: the lab's model and data when the user brings none.
+
+    Not a parser default: jsonargparse would carry the default class's init args (``batch_size: 32``) over to a
+    class of the user's that takes the same names, in place of that class's own defaults.
+    """
+    named = set()
+    for i, arg in enumerate(args):
+        for group in defaults:
+            if arg == f"--{group}" or arg.startswith(f"--{group}="):
+                named.add(group)
+        if arg == "--config" and i + 1 < len(args) or arg.startswith("--config="):
+            path = arg.partition("=")[2] or args[i + 1]
+            named |= {group for group in defaults if _config_names_class(path, group)}
+    return [f"--{group}={cls}" for group, cls in defaults.items() if group not in named] + args
+
+
+def _config_names_class(path: str, group: str) -> bool:
+    try:
+        with open(path) as f:
+            config = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return False  # the parser reports it, in its own words
+    section = config.get(group) if isinstance(config, dict) else None
+    return isinstance(section, str) or (isinstance(section, dict) and "class_path" in section)
 
 
 def _negative_number(text: str) -> bool:

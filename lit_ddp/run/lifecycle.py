@@ -144,20 +144,20 @@ def exit_cleanly() -> None:
     atexit.register(teardown_at_exit)
 
 
-def exit_code(run: Callable[[], Ending]) -> int:
-    """Runs ``run`` and turns how it ended into the exit code and the one line a user reads."""
+def exit_code(run: Callable[[], Ending], prog: str = PROG) -> int:
+    """Runs ``run`` and turns how it ended into the exit code and the one line a user reads (``prog: ...``)."""
     agreed = {kind.__name__: code for kind, code in AGREED_ERRORS.items()}
     try:
         ending = run()
     except tuple(AGREED_ERRORS) as err:
         if rank_zero_only.rank == 0:
-            print(f"{PROG}: {type(err).__name__}: {err}", file=sys.stderr)
+            print(f"{prog}: {type(err).__name__}: {err}", file=sys.stderr)
         return AGREED_ERRORS[type(err)]
     except UsageError as err:
         # Every task that srun or torchrun started parses the same command line: one of them says what is wrong
         # (before any Trainer exists, Lightning takes the rank from SLURM_PROCID / RANK).
         if rank_zero_only.rank == 0:
-            print(f"{PROG}: error: {err}", file=sys.stderr)
+            print(f"{prog}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except SIGTERMException:
         # Lightning's own SIGTERM path (a Trainer without StepSync): a SystemExit with no code, i.e. exit 0.
@@ -167,17 +167,17 @@ def exit_code(run: Callable[[], Ending]) -> int:
         kind, _, message = lines[-1].partition(": ")
         name = kind.rpartition(".")[2]
         if name in agreed:
-            print(f"{PROG}: {name}: {message}", file=sys.stderr)
+            print(f"{prog}: {name}: {message}", file=sys.stderr)
             return agreed[name]
         # The innermost frames say where; the whole traceback of a spawned rank runs to some 80 lines of
         # Lightning's loops.
         print("\n".join(lines[-TRACEBACK_LINES:]), file=sys.stderr)
-        print(f"{PROG}: rank {err.error_index} exited with code 1: {name}: {message}", file=sys.stderr)
+        print(f"{prog}: rank {err.error_index} exited with code 1: {name}: {message}", file=sys.stderr)
         return EXIT_FAILED
     except ProcessExitedException as err:  # ... or died
         how = f"signal {err.signal_name}" if err.signal_name else f"code {err.exit_code}"
-        print(f"{PROG}: rank {err.error_index} exited with {how}", file=sys.stderr)
+        print(f"{prog}: rank {err.error_index} exited with {how}", file=sys.stderr)
         return EXIT_FAILED
     if ending is Ending.SIGTERM and rank_zero_only.rank == 0:
-        print(f"{PROG}: stopped by SIGTERM", file=sys.stderr)
+        print(f"{prog}: stopped by SIGTERM", file=sys.stderr)
     return int(ending)

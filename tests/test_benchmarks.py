@@ -185,6 +185,7 @@ def test_the_bare_lightning_loop_imports_no_tool_code():
     assert result.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_the_bare_lightning_loop_marks_every_step_on_every_rank(tmp_path):
     cmd = step_time.lightning_cmd(2, 8, 4)(tmp_path)
     result = subprocess.run(cmd, cwd=tmp_path, env=common.child_env(), capture_output=True, text=True, timeout=110)

@@ -168,6 +168,7 @@ def test_help_opens_with_the_tool_and_its_own_options(monkeypatch, capsys):
     assert first["step_sync."] < first["checkpoint."] < first["trainer."] < first["model."]
 
 
+@pytest.mark.slow
 def test_lightning_s_own_ddp_strategy_runs_the_profile_config(tmp_path):
     result = run_fit("--trainer.strategy", "ddp", "--config", str(ROOT / "configs" / "mini_train_profile.yaml"),
                      "--devices", "2", "--trainer.max_steps", "3", "--model.dim", "256", cwd=tmp_path)  # fmt: skip

@@ -354,6 +354,7 @@ def test_probe_sizes_and_points():
     assert point == ProbePoint(4_000_000, 4.0, 1.0, 1.5)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_real_probe_two_gloo_ranks(tmp_path):
     out = tmp_path / "probe.json"

@@ -100,11 +100,12 @@ PARTITION_TIMEOUT_S = 20  # the collectives' timeout in the partition test; the 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_cut_link_ends_every_rank_naming_whom_it_lost_and_the_job_resumes_bit_exact_once_mended(tmp_path):
-    """2 nodes x 1 rank under torchrun (``--max-restarts 1``, ``--ckpt_path auto``): both ranks stop after step 30
+    """2 nodes x 1 rank under torchrun (``--max-restarts 3``, ``--ckpt_path auto``): both ranks stop after step 30
     (``Gate``), node 1's link is cut, and they go on into step 31's all-reduce. Node 0's rank names rank 1 as never
     arrived; node 1's, cut off from the store on node 0 too, names node 0 as lost: each exits within ``timeout_s``
     + 20 s. The last checkpoint is whole; once the link is mended torchrun restarts both, and the job resumes from
-    it and ends bitwise equal to an uninterrupted one-node run."""
+    it and ends bitwise equal to an uninterrupted one-node run. Three restarts, not one: a restart that an agent
+    starts before the link is back fails gloo's connect (CI saw it once) and costs one."""
     gate = tmp_path / "gate"
     args = ("--model.dim", "64", "--trainer.max_steps", "60", "--checkpoint.every_n_steps", "10",
             "--loss_monitor.every_n_steps", "10", "--trainer.strategy.timeout_s", str(PARTITION_TIMEOUT_S),
@@ -115,7 +116,7 @@ def test_a_cut_link_ends_every_rank_naming_whom_it_lost_and_the_job_resumes_bit_
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     ckpt = tmp_path / "runs" / "checkpoints" / "last.ckpt"
     with nodes(2, "--rate", "400mbit") as cluster, ExitStack() as stack:
-        runs = [stack.enter_context(start_on(cluster, k, *cluster.torchrun_fit(k, 1, *gated, max_restarts=1),
+        runs = [stack.enter_context(start_on(cluster, k, *cluster.torchrun_fit(k, 1, *gated, max_restarts=3),
                                              cwd=tmp_path, env=env)) for k in (0, 1)]  # fmt: skip
         runs[0].wait_for_files([gate / "arrived0", gate / "arrived1"], timeout=240)
         pids = [int((gate / f"arrived{rank}").read_text()) for rank in (0, 1)]

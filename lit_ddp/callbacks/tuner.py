@@ -187,8 +187,10 @@ def verdict(outcome: Outcome) -> str:
         return (f"Verdict: keep your configuration: no configuration tried beats it beyond the noise (rounds within "
                 f"±{noise:.0%})" + _compression_hint(outcome))  # fmt: skip
     ratio, low, high = speedup(base, best)
+    saved = (base.ddp_bytes or 0) - (best.ddp_bytes or 0)
+    memory = f", {fmt_bytes(saved)} less held per rank" if saved > 0 else ""
     return (f"Verdict: {best.knobs.label(base.knobs)}: step {fmt_ms(base.median)} -> {fmt_ms(best.median)}, "
-            f"{ratio:.2f}x ({low:.2f}x-{high:.2f}x over the rounds), measured by lit_ddp.tune"
+            f"{ratio:.2f}x ({low:.2f}x-{high:.2f}x over the rounds){memory}, measured by lit_ddp.tune"
             + _compression_hint(outcome))  # fmt: skip
 
 

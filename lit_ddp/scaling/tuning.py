@@ -89,6 +89,10 @@ def faster(a: Trial, b: Trial) -> bool:
     return a.high < b.low
 
 
+def _holds_less(a: Trial, b: Trial) -> bool:
+    return a.ddp_bytes is not None and b.ddp_bytes is not None and a.ddp_bytes < b.ddp_bytes
+
+
 def speedup(base: Trial, other: Trial) -> tuple[float, float, float]:
     """``base`` over ``other``: the medians' ratio, and the lowest and highest ratio the rounds allow."""
     return base.median / other.median, base.low / other.high, base.high / other.low
@@ -180,7 +184,8 @@ def stages(model: Model, base: Knobs, comm_shows: bool, allow_lossy: bool) -> li
 def search(measure: Callable[[Knobs], Trial], model: Model, base: Knobs, budget_s: float,
            allow_lossy: bool = False) -> Outcome:  # fmt: skip
     """Measures ``base`` and the step without communication, then each stage's candidates on top of the best so
-    far; keeps a candidate only when it is ``faster`` than the best. Stops trying once the trials' wall time
+    far; keeps a candidate only when it is ``faster`` than the best, or level with it within the noise and holding
+    less memory (``gradient_as_bucket_view``: DDP's own bytes, measured). Stops trying once the trials' wall time
     would pass ``budget_s`` (a candidate is started only if a trial as long as the longest so far still fits).
     ``measure`` must return the same numbers on every rank (the tuner all-reduces them): every rank then takes
     the same path."""
@@ -205,8 +210,8 @@ def search(measure: Callable[[Knobs], Trial], model: Model, base: Knobs, budget_
             spent += trial.seconds
             if not trial.in_sync:
                 skipped.append((knobs.label(base), "ranks out of sync after it: not kept"))
-            elif faster(trial, stage_best):
-                stage_best = trial
+            elif faster(trial, stage_best) or (not faster(stage_best, trial) and _holds_less(trial, stage_best)):
+                stage_best = trial  # faster beyond the noise; or level within it, and holding less memory
         best = stage_best
     if no_comm is not None and not comm_shows:
         skipped.append(("bucket_cap_mb, comm_hook", "not tried: the step without any all-reduce is no faster "

@@ -1,7 +1,7 @@
 """Validation inside fit (``val_check_interval``): Lightning runs it between two training batches, so its time
 fell into the ``data`` phase of the step it followed. PhaseTimer keeps it out of the steps' phases and reports it
 on a line of its own (time, how many runs). A patched clock checks the arithmetic; a user's Trainer (Lightning's
-own DDP strategy, 2 CPU ranks forked from the test process, a 50 ms validation every 4 steps) checks what is
+own DDP strategy, 2 CPU ranks forked from the test process, a 200 ms validation every 4 steps) checks what is
 printed and recorded."""
 
 import re
@@ -25,7 +25,7 @@ from tests.trainers import cpu_start_method
 
 class Validated(LinearRegression):
     def validation_step(self, batch, batch_idx):
-        time.sleep(0.05)  # a 50 ms validation
+        time.sleep(0.2)  # a 200 ms validation: far above a step's 10-50 ms, loaded machine or not
 
 
 class WithValidation(FixedBatchDataModule):
@@ -45,14 +45,14 @@ def test_validation_is_kept_out_of_the_steps_and_reported_apart(tmp_path):
     found = re.search(r"^validation inside fit, kept out of the steps above: 2 run\(s\), ([0-9.]+) ms in all, "
                       r"([0-9.]+) ms median \(rank \d, the longest\)$", out, re.M)  # fmt: skip
     assert found, out[-3000:]
-    assert float(found.group(1)) >= 100 and float(found.group(2)) >= 50
+    assert float(found.group(1)) >= 400 and float(found.group(2)) >= 200
     phases, _ = record.load_run(tmp_path / "out" / "run" / "version_0")
     for rank in phases.ranks:
         validation = rank.outside["validation"]  # after steps 3 and 7; the sanity check before training is not
-        assert validation.count == 2 and validation.min >= 50
-        for step in (3, 7):  # the steps it followed: none of its 50 ms in their data phase, nor in the step
+        assert validation.count == 2 and validation.min >= 200
+        for step in (3, 7):  # the steps it followed: none of its 200 ms in their data phase, nor in the step
             ms = rank.row(step).ms
-            assert ms.data < 40 and ms.step < 45, (step, ms)
+            assert ms.data < 150 and ms.step < 150, (step, ms)
             assert ms.forward + ms.backward + ms.update + ms.data + ms.other == pytest.approx(ms.step, abs=1e-6)
 
 

@@ -11,10 +11,12 @@ for a script. How the search goes and what it leaves alone: docs/tuning.md.
 """
 
 import copy
+import inspect
 import json
 import sys
 from pathlib import Path
 
+import yaml
 from lightning.pytorch.cli import LightningArgumentParser
 
 from lit_ddp.callbacks import DDPTuner, DeviceMap
@@ -66,20 +68,27 @@ class TuneCLI(LitDDPCLI):
                              or isinstance(c, (DDPTuner, DeviceMap))]  # fmt: skip
 
 
+def takes_optimizer_impl(model: object) -> bool:
+    """The model takes ``foreach`` and ``fused`` as options (the lab's does): the config can carry the choice."""
+    return {"foreach", "fused"} <= set(inspect.signature(type(model)).parameters)
+
+
 def tuned_config(cli: TuneCLI, knobs: Knobs) -> str:
-    """The user's config with the strategy (``LitDDPStrategy``) set to ``knobs``, as YAML for ``fit --config``."""
-    config = copy.deepcopy(cli.fit_config)
-    strategy = config.trainer.strategy
-    init_args = dict(strategy.init_args) if getattr(strategy, "class_path", None) == STRATEGY else {}
+    """The user's config with the strategy (``LitDDPStrategy``) set to ``knobs``, as YAML for ``fit --config``. The
+    knobs go into the dumped YAML, not through jsonargparse (which cannot dump a hook given by its path)."""
+    config = yaml.safe_load(cli.parser.dump(cli.fit_config, skip_check=True))
+    strategy = config["trainer"].get("strategy")
+    ours = isinstance(strategy, dict) and strategy.get("class_path") == STRATEGY
+    init_args = {**(strategy.get("init_args") or {})} if ours else {}
     init_args.update(bucket_cap_mb=knobs.bucket_cap_mb, gradient_as_bucket_view=knobs.gradient_as_bucket_view,
                      static_graph=knobs.static_graph, broadcast_buffers=knobs.broadcast_buffers,
                      find_unused_parameters=knobs.find_unused_parameters,
                      ddp_comm_hook=HOOK_PATHS.get(knobs.comm_hook))  # fmt: skip
-    config.trainer.strategy = {"class_path": STRATEGY, "init_args": init_args}
-    model_args = config.model.get("init_args")
-    if knobs.optimizer != "as_configured" and model_args is not None and {"foreach", "fused"} <= set(vars(model_args)):
-        model_args.foreach, model_args.fused = knobs.optimizer == "foreach", knobs.optimizer == "fused"
-    return cli.parser.dump(config, skip_check=True)
+    config["trainer"]["strategy"] = {"class_path": STRATEGY, "init_args": init_args}
+    if knobs.optimizer != "as_configured" and takes_optimizer_impl(cli.model):
+        model_args = config["model"].setdefault("init_args", {})
+        model_args["foreach"], model_args["fused"] = knobs.optimizer == "foreach", knobs.optimizer == "fused"
+    return yaml.safe_dump(config, sort_keys=False)
 
 
 def write(cli: TuneCLI, record: dict, out: Path) -> str:
@@ -91,8 +100,10 @@ def write(cli: TuneCLI, record: dict, out: Path) -> str:
     json_path.write_text(json.dumps(record, indent=1) + "\n")
     lines = [f"Wrote {out} (python -m lit_ddp.fit --config {out}) and {json_path}",
              f"In a script: strategy={strategy_line(best)}"]  # fmt: skip
-    if best.optimizer != "as_configured":
-        lines.append(f"and the optimizer with {best.optimizer}=True (configure_optimizers)")
+    if best.optimizer != "as_configured" and not takes_optimizer_impl(cli.model):
+        lines.append(
+            f"and in configure_optimizers, the optimizer with {best.optimizer}=True (the config cannot say it)"
+        )
     return "\n".join(lines)
 
 

@@ -11,12 +11,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from lit_ddp.callbacks.tuner import report, strategy_line
 from lit_ddp.fit import build_cli
 from lit_ddp.measure.memory import bucket_layout
 from lit_ddp.scaling.tuning import Knobs, Model, Trial, bucket_caps, faster, grid, layout, search, speedup, to_record
+from lit_ddp.tune import TuneCLI, tuned_config
 from lit_ddp.tune import main as tune_main
 from tests.runner import free_port, run_fit, run_module
 
@@ -291,3 +293,18 @@ def test_a_change_level_within_the_noise_is_kept_when_it_holds_less_memory():
             "400 B less held per rank"
         )
     )
+
+
+def test_the_tuned_config_carries_every_knob_into_a_fit_that_parses_it(tmp_path):
+    cli = build_cli(["--trainer.accelerator", "cpu", "--devices", "2", "--model.dim", "32", "--out", "x.yaml"],
+                    cli_class=TuneCLI, save_config_callback=None)  # fmt: skip
+    knobs = Knobs(bucket_cap_mb=4.0, gradient_as_bucket_view=True, static_graph=True, comm_hook="fp16",
+                  optimizer="fused", broadcast_buffers=False)  # fmt: skip
+    (tmp_path / "tuned.yaml").write_text(tuned_config(cli, knobs))
+    fit = build_cli(["--trainer.accelerator", "cpu", "--config", str(tmp_path / "tuned.yaml")])
+    strategy = fit.trainer.strategy
+    assert strategy.ddp_kwargs["bucket_cap_mb"] == 4.0 and strategy.ddp_kwargs["gradient_as_bucket_view"]
+    assert strategy.ddp_kwargs["static_graph"] and strategy._ddp_comm_hook is default_hooks.fp16_compress_hook
+    assert {"forward_sync_buffers", "broadcast_buffers"} & {k for k, v in strategy.ddp_kwargs.items() if v is False}
+    assert fit.model.hparams.fused is True and fit.model.hparams.foreach is False and fit.model.hparams.dim == 32
+    assert fit.trainer.num_devices == 2

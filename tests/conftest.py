@@ -1,11 +1,16 @@
 """Shared fixtures: the fast CPU trainer factory, clean-up that keeps tests independent, and the runs that tests of
 several files read (each started once a session)."""
 
+import fcntl
 import functools
 import gc
 import logging
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,6 +96,36 @@ def _restore_logging():
         logger.handlers[:] = handlers
         logger.setLevel(level)
         logger.propagate = propagate
+
+
+@contextmanager
+def _turn(exclusive: bool) -> Iterator[None]:
+    """Under pytest-xdist: a ``timing`` test runs alone (an exclusive lock), every other test beside the others (a
+    shared one). A turnstile, taken first by everyone and held by a ``timing`` test until its turn comes, keeps new
+    shared holders from starving it."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run:
+        yield
+        return
+    base = Path(tempfile.gettempdir()) / f"lit_ddp_tests_{run}"
+    base.mkdir(exist_ok=True)
+    with open(base / "turnstile", "a") as turnstile, open(base / "lock", "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item):
+    """Tests marked ``timing`` measure who is late by how much on 2 cores: another worker's run beside them would
+    be the straggler they find. The wait for a turn comes before the test's timeout starts (pytest-timeout's
+    timer is set inside this hook), and a session run is made inside the turn of the test that first asks for it."""
+    with _turn(item.get_closest_marker("timing") is not None):
+        yield
 
 
 @pytest.fixture

@@ -13,6 +13,9 @@ from lit_ddp.records.schema import CommRecord, RankComm, RunMeta, StepBuckets, l
 from tests.runner import ROOT, run_fit, run_module
 from tests.slow_ranks import ShiftClock, SlowData, SlowRegression
 
+# Who is late, by how much: alone on the machine (tests/conftest.py), another worker's run would be the straggler.
+pytestmark = pytest.mark.timing
+
 DIM, STEPS = 256, 16
 BW_DIM = 1024  # where bandwidth is compared: a 4 MB bucket's transfer (~5 ms on gloo) is steadier than 263 KB's
 

@@ -20,7 +20,7 @@ import yaml
 from lightning.pytorch.cli import LightningArgumentParser
 
 from lit_ddp.callbacks import DDPTuner, DeviceMap
-from lit_ddp.callbacks.tuner import strategy_line
+from lit_ddp.callbacks.tuner import script_lines
 from lit_ddp.errors import Ending, UsageError
 from lit_ddp.fit import LitDDPCLI, build_cli
 from lit_ddp.run import console, lifecycle
@@ -99,7 +99,7 @@ def write(cli: TuneCLI, record: dict, out: Path) -> str:
     json_path = out.with_suffix(".json")
     json_path.write_text(json.dumps(record, indent=1) + "\n")
     lines = [f"Wrote {out} (python -m lit_ddp.fit --config {out}) and {json_path}",
-             f"In a script: strategy={strategy_line(best)}"]  # fmt: skip
+             "In a script, for Trainer(strategy=...):", *(f"    {line}" for line in script_lines(best))]  # fmt: skip
     if best.optimizer != "as_configured" and not takes_optimizer_impl(cli.model):
         lines.append(
             f"and in configure_optimizers, the optimizer with {best.optimizer}=True (the config cannot say it)"

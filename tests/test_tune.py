@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from lit_ddp.callbacks.tuner import report, strategy_line
+from lit_ddp.callbacks.tuner import report, script_lines, strategy_line
 from lit_ddp.fit import build_cli
 from lit_ddp.measure.memory import bucket_layout
 from lit_ddp.scaling.tuning import Knobs, Model, Trial, bucket_caps, faster, grid, layout, search, speedup, to_record
@@ -195,7 +195,8 @@ def test_a_short_tune_of_a_users_module_writes_a_config_that_fit_runs(tmp_path):
     assert "DDP tuning: " in out and "configuration" in out and "\nyours" in out
     assert "smaller buckets" not in out  # a 2 kB model is one bucket whatever the cap
     assert out.count("Verdict: ") == 1 and "Wrote out/tuned.yaml (python -m lit_ddp.fit --config out/tuned.yaml)" in out
-    assert "In a script: strategy=LitDDPStrategy(" in out
+    script = "In a script, for Trainer(strategy=...):\n    from lit_ddp.run.strategy import LitDDPStrategy\n"
+    assert script + "    strategy = LitDDPStrategy(" in out
     record = json.loads((tmp_path / "out" / "tuned.json").read_text())
     assert record["trials"][0]["knobs"] == record["base"] and all(t["in_sync"] for t in record["trials"])
     assert all(len(t["rounds_ms"]) == 3 for t in record["trials"])
@@ -308,3 +309,8 @@ def test_the_tuned_config_carries_every_knob_into_a_fit_that_parses_it(tmp_path)
     assert {"forward_sync_buffers", "broadcast_buffers"} & {k for k, v in strategy.ddp_kwargs.items() if v is False}
     assert fit.model.hparams.fused is True and fit.model.hparams.foreach is False and fit.model.hparams.dim == 32
     assert fit.trainer.num_devices == 2
+    # ... and the script's lines build the same strategy.
+    scope: dict = {}
+    exec("\n".join(script_lines(knobs)), scope)  # noqa: S102 (the lines the tuner prints for a script)
+    assert scope["strategy"].ddp_kwargs == strategy.ddp_kwargs
+    assert scope["strategy"]._ddp_comm_hook is default_hooks.fp16_compress_hook

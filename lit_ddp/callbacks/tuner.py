@@ -215,3 +215,11 @@ def strategy_line(knobs: Knobs) -> str:
     if knobs.comm_hook in ("fp16", "bf16"):
         args.append(f"ddp_comm_hook=default_hooks.{knobs.comm_hook}_compress_hook")
     return f"LitDDPStrategy({', '.join(args)})"
+
+
+def script_lines(knobs: Knobs) -> list[str]:
+    """The lines a script runs to get ``knobs``' strategy (``strategy = LitDDPStrategy(...)``, with its imports)."""
+    lines = ["from lit_ddp.run.strategy import LitDDPStrategy"]
+    if knobs.comm_hook in ("fp16", "bf16"):
+        lines.append("from torch.distributed.algorithms.ddp_comm_hooks import default_hooks")
+    return [*lines, f"strategy = {strategy_line(knobs)}"]

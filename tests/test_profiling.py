@@ -159,3 +159,19 @@ def test_cuda_recorder_writes_a_trace_whose_phases_hold_their_kernels(tmp_path):
     assert row.forward > 0 and row.step >= row.forward and row.backward == 0
     loaded = trace.load(recorder.path)
     assert sum(op.kind == "compute" for op in loaded.ops) >= 5
+
+
+def test_torch_profilers_own_chatter_is_hidden_and_every_other_line_kept(capfd):
+    """torch's profiler prints "USDT: ... profiler_start" (and on a CUDA build without a GPU "ERROR: ...
+    gpuGetDeviceCount failed") on stderr from C++ as it starts and stops; a line of anyone else's goes through."""
+    import os
+
+    from lit_ddp.measure.profiling import profiler_chatter_hidden
+
+    with profiler_chatter_hidden():
+        os.write(2, b"USDT:2026-12-01 20:49:52 11466:11466 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(
+            2, b"ERROR:2026-12-01 21:47:53 30207:30207 DeviceProperties.cpp:56] gpuGetDeviceCount failed with code 35\n"
+        )
+        os.write(2, b"a line of the user's\n")
+    assert capfd.readouterr().err == "a line of the user's\n"

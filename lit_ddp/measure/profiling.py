@@ -10,7 +10,12 @@ into the trace; with Lightning's ``PyTorchProfiler`` no profiler of its own is s
 read instead. Why a trace and not marker kernels, and how ops are given to phases: docs/traces.md.
 """
 
-from collections.abc import Callable, Collection, Iterable
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Collection, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
@@ -86,12 +91,14 @@ class TraceRecorder(Ranges):
     def start(self) -> None:
         # record_shapes: ProcessGroupNCCL's collectives then carry their sizes into the trace (trace_report's bytes).
         self._profile = profile(activities=self.activities, record_shapes=True, profile_memory=self.profile_memory)
-        self._profile.__enter__()
+        with profiler_chatter_hidden():
+            self._profile.__enter__()
 
     def close(self) -> None:
         super().close()
         if self._profile is not None:
-            self._profile.__exit__(None, None, None)  # on CUDA this synchronizes: every op queued so far is in
+            with profiler_chatter_hidden():
+                self._profile.__exit__(None, None, None)  # on CUDA this synchronizes: every op queued so far is in
             self._profile = None
 
     def stop(self) -> list[Path]:
@@ -102,6 +109,37 @@ class TraceRecorder(Ranges):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.path))
         return [self.path]
+
+
+# What torch's profiler (Kineto) prints on stderr from C++ as it starts and stops, on every rank: "USDT: ...
+# profiler_start" (torch >= 2.13), its stages, and on a CUDA build without a GPU "ERROR: ... gpuGetDeviceCount
+# failed". Not the user's to act on.
+PROFILER_CHATTER = re.compile(
+    r"^(USDT|STAGE):\S+ \S+ \d+:\d+ \w+\.cpp:\d+\]"
+    r"|^ERROR:\S+ \S+ \d+:\d+ DeviceProperties\.cpp:\d+\] gpuGetDeviceCount failed"
+)
+
+
+@contextmanager
+def profiler_chatter_hidden() -> Iterator[None]:
+    """stderr (the file descriptor, where C++ writes) goes to a file meanwhile; every line but the profiler's
+    chatter is written back, in order, when it ends."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().decode(errors="replace").splitlines(keepends=True)
+                    if not PROFILER_CHATTER.match(line)]  # fmt: skip
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 class LightningProfilerTraces(Ranges):

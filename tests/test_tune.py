@@ -314,3 +314,16 @@ def test_the_tuned_config_carries_every_knob_into_a_fit_that_parses_it(tmp_path)
     exec("\n".join(script_lines(knobs)), scope)  # noqa: S102 (the lines the tuner prints for a script)
     assert scope["strategy"].ddp_kwargs == strategy.ddp_kwargs
     assert scope["strategy"]._ddp_comm_hook is default_hooks.fp16_compress_hook
+
+
+def test_without_a_ddp_strategy_the_tuner_says_so_in_one_line(tmp_path):
+    from lightning.pytorch import Trainer
+
+    from lit_ddp import FixedBatchDataModule, LinearRegression
+    from lit_ddp.callbacks import DDPTuner
+
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
+                      callbacks=[DDPTuner()])  # fmt: skip
+    with pytest.raises(ValueError, match=r"^DDPTuner tunes DDP and needs a DDP strategy .*got SingleDeviceStrategy$"):
+        trainer.fit(LinearRegression(dim=8), FixedBatchDataModule(dim=8, batch_size=4))

@@ -10,8 +10,10 @@ the fit before any training step. ``outcome`` holds the result (carried back to 
 
 from typing import Any, Optional
 
+import torch.distributed as dist
 from jsonargparse.typing import PositiveFloat, PositiveInt
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import CombinedLoader
 from torch import Tensor
 from typing_extensions import override
@@ -56,6 +58,9 @@ class DDPTuner(Callback):
             raise ValueError("DDPTuner: the model uses manual optimization; the tuner steps automatic ones only")
         if not trainer.optimizers:
             raise ValueError("DDPTuner: configure_optimizers returned no optimizer")
+        if not isinstance(trainer.strategy, DDPStrategy) or not dist.is_initialized():
+            raise ValueError(f"DDPTuner tunes DDP and needs a DDP strategy (LitDDPStrategy, strategy='ddp'), got "
+                             f"{type(trainer.strategy).__name__}")  # fmt: skip
         strategy = trainer.strategy
         batch = strategy.batch_to_device(_first_batch(trainer, pl_module))
         self.rows = _rows(batch) * trainer.world_size

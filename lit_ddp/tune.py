@@ -60,6 +60,10 @@ class TuneCLI(LitDDPCLI):
             del self.fit_config[key]
         super().before_instantiate_classes()
         self.config.trainer.logger = False  # a tuning run trains nothing: no log folder
+        # ... and nothing keeps it training once the tuner has stopped it (Lightning's should_stop waits for these).
+        self.config.trainer.min_steps = self.config.trainer.min_epochs = None
+        if Path(self.config.out).suffix == ".json":
+            raise UsageError(f"--out {self.config.out}: the config is YAML (every trial goes beside it, as .json)")
 
     def instantiate_classes(self) -> None:
         super().instantiate_classes()

@@ -327,3 +327,21 @@ def test_without_a_ddp_strategy_the_tuner_says_so_in_one_line(tmp_path):
                       callbacks=[DDPTuner()])  # fmt: skip
     with pytest.raises(ValueError, match=r"^DDPTuner tunes DDP and needs a DDP strategy .*got SingleDeviceStrategy$"):
         trainer.fit(LinearRegression(dim=8), FixedBatchDataModule(dim=8, batch_size=4))
+
+
+def test_the_users_knobs_are_read_from_the_strategy_on_every_torch():
+    from lit_ddp.callbacks.tuner import _knobs_of
+    from lit_ddp.run.strategy import LitDDPStrategy
+
+    strategy = LitDDPStrategy(broadcast_buffers=False, gradient_as_bucket_view=True, bucket_cap_mb=2.0,
+                              ddp_comm_hook=default_hooks.fp16_compress_hook)  # fmt: skip
+    assert _knobs_of(strategy) == Knobs(bucket_cap_mb=2.0, gradient_as_bucket_view=True, broadcast_buffers=False,
+                                        comm_hook="fp16")  # fmt: skip
+
+
+def test_a_json_out_is_refused_in_one_line(monkeypatch, capsys):
+    code, _, err = run_tune_main(monkeypatch, capsys, "--trainer.accelerator", "cpu", "--out", "tuned.json")
+    assert (
+        code == 2
+        and err == "lit-ddp-tune: error: --out tuned.json: the config is YAML (every trial goes beside it, as .json)\n"
+    )

@@ -10,6 +10,7 @@ the fit before any training step. ``outcome`` holds the result (carried back to 
 
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 from jsonargparse.typing import PositiveFloat, PositiveInt
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -65,12 +66,12 @@ class DDPTuner(Callback):
         batch = strategy.batch_to_device(_first_batch(trainer, pl_module))
         self.rows = _rows(batch) * trainer.world_size
         bench = TrialBench(pl_module, batch, trainer.optimizers[0], strategy.root_device, self.steps, self.warmup,
-                           self.rounds)  # fmt: skip
+                           self.rounds, step_context=strategy.precision_plugin.train_step_context)  # fmt: skip
         base = _knobs_of(strategy)
         model = Model(
             grad_bytes=_grad_bytes(pl_module),
             has_buffers=any(True for _ in pl_module.buffers()),
-            unused_parameters=not _all_get_grads(pl_module, batch),
+            unused_parameters=_on_any_rank(not _all_get_grads(pl_module, batch), strategy.root_device),
             optimizer_impls=optimizer_impls(trainer.optimizers[0]),
             world_size=trainer.world_size,
             bf16=strategy.root_device.type == "cuda",
@@ -82,6 +83,13 @@ class DDPTuner(Callback):
         self.record = to_record(self.outcome, self.rows)
         say(trainer, report(self.outcome, self.rows))
         trainer.should_stop = True  # the fit ends before its first step: this was a tuning run
+
+
+def _on_any_rank(flag: bool, device) -> bool:
+    """``flag`` on any rank (every rank must choose the same knobs to try, or their collectives would not match)."""
+    tensor = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor.item())
 
 
 def _first_batch(trainer: Trainer, pl_module: LightningModule) -> Any:
@@ -130,7 +138,8 @@ def _knobs_of(strategy: Any) -> Knobs:
         bucket_cap_mb=kwargs.get("bucket_cap_mb"),
         gradient_as_bucket_view=bool(kwargs.get("gradient_as_bucket_view", False)),
         static_graph=bool(kwargs.get("static_graph", False)),
-        broadcast_buffers=bool(kwargs.get("broadcast_buffers", True)),
+        # LitDDPStrategy passes torch >= 2.13's name, forward_sync_buffers, for broadcast_buffers=False.
+        broadcast_buffers=bool(kwargs.get("forward_sync_buffers", kwargs.get("broadcast_buffers", True))),
         find_unused_parameters=bool(kwargs.get("find_unused_parameters", False)),
     )
 

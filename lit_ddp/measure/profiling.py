@@ -125,10 +125,10 @@ def profiler_chatter_hidden() -> Iterator[None]:
     """stderr (the file descriptor, where C++ writes) goes to a file meanwhile; every line but the profiler's
     chatter is written back, in order, when it ends."""
     sys.stderr.flush()
-    saved = os.dup(2)
     with tempfile.TemporaryFile() as caught:
-        os.dup2(caught.fileno(), 2)
+        saved = os.dup(2)
         try:
+            os.dup2(caught.fileno(), 2)
             yield
         finally:
             sys.stderr.flush()

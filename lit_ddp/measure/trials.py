@@ -11,8 +11,8 @@ rank), so every rank sees the same numbers and takes the same path through the s
 
 import inspect
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -87,9 +87,11 @@ class TrialBench:
     """
 
     def __init__(self, module: nn.Module, batch: Any, optimizer: torch.optim.Optimizer, device: torch.device,
-                 steps: int, warmup: int, rounds: int) -> None:  # fmt: skip
+                 steps: int, warmup: int, rounds: int,
+                 step_context: Callable[[], AbstractContextManager] = nullcontext) -> None:  # fmt: skip
         self.module, self.batch, self.optimizer, self.device = module, batch, optimizer, device
         self.steps, self.warmup, self.rounds = steps, warmup, rounds
+        self.step_context = step_context  # the Trainer's precision (autocast under 16-mixed/bf16-mixed), as fit's
         self.start = {k: v.detach().clone() for k, v in module.state_dict().items()}
         self.seed = torch.initial_seed()  # every round draws the same dropout masks: the weights compare
         self.reference: list[Tensor] | None = None  # the user's configuration's weights after a round
@@ -137,7 +139,8 @@ class TrialBench:
             for step in range(self.warmup + self.steps):
                 began = time.perf_counter()
                 optimizer.zero_grad(set_to_none=True)
-                loss = ddp(self.batch)
+                with self.step_context():
+                    loss = ddp(self.batch)
                 loss.backward()
                 optimizer.step()
                 if cuda:

@@ -26,11 +26,11 @@ def expand_shorthands(args: list[str]) -> list[str]:
     configs, rest, i = [], [], 0
     while i < len(args):
         arg = args[i]
-        if arg == "--config" and i + 1 < len(args):
+        if arg in ("--config", "-c") and i + 1 < len(args):
             configs += args[i : i + 2]
             i += 2
             continue
-        if arg.startswith("--config="):
+        if arg.startswith(("--config=", "-c=")):
             configs.append(arg)
 
         elif arg == "--devices" or arg.startswith("--devices="):
@@ -53,7 +53,7 @@ def default_classes(args: list[str], defaults: dict[str, str]) -> list[str]:
         for group in defaults:
             if arg == f"--{group}" or arg.startswith(f"--{group}="):
                 named.add(group)
-        if arg == "--config" and i + 1 < len(args) or arg.startswith("--config="):
+        if arg in ("--config", "-c") and i + 1 < len(args) or arg.startswith(("--config=", "-c=")):
             path = arg.partition("=")[2] or args[i + 1]
             named |= {group for group in defaults if _config_names_class(path, group)}
     return [f"--{group}={cls}" for group, cls in defaults.items() if group not in named] + args

@@ -153,6 +153,7 @@ def test_sigterm_stops_every_rank_writes_a_checkpoint_and_exits_143(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timing  # how fast the job ends: alone under xdist (CI's 3 workers once made a spawn start take 47 s)
 @pytest.mark.parametrize("how, start_method", [("raise", "fork"), ("exit", "fork"), ("hang", "fork"),
                                                ("raise", "spawn")])  # fmt: skip
 def test_multiprocessing_ranks_end_when_one_rank_fails(make_trainer, how, start_method):

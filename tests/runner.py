@@ -2,6 +2,7 @@
 every process they start killed afterwards; the step-line format; free ports; ``main()`` in this process."""
 
 import fcntl
+import importlib
 import os
 import pty
 import re
@@ -314,16 +315,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_main(monkeypatch, capsys, *args: str) -> subprocess.CompletedProcess:
-    """``lit-ddp-fit ARGS`` in this process, for what launches no rank (bad input, one rank); the exit code and
-    what it printed, as ``run_fit`` returns them."""
-    from lit_ddp.fit import main
-
-    monkeypatch.setattr(sys, "argv", ["lit-ddp-fit", *args])
+def run_main(monkeypatch, capsys, *args: str, command: str = "fit") -> subprocess.CompletedProcess:
+    """``lit-ddp-COMMAND ARGS`` (``fit`` or ``tune``) in this process, for what launches no rank (bad input, one
+    rank); the exit code and what it printed, as ``run_fit`` returns them."""
+    main = importlib.import_module(f"lit_ddp.{command}").main
+    prog = f"lit-ddp-{command}"
+    monkeypatch.setattr(sys, "argv", [prog, *args])
     try:
         main()
         code = 0
     except SystemExit as exit_info:
         code = exit_info.code
     captured = capsys.readouterr()
-    return subprocess.CompletedProcess(["lit-ddp-fit", *args], code, captured.out, captured.err)
+    return subprocess.CompletedProcess([prog, *args], code, captured.out, captured.err)

@@ -3,7 +3,6 @@ one real short tune of a user's module on 2 CPU ranks whose YAML ``lit_ddp.fit -
 
 import dataclasses
 import json
-import sys
 import textwrap
 from datetime import timedelta
 
@@ -19,8 +18,7 @@ from lit_ddp.fit import build_cli
 from lit_ddp.measure.memory import bucket_layout
 from lit_ddp.scaling.tuning import Knobs, Model, Trial, bucket_caps, faster, grid, layout, search, speedup, to_record
 from lit_ddp.tune import TuneCLI, tuned_config
-from lit_ddp.tune import main as tune_main
-from tests.runner import free_port, run_fit, run_module
+from tests.runner import free_port, run_fit, run_main, run_module
 
 BASE = Knobs()
 
@@ -205,26 +203,16 @@ def test_a_short_tune_of_a_users_module_writes_a_config_that_fit_runs(tmp_path):
     assert "Done: 2 steps on 2 ranks" in fit.stdout
 
 
-def run_tune_main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """``lit-ddp-tune ARGS`` in this process (what starts no rank): exit code, stdout, stderr."""
-    monkeypatch.setattr(sys, "argv", ["lit-ddp-tune", *args])
-    try:
-        tune_main()
-        code = 0
-    except SystemExit as exit_info:
-        code = exit_info.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_tune_help_explains_itself_and_bad_options_are_one_line(monkeypatch, capsys):
-    code, shown, _ = run_tune_main(monkeypatch, capsys, "--help")
-    assert code == 0 and shown.startswith("usage: lit-ddp-tune")
+    shown = run_main(monkeypatch, capsys, "--help", command="tune")
+    assert shown.returncode == 0 and shown.stdout.startswith("usage: lit-ddp-tune")
+    shown = shown.stdout
     assert "instead of training, measures DDP configurations on the model's first batch" in " ".join(shown.split())
     for option in ("--tune.budget_s", "--tune.allow_lossy", "--out", "--devices", "--model CONFIG | CLASS_PATH_OR_NAME",
                    "--model.help", "--data CONFIG | CLASS_PATH_OR_NAME"):  # fmt: skip
         assert option in shown, option
-    code, _, err = run_tune_main(monkeypatch, capsys, "--tune.rounds", "1", "--trainer.accelerator", "cpu")
+    bad = run_main(monkeypatch, capsys, "--tune.rounds", "1", "--trainer.accelerator", "cpu", command="tune")
+    code, err = bad.returncode, bad.stderr
     assert code == 2 and err.count("\n") == 1 and err.startswith("lit-ddp-tune: error: "), err
     assert "rounds >= 2" in err
     assert not torch.distributed.is_initialized()
@@ -340,7 +328,8 @@ def test_the_users_knobs_are_read_from_the_strategy_on_every_torch():
 
 
 def test_a_json_out_is_refused_in_one_line(monkeypatch, capsys):
-    code, _, err = run_tune_main(monkeypatch, capsys, "--trainer.accelerator", "cpu", "--out", "tuned.json")
+    bad = run_main(monkeypatch, capsys, "--trainer.accelerator", "cpu", "--out", "tuned.json", command="tune")
+    code, err = bad.returncode, bad.stderr
     assert (
         code == 2
         and err == "lit-ddp-tune: error: --out tuned.json: the config is YAML (every trial goes beside it, as .json)\n"

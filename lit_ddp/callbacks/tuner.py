@@ -22,7 +22,7 @@ from typing_extensions import override
 from lit_ddp.analysis.memory import fmt_bytes
 from lit_ddp.analysis.tables import fmt_ms, table
 from lit_ddp.callbacks.shared import say
-from lit_ddp.measure.trials import TrialBench, optimizer_impls
+from lit_ddp.measure.trials import TrialBench, no_logging, optimizer_impls
 from lit_ddp.scaling.tuning import Knobs, Model, Outcome, faster, grid, search, speedup, to_record
 
 
@@ -117,13 +117,12 @@ def _all_get_grads(module: LightningModule, batch: Any) -> bool:
     saved = [p.grad for p in module.parameters()]
     for p in module.parameters():
         p.grad = None
-    module.log, module.log_dict = (lambda *a, **k: None), (lambda *a, **k: None)
     try:
-        out = module.training_step(batch, 0)
+        with no_logging(module):
+            out = module.training_step(batch, 0)
         (out["loss"] if isinstance(out, dict) else out).backward()
         used = all(p.grad is not None for p in module.parameters() if p.requires_grad)
     finally:
-        del module.log, module.log_dict
         for p, grad in zip(module.parameters(), saved, strict=True):
             p.grad = grad
     return used

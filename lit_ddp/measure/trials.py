@@ -69,7 +69,7 @@ def _fresh_optimizer(like: torch.optim.Optimizer, impl: str) -> torch.optim.Opti
 
 
 @contextmanager
-def _no_logging(module: nn.Module) -> Iterator[None]:
+def no_logging(module: nn.Module) -> Iterator[None]:
     """``self.log`` is a no-op while the tuner steps outside Lightning's loop (it has no result collection)."""
     module.log, module.log_dict = (lambda *a, **k: None), (lambda *a, **k: None)
     try:
@@ -135,7 +135,7 @@ class TrialBench:
             ddp.register_comm_hook(None, HOOKS[knobs.comm_hook])
         optimizer = _fresh_optimizer(self.optimizer, knobs.optimizer)
         times = []
-        with _no_logging(self.module):
+        with no_logging(self.module):
             for step in range(self.warmup + self.steps):
                 began = time.perf_counter()
                 optimizer.zero_grad(set_to_none=True)

@@ -150,11 +150,6 @@ class Outcome:
     trials: list[Trial]
     skipped: list[tuple[str, str]]  # candidates not tried or not kept, and why
 
-    @property
-    def exposed_ms(self) -> Optional[float]:
-        """The user's step over the same step without any all-reduce (noop hook): communication the step shows."""
-        return None if self.no_comm is None else max(0.0, self.base.median - self.no_comm.median)
-
 
 def stages(model: Model, base: Knobs, comm_shows: bool, allow_lossy: bool) -> list[tuple[str, list[Knobs]]]:
     """The knobs to try, one stage per knob, each candidate a change of ``base`` (the search applies the best so far

@@ -72,7 +72,7 @@ class SignalJobAt(Callback):
         wait_s: How long they wait.
     """
 
-    def __init__(self, step: int = 150, signal: str = "USR1", waiting: tuple[int, ...] = (0, 1),
+    def __init__(self, step: int = 150, signal: str = "USR1", waiting: tuple[int, ...] = (0,),
                  wait_s: float = 3.0) -> None:  # fmt: skip
         self.step, self.signal, self.waiting, self.wait_s = step, signal, tuple(waiting), wait_s
 
@@ -159,28 +159,33 @@ REQUEUE_RUN = ("--model.dim", "64", "--trainer.max_steps", "300", "--checkpoint.
                "--loss_monitor.every_n_steps", "100", "--trainer.strategy.timeout_s", "10")  # fmt: skip
 
 
-def run_requeued_job(slurm: Cluster, cwd: Path, *signal_args: str) -> tuple[dict[str, str], str]:
+def run_requeued_job(slurm: Cluster, cwd: Path) -> tuple[dict[str, str], str]:
     """The 300-step batch job, signalled (SIGUSR1) after step 150 of its first run (in mid-epoch: 100 steps an
     epoch); its final ``scontrol`` fields and output, once it has ended."""
     with slurm.job_name() as name:
         job_id = slurm.sbatch(name, CPU_SBATCH, *REQUEUE_RUN, "--trainer.callbacks+=tests.test_slurm.SignalJobAt",
-                              *signal_args, cwd=cwd)  # fmt: skip
-        fields = slurm.wait_until_gone(job_id, timeout=100)
+                              cwd=cwd)  # fmt: skip
+        fields = slurm.wait_until_gone(job_id, timeout=200)  # twice what a loaded CI took
     return fields, (cwd / f"slurm-{job_id}.out").read_text()
 
 
-@pytest.mark.timeout(200)
-def test_requeue_by_sigusr1_resumes_from_lightning_s_checkpoint_and_ends_like_an_uninterrupted_run(slurm, tmp_path):
-    """Lightning's own auto-requeue, run at a step boundary: on SIGUSR1 the flag rides in StepSync's gather, and at
-    the step that reads it every task runs Lightning's requeue handler (saves ``runs/hpc_ckpt_1.ckpt``: rank 0
-    writes it, then a barrier; rank 0 runs ``scontrol requeue``); Slurm stops the job (SIGTERM: exit 143) and
-    starts it again, and Lightning resumes from that checkpoint. The signal reaches both ranks at step 150
-    (``SignalJobAt``); the gather is read one step later, so the checkpoint holds 151 steps."""
+@pytest.mark.timeout(300)
+def test_requeue_by_sigusr1_while_a_rank_waits_in_a_collective_resumes_and_ends_like_an_uninterrupted_run(
+    slurm, tmp_path
+):
+    """Lightning's own auto-requeue, run at a step boundary. The signal reaches both ranks at step 150
+    (``SignalJobAt``) while rank 0 waits in Python and rank 1 in the next step's all-reduce, waiting for rank 0: the
+    arrival a real ``--signal=SIGUSR1@90`` met in 1 try of 4 here, where Lightning's handler, run inside the signal
+    handler, deadlocked (its checkpoint's barrier against the all-reduce). At a step boundary instead, the flag
+    rides in StepSync's gather, and at the step that reads it every task runs Lightning's requeue handler (saves
+    ``runs/hpc_ckpt_1.ckpt``: rank 0 writes it, then a barrier; rank 0 runs ``scontrol requeue``); Slurm stops the
+    job (SIGTERM: exit 143) and starts it again, and Lightning resumes from that checkpoint. The gather is read one
+    step later, so the checkpoint holds 151 steps."""
     for name in ("slurm", "uninterrupted"):
         (tmp_path / name).mkdir()
     with start_fit("--devices", "2", *REQUEUE_RUN, cwd=tmp_path / "uninterrupted") as uninterrupted_run:  # at once
         fields, text = run_requeued_job(slurm, tmp_path / "slurm")
-        uninterrupted = uninterrupted_run.completed(timeout=90)
+        uninterrupted = uninterrupted_run.completed(timeout=120)
     assert (fields.get("JobState"), fields.get("Restarts"), fields.get("ExitCode")) == ("COMPLETED", "1", "0:0"), (
         fields, text[-3000:])  # fmt: skip
     first, _, second = text.partition("lit-ddp-fit: stopped by SIGTERM")
@@ -195,16 +200,6 @@ def test_requeue_by_sigusr1_resumes_from_lightning_s_checkpoint_and_ends_like_an
     assert not [line for line in text.splitlines() if line.startswith(LIGHTNING_NOISE)], text[-3000:]
     # No warning either ("path.py:N: message"), e.g. resuming in mid-epoch: every batch is the same one.
     assert not re.search(r"^\S+\.py:\d+: ", text, re.M), text[-3000:]
-
-
-@pytest.mark.timeout(120)
-def test_requeue_by_sigusr1_while_a_rank_waits_in_a_collective(slurm, tmp_path):
-    """Rank 0 waits in Python when the signal comes, rank 1 in the next step's all-reduce, waiting for rank 0: the
-    arrival a real ``--signal=SIGUSR1@90`` met in 1 try of 4 here. Lightning's handler, run inside the signal
-    handler, then deadlocked (its checkpoint's barrier against the all-reduce); run at a step boundary
-    (StepSync), the job requeues."""
-    fields, text = run_requeued_job(slurm, tmp_path, "--trainer.callbacks.waiting=[0]")
-    assert (fields.get("JobState"), fields.get("Restarts")) == ("COMPLETED", "1"), (fields, text[-3000:])
 
 
 @pytest.mark.timeout(120)

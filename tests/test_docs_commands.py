@@ -4,12 +4,15 @@ are what those commands print, and ``docs/forecast.md``'s commands run as shown,
 excerpt the page shows, and ``docs/traces.md``'s command prints the tables the page shows: the same labels, lines
 and order, numbers and column padding aside."""
 
+import json
+import math
 import re
 import shutil
 
 import pytest
 
 from lit_ddp.run.arguments import expand_shorthands
+from lit_ddp.scaling import links
 from tests.runner import PROFILE_RUN, ROOT, run_main, run_module
 
 DOCS = ROOT / "docs"
@@ -83,7 +86,7 @@ def test_shape_ignores_padding_only():
 @pytest.mark.timeout(300)
 def test_the_forecast_page_commands_run_as_shown(profile_run, tmp_path):
     """The measured run is the session's ``profile_run`` (the page's first command, checked); the other commands go
-    on from a copy of its directory."""
+    on from a copy of its directory. The probe's run is the real one on 2 gloo ranks that its JSON is checked on."""
     commands = [
         line.split("#")[0].split()
         for line in code_blocks(section("forecast.md", "The commands"))[0].strip().splitlines()
@@ -104,6 +107,15 @@ def test_the_forecast_page_commands_run_as_shown(profile_run, tmp_path):
     (excerpt,) = code_blocks(section("forecast.md", "What it prints"))
     assert shape(outputs[1]) == shape(excerpt), "docs/forecast.md's excerpt is not what the command prints"
     assert "intra-node link measured:" in outputs[3]
+    assert "all-reduce, gloo, 2 ranks, float32, median of 10 after 3 warm-up:" in outputs[2]
+    probe = json.loads((tmp_path / "probe.json").read_text())
+    assert [row["nbytes"] for row in probe["rows"]] == [1024 * 2**k for k in range(17)]  # 1 KiB to 64 MiB
+    for row in probe["rows"]:
+        assert row["ms"] > 0
+        assert row["algbw_gbps"] == pytest.approx(row["nbytes"] / row["ms"] / 1e6)
+        assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"])  # 2(n-1)/n = 1 on 2 ranks
+    link = links.load_probe(tmp_path / "probe.json")
+    assert link.busbw_gbps > 0 and link.hop_latency_us >= 0 and math.isfinite(link.busbw_gbps)
 
 
 def test_the_traces_page_command_prints_what_the_page_shows(tmp_path):

@@ -1,15 +1,16 @@
 """Shared fixtures: the fast CPU trainer factory, clean-up that keeps tests independent, and the runs that tests of
-several files read (each started once a session)."""
+several files read (each started once a test run), and the turns of the timing tests under pytest-xdist."""
 
 import fcntl
 import functools
 import gc
+import json
 import logging
 import os
 import shutil
+import subprocess
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -98,34 +99,54 @@ def _restore_logging():
         logger.propagate = propagate
 
 
-@contextmanager
-def _turn(exclusive: bool) -> Iterator[None]:
+class _Turns:
     """Under pytest-xdist: a ``timing`` test runs alone (an exclusive lock), every other test beside the others (a
     shared one). A turnstile, taken first by everyone and held by a ``timing`` test until its turn comes, keeps new
-    shared holders from starving it."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if not run:
-        yield
-        return
-    base = Path(tempfile.gettempdir()) / f"lit_ddp_tests_{run}"
-    base.mkdir(exist_ok=True)
-    with open(base / "turnstile", "a") as turnstile, open(base / "lock", "a") as lock:
+    shared holders from starving it. A worker's consecutive ``timing`` tests keep the exclusive lock from the first
+    to the last: the wait for the other workers to end the tests they are running (a minute and more) comes once."""
+
+    def __init__(self) -> None:
+        self.files: tuple | None = None  # (turnstile, lock), open for the worker's whole session
+        self.exclusive = False
+
+    def take(self, exclusive: bool) -> None:
+        run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+        if not run or (exclusive and self.exclusive):  # not under xdist, or held since the last timing test
+            return
+        if self.files is None:
+            base = Path(tempfile.gettempdir()) / f"lit_ddp_tests_{run}"
+            base.mkdir(exist_ok=True)
+            self.files = (open(base / "turnstile", "a"), open(base / "lock", "a"))
+        turnstile, lock = self.files
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         fcntl.flock(turnstile, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        self.exclusive = exclusive
+
+    def give_back(self, keep: bool) -> None:
+        """Releases the lock, unless ``keep`` (a timing test that another timing test follows)."""
+        if self.files is not None and not (self.exclusive and keep):
+            fcntl.flock(self.files[1], fcntl.LOCK_UN)
+            self.exclusive = False
+
+
+_TURNS = _Turns()
+
+
+def _timing(item: pytest.Item | None) -> bool:
+    return item is not None and item.get_closest_marker("timing") is not None
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
-def pytest_runtest_protocol(item):
+def pytest_runtest_protocol(item, nextitem):
     """Tests marked ``timing`` measure who is late by how much on 2 cores: another worker's run beside them would
     be the straggler they find. The wait for a turn comes before the test's timeout starts (pytest-timeout's
     timer is set inside this hook), and a session run is made inside the turn of the test that first asks for it."""
-    with _turn(item.get_closest_marker("timing") is not None):
+    _TURNS.take(_timing(item))
+    try:
         yield
+    finally:
+        _TURNS.give_back(keep=_timing(item) and _timing(nextitem))
 
 
 @pytest.fixture
@@ -135,30 +156,53 @@ def make_trainer(tmp_path):
     return functools.partial(fast_trainer, tmp_path)
 
 
+def _session_run(tmp_path_factory, name: str, make: Callable[[Path], subprocess.CompletedProcess]) -> FitRun:
+    """``make(cwd)`` once for the whole test run: under pytest-xdist every worker has its own session, and the first
+    to ask makes the run (the others wait for it, on a file lock) in the workers' shared temporary directory."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        cwd = tmp_path_factory.mktemp(name)
+        return FitRun(make(cwd), cwd)
+    shared = tmp_path_factory.getbasetemp().parent  # pytest-N/, the parent of every worker's popen-gwK/
+    cwd, saved = shared / name, shared / f"{name}.json"
+    with open(shared / f"{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not saved.is_file():
+            cwd.mkdir()
+            result = make(cwd)
+            saved.write_text(json.dumps({key: getattr(result, key) for key in ("args", "returncode", "stdout",
+                                                                                 "stderr")}))  # fmt: skip
+    return FitRun(subprocess.CompletedProcess(**json.loads(saved.read_text())), cwd)
+
+
 @pytest.fixture(scope="session")
 def notes_run(tmp_path_factory) -> FitRun:
     """README's command 1 on the CPU: ``python -m lit_ddp.fit --devices 2``, the notes' run (dim 1024, 5 steps), in a
     directory of its own; for the tests that read its output, its metrics or its run directory."""
-    cwd = tmp_path_factory.mktemp("notes_run")
-    return FitRun(run_fit("--devices", "2", cwd=cwd), cwd)
+    return _session_run(tmp_path_factory, "notes_run", lambda cwd: run_fit("--devices", "2", cwd=cwd))
 
 
 @pytest.fixture(scope="session")
 def pytorch_profiler_run(tmp_path_factory) -> FitRun:
     """A 2-rank run (dim 64, 8 steps) under Lightning's PyTorchProfiler (``--trainer.profiler pytorch``: one Chrome
     trace per rank in the run directory), with a PhaseTimer that asks for a profile of its own (``kernel_steps=2``)."""
-    cwd = tmp_path_factory.mktemp("pytorch_profiler_run")
-    config = cwd / "profiled.yaml"
-    config.write_text("trainer:\n  max_steps: 8\n  callbacks:\n    - class_path: lit_ddp.callbacks.PhaseTimer\n"
-                      "      init_args: {kernel_steps: 2, print_steps: 0}\nmodel:\n  dim: 64\n")  # fmt: skip
-    return FitRun(run_fit("--config", str(config), "--devices", "2", "--trainer.profiler", "pytorch", cwd=cwd,
-                          timeout=120), cwd)  # fmt: skip
+
+    def make(cwd: Path) -> subprocess.CompletedProcess:
+        config = cwd / "profiled.yaml"
+        config.write_text("trainer:\n  max_steps: 8\n  callbacks:\n    - class_path: lit_ddp.callbacks.PhaseTimer\n"
+                          "      init_args: {kernel_steps: 2, print_steps: 0}\nmodel:\n  dim: 64\n")  # fmt: skip
+        return run_fit("--config", str(config), "--devices", "2", "--trainer.profiler", "pytorch", cwd=cwd,
+                       timeout=120)  # fmt: skip
+
+    return _session_run(tmp_path_factory, "pytorch_profiler_run", make)
 
 
 @pytest.fixture(scope="session")
 def profile_run(tmp_path_factory) -> FitRun:
     """The notes' profiled variant, ``python -m lit_ddp.fit --config configs/mini_train_profile.yaml --devices 2``
     (``tests.runner.PROFILE_RUN``), from a directory that holds a copy of ``configs/``."""
-    cwd = tmp_path_factory.mktemp("profile_run")
-    shutil.copytree(ROOT / "configs", cwd / "configs")
-    return FitRun(run_fit(*PROFILE_RUN, cwd=cwd, timeout=200), cwd)
+
+    def make(cwd: Path) -> subprocess.CompletedProcess:
+        shutil.copytree(ROOT / "configs", cwd / "configs")
+        return run_fit(*PROFILE_RUN, cwd=cwd, timeout=200)
+
+    return _session_run(tmp_path_factory, "profile_run", make)

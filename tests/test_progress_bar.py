@@ -20,7 +20,7 @@ from lit_ddp.callbacks import CommMonitor, PhaseTimer
 
 if __name__ == "__main__":
     bar = RichProgressBar() if sys.argv[1] == "rich" else TQDMProgressBar()
-    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=4, logger=False,
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=4, logger=False,
                       enable_checkpointing=False, callbacks=[bar, PhaseTimer(print_steps=1), CommMonitor()])
     trainer.fit(LinearRegression(dim=32), FixedBatchDataModule(dim=32, batch_size=4))
 """

@@ -127,17 +127,27 @@ def fit_probe(points: Sequence[ProbePoint], world_size: int, name: str = "measur
     )
 
 
-def load_probe(path: Path) -> Link:
-    """The ``measured`` link: a fit to an ``allreduce_probe`` JSON."""
+def load_probe(path: Path, hop: str = "intra") -> Link:
+    """The ``measured`` link of ``hop`` (``intra`` or ``inter``): a fit to an ``allreduce_probe`` JSON. A probe
+    across nodes (under torchrun) measured each hop apart: within node 0 and between the nodes; a probe of one
+    machine measured one link, which serves both."""
     record = _read_json(path)
+    part, what = record, ""
+    if "nodes" in record:  # across nodes
+        key = f"{hop}_node"
+        if key not in record:
+            missing, example = (("within a node (one rank per node)", "nvlink+measured") if hop == "intra" else
+                                ("between nodes (one node)", "measured+ib400"))  # fmt: skip
+            raise ForecastError(f"{path} measured no link {missing}: name that one, e.g. --link {example}")
+        part, what = record[key], " within a node" if hop == "intra" else " between nodes"
     try:
-        points = [ProbePoint(**row) for row in record["rows"]]
-        n = record["world_size"]
+        points = [ProbePoint(**row) for row in part["rows"]]
+        n = part["world_size"]
     except (KeyError, TypeError) as e:
         raise ForecastError(f"{path} is not an allreduce_probe JSON ({e!r})") from None
     sizes = f"{min(p.nbytes for p in points):,}..{max(p.nbytes for p in points):,} bytes"
     return fit_probe(
-        points, n, source=f"fit to {path}: {record.get('backend')}, {n} ranks, {len(points)} sizes {sizes}"
+        points, n, source=f"fit to {path}{what}: {record.get('backend')}, {n} ranks, {len(points)} sizes {sizes}"
     )
 
 
@@ -151,18 +161,20 @@ def _read_json(path: Path) -> dict:
 
 
 def topology(spec: tuple[str, str | None], gpus_per_node: int, probe: Path | None) -> Topology:
-    """``("nvlink", "ib400")`` -> links; one name alone means every hop uses that link."""
+    """``("nvlink", "ib400")`` -> links; one name alone means every hop uses that link (``measured`` alone: each hop
+    the probe's measurement of it, where it measured them apart)."""
 
-    def link(name: str) -> Link:
+    def link(name: str, hop: str) -> Link:
         if name != "measured":
             return PRESETS[name]
         if probe is None:
             raise ForecastError("--link measured needs a probe: --probe probe.json "
                                 "(python -m lit_ddp.allreduce_probe --out probe.json)")  # fmt: skip
-        return load_probe(probe)
+        return load_probe(probe, hop)
 
-    intra = link(spec[0])
-    inter = link(spec[1]) if spec[1] else intra
+    inter = link(spec[1] or spec[0], "inter")
+    # One rank per node has no hop within a node, and a probe with one rank per node measured none.
+    intra = inter if gpus_per_node == 1 and spec[0] == "measured" else link(spec[0], "intra")
     if spec[1] and inter.node_only:
         raise ForecastError(f"{inter.name} joins the GPUs of one node: it cannot link nodes (try nvlink+ib400)")
     return Topology(intra, inter, gpus_per_node)

@@ -245,7 +245,7 @@ def probe_points(n, hop_us, busbw, noise=(1.0,)):
 def test_probe_fit():
     link = links.fit_probe(probe_points(4, hop_us=20.0, busbw=2.0), 4)
     assert (link.hop_latency_us, link.busbw_gbps) == (pytest.approx(20.0), pytest.approx(2.0))
-    # +-10% noise at every size: the relative-error fit keeps both ends within that.
+    # +-10% noise at every size: the bandwidth from the large sizes and the latency stay within that.
     noisy = links.fit_probe(probe_points(2, hop_us=50.0, busbw=1.0, noise=(1.1, 0.9, 1.05, 0.95)), 2)
     assert noisy.hop_latency_us == pytest.approx(50.0, rel=0.1)
     assert noisy.busbw_gbps == pytest.approx(1.0, rel=0.1)

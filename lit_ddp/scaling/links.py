@@ -100,25 +100,31 @@ def allreduce_ms(nbytes: float, ranks: int, topo: Topology) -> float:
     return latency / 1e3 + max(intra, inter)
 
 
+LARGE_SHARE = 1 / 16  # the sizes whose times give the bandwidth: from a sixteenth of the largest up (5 doublings)
+
+
 def fit_probe(points: Sequence[ProbePoint], world_size: int, name: str = "measured", source: str = "") -> Link:
-    """Fits t = A + B x S to a probe, weighting relative error (sizes span 1 KiB .. 100 MB, and a plain least
-    squares fit would ignore the small, latency-bound ones), then reads the ring's terms off it:
-    A = 2(n-1) a, B = 2(n-1)/n / busbw."""
+    """Fits t = A + B x S to a probe and reads the ring's terms off it: A = 2(n-1) a, B = 2(n-1)/n / busbw. B comes
+    from the large sizes (least squares over those from ``LARGE_SHARE`` of the largest up): the buckets a forecast
+    sends are MBs, and the small sizes' times are latency and noise (over a shaped link a few KB also pass in the
+    link's burst; weighted in, they read 12-23% more bandwidth than the largest sizes ran at). A is then the
+    mean of t - B x S weighted by relative error, which the small, latency-bound sizes carry (never below 0)."""
     if world_size < 2:
         raise ForecastError(f"a probe needs >= 2 ranks to measure a link, got world_size={world_size!r}")
     pts = [(p.nbytes, p.ms) for p in points if p.ms > 0]
     if len({s for s, _ in pts}) < 2:
         raise ForecastError(f"a fit needs >= 2 sizes with a positive time, got {[(p.nbytes, p.ms) for p in points]}")
-    weighted = [(1 / t**2, s, t) for s, t in pts]
-    sw = sum(w for w, _, _ in weighted)
-    sx, sy = sum(w * s for w, s, _ in weighted), sum(w * t for w, _, t in weighted)
-    sxx, sxy = sum(w * s * s for w, s, _ in weighted), sum(w * s * t for w, s, t in weighted)
-    slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
-    intercept = (sy - slope * sx) / sw
-    if intercept < 0:  # noise at the small sizes; a link has no negative latency
-        intercept, slope = 0.0, sxy / sxx
+    largest = max(s for s, _ in pts)
+    large = [(s, t) for s, t in pts if s >= LARGE_SHARE * largest]
+    if len({s for s, _ in large}) < 2:  # a probe of one size band: every size
+        large = pts
+    mean_s, mean_t = sum(s for s, _ in large) / len(large), sum(t for _, t in large) / len(large)
+    slope = sum((s - mean_s) * (t - mean_t) for s, t in large) / sum((s - mean_s) ** 2 for s, _ in large)
     if slope <= 0:
         raise ForecastError(f"the probe's times do not grow with size (slope {slope!r} ms/byte): no bandwidth to fit")
+    weights = [1 / t**2 for _, t in pts]
+    intercept = sum(w * (t - slope * s) for w, (s, t) in zip(weights, pts, strict=True)) / sum(weights)
+    intercept = intercept if intercept > 1e-9 else 0.0  # a picosecond: rounding, not a latency
     return Link(
         name,
         busbw_gbps=allreduce_bus_factor(world_size) / slope / BYTES_PER_MS_PER_GBPS,

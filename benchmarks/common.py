@@ -17,9 +17,11 @@ import math
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
@@ -39,6 +41,37 @@ def child_env(base: Optional[Mapping[str, str]] = None, **extra: str) -> dict[st
     base = os.environ if base is None else base
     path = os.pathsep.join(p for p in (str(ROOT), base.get("PYTHONPATH")) if p)
     return {**base, **extra, "PYTHONPATH": path}
+
+
+# ------------------------------------------------------------------------------------------- shaped nodes
+
+NODES_PREFIX = "litddp-bench-"  # the benchmarks' namespaces, apart from the tests' (litddp-test-) and a user's
+
+
+class ShapedNodes:
+    """Nodes of ``nodes/cluster.sh`` (``shaped_nodes``): the commands that run on them."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def torchrun(self, k: int, ranks_per_node: int, *args: str) -> list[str]:
+        """``torchrun ARGS`` on node ``k`` (``ARGS``: ``-m module ...``), gloo bound to the node's link; node 0
+        hosts the rendezvous."""
+        return ["ip", "netns", "exec", f"{NODES_PREFIX}node{k}", "env", "GLOO_SOCKET_IFNAME=eth0", sys.executable,
+                "-m", "torch.distributed.run", "--nnodes", str(self.count), "--nproc_per_node", str(ranks_per_node),
+                "--node_rank", str(k), "--master_addr", "198.18.0.1", "--master_port", "29500", *args]  # fmt: skip
+
+
+@contextmanager
+def shaped_nodes(count: int, *rates: str) -> Iterator[ShapedNodes]:
+    """``nodes/cluster.sh start COUNT RATES...`` (as root) for the block, stopped after it, whatever happens."""
+    cluster = [str(ROOT / "nodes" / "cluster.sh")]
+    env = {**os.environ, "LIT_DDP_NODES_PREFIX": NODES_PREFIX}
+    subprocess.run(["bash", *cluster, "start", str(count), *rates], env=env, check=True)
+    try:
+        yield ShapedNodes(count)
+    finally:
+        subprocess.run(["bash", *cluster, "stop"], env=env, check=False)
 
 
 # ------------------------------------------------------------------------------------------- the step clock

@@ -29,13 +29,11 @@ from pathlib import Path
 if not __package__:  # run as a file: the repository on sys.path instead of benchmarks/
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from benchmarks.common import ROOT, child_env  # noqa: E402
+from benchmarks.common import ROOT, ShapedNodes, child_env, shaped_nodes  # noqa: E402
 from lit_ddp.analysis.tables import table  # noqa: E402
 
 MODEL = ("--model", "examples.own_module.RandomTokens", "--model.vocab_size", "1000",
          "--data", "examples.own_module.RandomTokenData")  # fmt: skip
-PREFIX = "litddp-bench-"
-CLUSTER = ROOT / "nodes" / "cluster.sh"
 
 
 def tune_loopback(out: Path, extra: list[str]) -> float:
@@ -49,15 +47,11 @@ def tune_loopback(out: Path, extra: list[str]) -> float:
 
 def tune_nodes(out: Path, extra: list[str]) -> float:
     """``lit_ddp.tune`` under torchrun, one rank on each of two nodes of ``nodes/cluster.sh``; its wall time (s)."""
-    procs = []
+    tune = ["-m", "lit_ddp.tune", "--trainer.accelerator", "cpu", "--devices", "1", "--trainer.num_nodes", "2", *MODEL,
+            "--out", str(out), *extra]  # fmt: skip
     began = time.perf_counter()
-    for k in (0, 1):
-        command = ["ip", "netns", "exec", f"{PREFIX}node{k}", "env", "GLOO_SOCKET_IFNAME=eth0", sys.executable, "-m",
-                   "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(k),
-                   "--master_addr", "198.18.0.1", "--master_port", "29500", "-m", "lit_ddp.tune",
-                   "--trainer.accelerator", "cpu", "--devices", "1", "--trainer.num_nodes", "2", *MODEL,
-                   "--out", str(out), *extra]  # fmt: skip
-        procs.append(subprocess.Popen(command, cwd=ROOT, env=child_env(OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL))
+    procs = [subprocess.Popen(ShapedNodes(2).torchrun(k, 1, *tune), cwd=ROOT, env=child_env(OMP_NUM_THREADS="1"),
+                              stdout=subprocess.DEVNULL) for k in (0, 1)]  # fmt: skip
     codes = [p.wait(timeout=3600) for p in procs]
     if any(codes):
         raise SystemExit(f"tune_grid: a node's tune exited with {codes}")
@@ -125,12 +119,8 @@ def main() -> None:
             if case != "nodes":
                 rows.append(run_case(case, Path(work), tune_args))
                 continue
-            env = {**os.environ, "LIT_DDP_NODES_PREFIX": PREFIX}
-            subprocess.run(["bash", str(CLUSTER), "start", "2", "--rate", args.rate], env=env, check=True)
-            try:
+            with shaped_nodes(2, "--rate", args.rate):
                 rows.append(run_case(case, Path(work), tune_args))
-            finally:
-                subprocess.run(["bash", str(CLUSTER), "stop"], env=env, check=False)
     header = ("case", "tuner's pick", "a second tune's pick", "pick in the grid (ms)", "grid's best (ms)",
               "pick vs best", "wall s: tuner / grid (trials)", "wall ratio", "speedup: claimed / grid's",
               "configurations: tuner / grid")  # fmt: skip

@@ -10,8 +10,8 @@ ones: a barrier first so the ranks start together, then one all-reduce (on GPUs 
 the median over iterations. ``algbw = S / t`` and ``busbw = algbw * 2(n-1)/n`` as in nccl-tests
 (``doc/PERFORMANCE.md``). Rank 0 prints the table, the latency-bandwidth fit that ``lit_ddp.forecast``
 uses for ``--link measured``, and writes the JSON. Under torchrun (``torchrun --nnodes N ... -m
-lit_ddp.allreduce_probe``, as nccl-tests under mpirun) it also measures within each node, between the nodes, and
-each pair of nodes point to point, which names a node whose link is slower than the others' (docs/launching.md).
+lit_ddp.allreduce_probe``, or ``srun``, as nccl-tests under mpirun) it also measures within each node, between
+the nodes, and each pair of nodes point to point, which names a node whose link is slower than the others'.
 """
 
 import argparse
@@ -33,6 +33,7 @@ import torch.multiprocessing as mp
 
 from lit_ddp.analysis.tables import fmt_bandwidth, table
 from lit_ddp.analysis.trace import allreduce_bus_factor
+from lit_ddp.errors import ForecastError
 from lit_ddp.run.rendezvous import init_loopback_process_group
 from lit_ddp.scaling.links import ProbePoint, fit_probe
 
@@ -192,6 +193,21 @@ def under_torchrun() -> bool:
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR"))
 
 
+def srun_env() -> dict[str, str] | None:
+    """Under srun (a task of a job step of two tasks or more), torchrun's env:// variables from Slurm's, as
+    Lightning's ``SLURMEnvironment`` derives them (the first node of the step's list, a port from the job id);
+    None elsewhere, e.g. in a batch script outside srun. Slurm's default distribution numbers a node's tasks
+    together, as torchrun does, and the tasks are spread evenly over the step's nodes."""
+    if "SLURM_STEP_ID" not in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) < 2:
+        return None
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    slurm = SLURMEnvironment()
+    return {"RANK": str(slurm.global_rank()), "WORLD_SIZE": str(slurm.world_size()),
+            "LOCAL_WORLD_SIZE": str(slurm.world_size() // int(os.environ.get("SLURM_NNODES", "1"))),
+            "MASTER_ADDR": slurm.main_address, "MASTER_PORT": str(slurm.main_port)}  # fmt: skip
+
+
 def node_links(pairs: dict[tuple[int, int], float], nodes: int) -> list[float]:
     """Each node's link rate from the point-to-point rates of the pairs of nodes, every node's link joining one
     switch: a pair runs at the slower of its two links, so a node's link is (at least) its fastest pair's rate."""
@@ -315,10 +331,16 @@ def format_nodes(record: dict) -> str:
     return "\n".join(lines)
 
 
+def _no_fit(parser: argparse.ArgumentParser, error: ForecastError) -> int:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{parser.prog}: {error} (larger sizes: --max-bytes)", file=sys.stderr)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lit_ddp.allreduce_probe", description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=None,
-                        help="ranks to start (>= 2; default 2); under torchrun, torchrun's ranks")  # fmt: skip
+                        help="ranks to start (>= 2; default 2); under torchrun or srun, the launcher's")  # fmt: skip
     parser.add_argument("--max-bytes", type=parse_bytes, default=64 * KIB**2,
                         help="largest buffer, e.g. 64M or a run's largest bucket in bytes (default 64M)")  # fmt: skip
     parser.add_argument("--min-bytes", type=parse_bytes, default=KIB, help="smallest buffer (default 1K)")
@@ -327,12 +349,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl on GPUs")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here")
     args = parser.parse_args(argv)
+    if not under_torchrun():
+        try:
+            slurm = srun_env()
+        except RuntimeError as e:  # Lightning's SLURMEnvironment refusing the step's settings, in one line
+            parser.error(f"under srun: {e}")
+        os.environ.update(slurm or {})
     if under_torchrun():
         if args.nproc is not None:
-            parser.error("--nproc: under torchrun the ranks are torchrun's (--nnodes x --nproc_per_node)")
+            parser.error("--nproc: under torchrun or srun the ranks are the launcher's (nodes x ranks per node)")
         if args.backend == "nccl":
             parser.error("--backend nccl: the probe across nodes runs gloo")
-        record = probe_nodes(args.max_bytes, args.min_bytes, args.warmup, args.iters)
+        try:
+            record = probe_nodes(args.max_bytes, args.min_bytes, args.warmup, args.iters)
+        except ForecastError as e:  # no fit to these times (every rank computes it): one line, from rank 0
+            return _no_fit(parser, e)
         if record is not None:  # rank 0
             print(f"{record['nodes']} node(s) x {record['ranks_per_node']} rank(s)")
             print(format_probe(record))
@@ -350,7 +381,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--warmup must be >= 0 and --iters >= 1, got {args.warmup} and {args.iters}")
     if args.backend == "nccl" and torch.cuda.device_count() < args.nproc:
         parser.error(f"--backend nccl needs {args.nproc} GPUs, this machine has {torch.cuda.device_count()}")
-    record = probe(args.nproc, args.max_bytes, args.min_bytes, args.warmup, args.iters, args.backend)
+    try:
+        record = probe(args.nproc, args.max_bytes, args.min_bytes, args.warmup, args.iters, args.backend)
+    except ForecastError as e:
+        return _no_fit(parser, e)
     print(format_probe(record))
     if args.out is not None:
         args.out.write_text(json.dumps(record, indent=1))

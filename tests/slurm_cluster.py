@@ -89,14 +89,14 @@ class Cluster:
             pytest.fail(f"sbatch exited with {result.returncode}: {result.stderr.strip()}")
         return int(result.stdout.strip().split(";")[0])
 
-    def srun_argv(self, name: str, *fit_args: str) -> list[str]:
-        """``srun`` of ``python -m lit_ddp.fit FIT_ARGS`` (on the CPU) as two tasks of job ``name``."""
-        return ["srun", f"--job-name={name}", *TWO_TASKS, sys.executable, "-m", *fit_command(*fit_args)]
+    def srun_argv(self, name: str, *module_args: str) -> list[str]:
+        """``srun`` of ``python -m MODULE_ARGS`` as two tasks of job ``name``."""
+        return ["srun", f"--job-name={name}", *TWO_TASKS, sys.executable, "-m", *module_args]
 
-    def srun_fit(self, name: str, *fit_args: str, cwd: Path, timeout: float = 90) -> subprocess.CompletedProcess:
-        """``srun`` of the main job to completion, with a hard timeout (its session killed then; the job itself
-        is ``job_name``'s to cancel)."""
-        proc = subprocess.Popen(self.srun_argv(name, *fit_args), cwd=cwd, env=self.env, stdout=subprocess.PIPE,
+    def srun(self, name: str, *module_args: str, cwd: Path, timeout: float = 90) -> subprocess.CompletedProcess:
+        """``srun_argv`` to completion, with a hard timeout (its session killed then; the job itself is
+        ``job_name``'s to cancel)."""
+        proc = subprocess.Popen(self.srun_argv(name, *module_args), cwd=cwd, env=self.env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
@@ -106,11 +106,15 @@ class Cluster:
             raise
         return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
+    def srun_fit(self, name: str, *fit_args: str, cwd: Path, timeout: float = 90) -> subprocess.CompletedProcess:
+        """``srun`` of the main job (on the CPU) to completion."""
+        return self.srun(name, *fit_command(*fit_args), cwd=cwd, timeout=timeout)
+
     @contextmanager
     def start_srun_fit(self, name: str, *fit_args: str, cwd: Path) -> Iterator[Running]:
         """``srun`` of the main job in the background for the ``with`` block; its session is killed afterwards."""
-        proc = subprocess.Popen(self.srun_argv(name, *fit_args), cwd=cwd, env=self.env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(self.srun_argv(name, *fit_command(*fit_args)), cwd=cwd, env=self.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
         try:
             yield Running(proc)
         finally:

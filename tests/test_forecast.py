@@ -4,6 +4,7 @@ and one real 2-rank gloo probe."""
 
 import argparse
 import json
+import os
 import sys
 
 import pytest
@@ -399,3 +400,29 @@ def test_picture_starts_the_step_axis_at_zero_and_no_efficiency_passes_100():
     assert "Efficiency: the 1-rank step over the N-rank step of the same configuration" in forecast.report(
         run, one_node(), [1, 2], [], "test"
     )
+
+
+@pytest.mark.timeout(30)
+def test_under_srun_the_probe_takes_slurms_ranks_and_elsewhere_none(monkeypatch):
+    from lit_ddp import allreduce_probe
+    from lit_ddp.allreduce_probe import srun_env
+
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    for name in [name for name in os.environ if name.startswith("SLURM_") or name in launcher]:
+        monkeypatch.delenv(name)
+    assert srun_env() is None  # no Slurm
+    for name, value in {"SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "2", "SLURM_PROCID": "3",
+                        "SLURM_LOCALID": "1",
+                        "SLURM_NODEID": "1", "SLURM_JOB_ID": "1234", "SLURM_NODELIST": "node[07-08]",
+                        "SLURM_JOB_NAME": "probe"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    assert srun_env() is None  # the batch script itself, outside srun: no job step
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    env = srun_env()
+    assert {key: env[key] for key in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")} == {
+        "RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node07"}  # fmt: skip
+    assert 1024 < int(env["MASTER_PORT"]) < 65536
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE")  # Lightning's SLURMEnvironment asks for it, as fit does
+    with pytest.raises(SystemExit) as exit_info:
+        allreduce_probe.main(["--max-bytes", "1K"])
+    assert exit_info.value.code == 2

@@ -100,6 +100,16 @@ def allreduce_ms(nbytes: float, ranks: int, topo: Topology) -> float:
     return latency / 1e3 + max(intra, inter)
 
 
+def _slope(pts: Sequence[tuple[float, float]], weights: Sequence[float]) -> float:
+    """The slope of the weighted least-squares line through ``(size, time)`` points."""
+    sw = sum(weights)
+    sx = sum(w * s for w, (s, _) in zip(weights, pts, strict=True))
+    sy = sum(w * t for w, (_, t) in zip(weights, pts, strict=True))
+    sxx = sum(w * s * s for w, (s, _) in zip(weights, pts, strict=True))
+    sxy = sum(w * s * t for w, (s, t) in zip(weights, pts, strict=True))
+    return (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+
+
 LARGE_SHARE = 1 / 16  # the sizes whose times give the bandwidth: from a sixteenth of the largest up (5 doublings)
 
 
@@ -116,13 +126,12 @@ def fit_probe(points: Sequence[ProbePoint], world_size: int, name: str = "measur
         raise ForecastError(f"a fit needs >= 2 sizes with a positive time, got {[(p.nbytes, p.ms) for p in points]}")
     largest = max(s for s, _ in pts)
     large = [(s, t) for s, t in pts if s >= LARGE_SHARE * largest]
-    if len({s for s, _ in large}) < 2:  # a probe of one size band: every size
-        large = pts
-    mean_s, mean_t = sum(s for s, _ in large) / len(large), sum(t for _, t in large) / len(large)
-    slope = sum((s - mean_s) * (t - mean_t) for s, t in large) / sum((s - mean_s) ** 2 for s, _ in large)
+    weights = [1 / t**2 for _, t in pts]
+    slope = _slope(large, [1.0] * len(large)) if len({s for s, _ in large}) >= 2 else 0.0
+    if slope <= 0:  # too few large sizes, or only noise among them (a probe of KBs): every size, by relative error
+        slope = _slope(pts, weights)
     if slope <= 0:
         raise ForecastError(f"the probe's times do not grow with size (slope {slope!r} ms/byte): no bandwidth to fit")
-    weights = [1 / t**2 for _, t in pts]
     intercept = sum(w * (t - slope * s) for w, (s, t) in zip(weights, pts, strict=True)) / sum(weights)
     intercept = intercept if intercept > 1e-9 else 0.0  # a picosecond: rounding, not a latency
     return Link(

@@ -196,15 +196,25 @@ def under_torchrun() -> bool:
 def srun_env() -> dict[str, str] | None:
     """Under srun (a task of a job step of two tasks or more), torchrun's env:// variables from Slurm's, as
     Lightning's ``SLURMEnvironment`` derives them (the first node of the step's list, a port from the job id);
-    None elsewhere, e.g. in a batch script outside srun. Slurm's default distribution numbers a node's tasks
-    together, as torchrun does, and the tasks are spread evenly over the step's nodes."""
+    None elsewhere: a batch script outside srun, an interactive shell's step. The probe groups a node's ranks as
+    torchrun numbers them, so the step must hold as many tasks on every node, numbered node by node (Slurm's
+    default block distribution); raises ``RuntimeError`` with one line otherwise."""
     if "SLURM_STEP_ID" not in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) < 2:
         return None
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
+    if not SLURMEnvironment.detect():  # Lightning's rule: `srun --pty bash` and the like launch nothing
+        return None
     slurm = SLURMEnvironment()
-    return {"RANK": str(slurm.global_rank()), "WORLD_SIZE": str(slurm.world_size()),
-            "LOCAL_WORLD_SIZE": str(slurm.world_size() // int(os.environ.get("SLURM_NNODES", "1"))),
+    rank, world = slurm.global_rank(), slurm.world_size()
+    per_node = world // int(os.environ.get("SLURM_STEP_NUM_NODES", os.environ.get("SLURM_NNODES", "1")))
+    layout = os.environ.get("SLURM_STEP_TASKS_PER_NODE", str(per_node))
+    counts = [int(c) for part in layout.split(",") for c in [part.split("(")[0]]]
+    if set(counts) != {per_node} or (slurm.node_rank(), slurm.local_rank()) != divmod(rank, per_node):
+        raise RuntimeError(f"the probe needs as many tasks on every node, numbered node by node (--ntasks-per-node, "
+                           f"block distribution); this step has {layout} tasks per node, and rank {rank} is task "
+                           f"{slurm.local_rank()} of node {slurm.node_rank()}")  # fmt: skip
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(per_node),
             "MASTER_ADDR": slurm.main_address, "MASTER_PORT": str(slurm.main_port)}  # fmt: skip
 
 
@@ -270,30 +280,38 @@ def probe_nodes(max_bytes: int, min_bytes: int = KIB, warmup: int = 3, iters: in
     try:
         sizes = sizes_between(min_bytes, max_bytes)
         config = ProbeConfig(world_size, "gloo", tuple(sizes), warmup, iters, 0, "")
-        everyone = _rows_and_fit(sizes, _sweep(config, cpu), world_size)
-        record = {"backend": "gloo", "nodes": nodes, "ranks_per_node": per_node, "dtype": "float32",
-                  "warmup": warmup, "iters": iters, **everyone}  # fmt: skip
+        # Every collective first, the fits after, on rank 0 alone: a fit that fails (ForecastError) must not leave
+        # other ranks waiting in a collective that rank never joins.
+        everyone = _sweep(config, cpu)
         leaders = [k * per_node for k in range(nodes)]
+        within = between = None
         if per_node > 1:
             # Every rank creates every group, in the same order (torch.distributed.new_group).
             node_groups = [dist.new_group(list(range(k * per_node, (k + 1) * per_node))) for k in range(nodes)]
             leader_group = dist.new_group(leaders)
-            times = _sweep(config, cpu, node_groups[node])
-            record["intra_node"] = _rows_and_fit(sizes, times, per_node)  # rank 0's: node 0's
+            within = _sweep(config, cpu, node_groups[node])  # rank 0's: node 0's
             if nodes > 1 and rank in leaders:
-                record["inter_node"] = _rows_and_fit(sizes, _sweep(config, cpu, leader_group), nodes)
-        elif nodes > 1:
-            record["inter_node"] = {key: record[key] for key in ("world_size", "rows", "fit")}
-        if nodes > 1:
-            pairs = _pair_rates(max_bytes, iters, leaders, rank)
-            links = node_links(pairs, nodes)
-            record["pairs"] = [{"nodes": list(pair), "bytes_per_s": rate} for pair, rate in pairs.items()]
-            record["pair_bytes"] = max_bytes // 4 * 4
-            record["node_links_bytes_per_s"] = links
-            record["slow_nodes"] = slow_nodes(links)
-        return record if rank == 0 else None
+                between = _sweep(config, cpu, leader_group)
+        pairs = _pair_rates(max_bytes, iters, leaders, rank) if nodes > 1 else {}
     finally:
         dist.destroy_process_group()
+    if rank != 0:
+        return None
+    record = {"backend": "gloo", "nodes": nodes, "ranks_per_node": per_node, "dtype": "float32", "warmup": warmup,
+              "iters": iters, **_rows_and_fit(sizes, everyone, world_size)}  # fmt: skip
+    if within is not None:
+        record["intra_node"] = _rows_and_fit(sizes, within, per_node)
+    if between is not None:
+        record["inter_node"] = _rows_and_fit(sizes, between, nodes)
+    elif nodes > 1 and per_node == 1:
+        record["inter_node"] = {key: record[key] for key in ("world_size", "rows", "fit")}
+    if nodes > 1:
+        links = node_links(pairs, nodes)
+        record["pairs"] = [{"nodes": list(pair), "bytes_per_s": rate} for pair, rate in pairs.items()]
+        record["pair_bytes"] = max_bytes // 4 * 4
+        record["node_links_bytes_per_s"] = links
+        record["slow_nodes"] = slow_nodes(links)
+    return record
 
 
 def _rate(bytes_per_s: float) -> str:

@@ -168,10 +168,17 @@ def _session_run(tmp_path_factory, name: str, make: Callable[[Path], subprocess.
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not saved.is_file():
             cwd.mkdir()
-            result = make(cwd)
+            try:
+                result = make(cwd)
+            except BaseException as e:  # a timeout, an interrupt: the other workers' tests say so, not mkdir's error
+                saved.write_text(json.dumps({"error": f"{name} failed in {os.environ['PYTEST_XDIST_WORKER']}: {e!r}"}))
+                raise
             saved.write_text(json.dumps({key: getattr(result, key) for key in ("args", "returncode", "stdout",
                                                                                  "stderr")}))  # fmt: skip
-    return FitRun(subprocess.CompletedProcess(**json.loads(saved.read_text())), cwd)
+    done = json.loads(saved.read_text())
+    if "error" in done:
+        pytest.fail(done["error"])
+    return FitRun(subprocess.CompletedProcess(**done), cwd)
 
 
 @pytest.fixture(scope="session")

@@ -403,7 +403,7 @@ def test_picture_starts_the_step_axis_at_zero_and_no_efficiency_passes_100():
 
 
 @pytest.mark.timeout(30)
-def test_under_srun_the_probe_takes_slurms_ranks_and_elsewhere_none(monkeypatch):
+def test_under_srun_the_probe_takes_slurms_ranks_and_elsewhere_none(monkeypatch, capsys):
     from lit_ddp import allreduce_probe
     from lit_ddp.allreduce_probe import srun_env
 
@@ -422,7 +422,15 @@ def test_under_srun_the_probe_takes_slurms_ranks_and_elsewhere_none(monkeypatch)
     assert {key: env[key] for key in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")} == {
         "RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node07"}  # fmt: skip
     assert 1024 < int(env["MASTER_PORT"]) < 65536
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "3,1")  # uneven: a node's ranks cannot be grouped as torchrun's
+    with pytest.raises(RuntimeError, match=r"as many tasks on every node.*this step has 3,1 tasks per node"):
+        srun_env()
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "2(x2)")
+    monkeypatch.setenv("SLURM_JOB_NAME", "bash")  # `srun --pty bash`: Lightning's rule, nothing launched
+    assert srun_env() is None
+    monkeypatch.setenv("SLURM_JOB_NAME", "probe")
     monkeypatch.delenv("SLURM_NTASKS_PER_NODE")  # Lightning's SLURMEnvironment asks for it, as fit does
     with pytest.raises(SystemExit) as exit_info:
         allreduce_probe.main(["--max-bytes", "1K"])
     assert exit_info.value.code == 2
+    assert "error: under srun: You set `--ntasks=4`" in capsys.readouterr().err

@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -46,11 +47,20 @@ def fit_args(dim: int, steps: int, out: Path) -> list[str]:
 
 
 def run(commands: list[list[str]], log: Path, timeout: float = 900) -> None:
-    """Starts every command at once (one per node, or one), waits for all; exits with the log's tail on a failure."""
+    """Starts every command at once (one per node, or one), waits for all (the others killed once one fails, or at
+    the timeout); exits with the log's tail on a failure."""
     with log.open("w") as out:
         procs = [subprocess.Popen(c, cwd=ROOT, env=child_env(OMP_NUM_THREADS="1"), stdout=out,
                                   stderr=subprocess.STDOUT) for c in commands]  # fmt: skip
-        codes = [p.wait(timeout=timeout) for p in procs]
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.returncode for p in procs):  # one failed: the others would wait on it until their timeout
+                break
+            time.sleep(0.5)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        codes = [p.wait() for p in procs]
     if any(codes):
         tail = "\n".join(log.read_text().splitlines()[-15:])
         raise SystemExit(f"forecast_network: exit codes {codes}; last lines of {log}:\n{tail}")

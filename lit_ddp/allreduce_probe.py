@@ -209,7 +209,7 @@ def srun_env() -> dict[str, str] | None:
     rank, world = slurm.global_rank(), slurm.world_size()
     per_node = world // int(os.environ.get("SLURM_STEP_NUM_NODES", os.environ.get("SLURM_NNODES", "1")))
     layout = os.environ.get("SLURM_STEP_TASKS_PER_NODE", str(per_node))
-    counts = [int(c) for part in layout.split(",") for c in [part.split("(")[0]]]
+    counts = [int(part.split("(")[0]) for part in layout.split(",")]  # "2(x3)" or "3,2": tasks on each node
     if set(counts) != {per_node} or (slurm.node_rank(), slurm.local_rank()) != divmod(rank, per_node):
         raise RuntimeError(f"the probe needs as many tasks on every node, numbered node by node (--ntasks-per-node, "
                            f"block distribution); this step has {layout} tasks per node, and rank {rank} is task "

@@ -10,7 +10,6 @@ the fit before any training step. ``outcome`` holds the result (carried back to 
 
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 from jsonargparse.typing import PositiveFloat, PositiveInt
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -71,7 +70,8 @@ class DDPTuner(Callback):
         model = Model(
             grad_bytes=_grad_bytes(pl_module),
             has_buffers=any(True for _ in pl_module.buffers()),
-            unused_parameters=_on_any_rank(not _all_get_grads(pl_module, batch), strategy.root_device),
+            # On any rank (Lightning's reduction): every rank must try the same knobs, or their collectives differ.
+            unused_parameters=strategy.reduce_boolean_decision(not _all_get_grads(pl_module, batch), all=False),
             optimizer_impls=optimizer_impls(trainer.optimizers[0]),
             world_size=trainer.world_size,
             bf16=strategy.root_device.type == "cuda",
@@ -83,13 +83,6 @@ class DDPTuner(Callback):
         self.record = to_record(self.outcome, self.rows)
         say(trainer, report(self.outcome, self.rows))
         trainer.should_stop = True  # the fit ends before its first step: this was a tuning run
-
-
-def _on_any_rank(flag: bool, device) -> bool:
-    """``flag`` on any rank (every rank must choose the same knobs to try, or their collectives would not match)."""
-    tensor = torch.tensor([float(flag)], device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return bool(tensor.item())
 
 
 def _first_batch(trainer: Trainer, pl_module: LightningModule) -> Any:

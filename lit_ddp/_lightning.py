@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
 from lightning.pytorch import Trainer
+from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.overrides import distributed as overrides_distributed
 from lightning.pytorch.strategies import DDPStrategy
@@ -44,7 +45,14 @@ PRIVATE_NAMES = [
     PrivateName(_SignalConnector, "_slurm_sigusr_handler_fn", "Lightning's SLURM requeue: HPC checkpoint, scontrol"),
     PrivateName(_TrainingEpochLoop, "_broadcast_sigterm_tensor", "Lightning's per-step SIGTERM broadcast"),
     PrivateName(overrides_distributed, "_register_ddp_comm_hook", "Lightning's helper: hook + wrapper onto DDP"),
+    PrivateName(_FitLoop, "_data_source", "where fit's training data comes from, before the loop sets it up"),
 ]
+
+
+def train_dataloader(trainer: Trainer) -> Any:
+    """The training data as ``fit`` was given it: the datamodule's or the module's ``train_dataloader``, or the
+    loaders passed to ``fit`` (before the fit loop has set them up: usable in ``on_fit_start``)."""
+    return trainer.fit_loop._data_source.dataloader()
 
 
 def is_lightning_launcher(launcher: Any) -> bool:

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import yaml
 from lightning.pytorch.cli import LightningArgumentParser
+from lightning.pytorch.strategies import DDPStrategy
 
 from lit_ddp.callbacks import DDPTuner, DeviceMap
-from lit_ddp.callbacks.tuner import script_lines
+from lit_ddp.callbacks.tuner import knobs_of, script_lines
 from lit_ddp.errors import Ending, UsageError
 from lit_ddp.fit import LitDDPCLI, build_cli
 from lit_ddp.run import console, lifecycle
@@ -70,6 +71,11 @@ class TuneCLI(LitDDPCLI):
         trainer = self.trainer
         trainer.callbacks = [c for c in trainer.callbacks if not type(c).__module__.startswith("lit_ddp.")
                              or isinstance(c, (DDPTuner, DeviceMap))]  # fmt: skip
+        if isinstance(trainer.strategy, DDPStrategy):
+            try:
+                knobs_of(trainer.strategy)  # a hook it cannot measure: said here, before any rank starts
+            except ValueError as e:
+                raise UsageError(str(e)) from None
 
 
 def takes_optimizer_impl(model: object) -> bool:

@@ -16,7 +16,19 @@ from torch.nn.parallel import DistributedDataParallel
 from lit_ddp.callbacks.tuner import report, script_lines, strategy_line
 from lit_ddp.fit import build_cli
 from lit_ddp.measure.memory import bucket_layout
-from lit_ddp.scaling.tuning import Knobs, Model, Trial, bucket_caps, faster, grid, layout, search, speedup, to_record
+from lit_ddp.scaling.tuning import (
+    Knobs,
+    Model,
+    Trial,
+    bucket_caps,
+    faster,
+    grid,
+    head_to_head,
+    layout,
+    search,
+    speedup,
+    to_record,
+)
 from lit_ddp.tune import TuneCLI, tuned_config
 from tests.runner import free_port, run_fit, run_main, run_module
 
@@ -231,6 +243,38 @@ def test_the_grid_measures_every_combination_and_picks_the_fastest_in_sync():
     assert outcome.best.knobs == Knobs(gradient_as_bucket_view=True, static_graph=True)
 
 
+def test_head_to_head_takes_one_round_of_each_in_turn_and_picks_the_fastest_in_sync():
+    view, fused, static = Knobs(gradient_as_bucket_view=True), Knobs(optimizer="fused"), Knobs(static_graph=True)
+    rounds = {BASE: iter([10, 12, 11]), view: iter([9, 8, 10]), fused: iter([5, 5, 5]), static: iter([9.5, 9, 9])}
+    asked = []
+
+    def measure(knobs: Knobs) -> Trial:
+        asked.append(knobs)
+        return trial(knobs, next(rounds[knobs]), in_sync=knobs != fused, max_dw=0.0 if knobs == BASE else 1e-3)
+
+    outcome = head_to_head(measure, BASE, [view, BASE, fused, static], rounds=3)  # yours given twice: measured once
+    assert asked == [BASE, view, fused, static] * 3  # in turn, so that a drift falls on every one alike
+    assert [t.rounds_ms for t in outcome.trials] == [[10, 12, 11], [9, 8, 10], [5, 5, 5], [9.5, 9, 9]]
+    assert outcome.base.knobs == BASE and outcome.trials[0] is outcome.base and outcome.no_comm is None
+    assert outcome.best.knobs == view  # fused is fastest but left the ranks out of sync; static's median is 9
+    assert [t.seconds for t in outcome.trials] == [3.0] * 4 and not outcome.trials[2].in_sync
+    assert outcome.trials[1].max_dw == 1e-3 and outcome.base.max_dw == 0.0
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ('[{"bucket_cap": 4}]', "compare takes dicts of broadcast_buffers, bucket_cap_mb, "),
+        ('[{"comm_hook": "powersgd"}]', "compare's comm_hook is one of none, fp16, bf16; got 'powersgd'"),
+    ],
+)
+def test_a_configuration_to_compare_that_the_tuner_cannot_measure_is_one_line(monkeypatch, capsys, given, said):
+    bad = run_main(monkeypatch, capsys, "--tune.compare", given, "--trainer.accelerator", "cpu", command="tune")
+    code, err = bad.returncode, bad.stderr
+    assert code == 2 and err.count("\n") == 1 and err.startswith("lit-ddp-tune: error: ") and said in err, err
+    assert not torch.distributed.is_initialized()
+
+
 MINE = """
     from lightning.pytorch import LightningDataModule, LightningModule
 
@@ -317,14 +361,41 @@ def test_without_a_ddp_strategy_the_tuner_says_so_in_one_line(tmp_path):
         trainer.fit(LinearRegression(dim=8), FixedBatchDataModule(dim=8, batch_size=4))
 
 
+def test_in_a_script_the_tuner_steps_on_the_loaders_given_to_fit(make_trainer):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lit_ddp import LinearRegression
+    from lit_ddp.callbacks import DDPTuner
+
+    tuner = DDPTuner(budget_s=5, steps=1, warmup=1, rounds=2, compare=[{"gradient_as_bucket_view": True}])
+    x = torch.randn(12, 8)
+    trainer = make_trainer(devices=2, callbacks=[tuner])
+    trainer.fit(LinearRegression(dim=8), train_dataloaders=DataLoader(TensorDataset(x, x), batch_size=3))
+    assert trainer.global_step == 0  # a tuning run: no training step
+    assert tuner.record["samples_per_step"] == 6  # the given loader's batches of 3, on each of 2 ranks
+    assert [t["knobs"]["gradient_as_bucket_view"] for t in tuner.record["trials"]] == [False, True]
+    assert all(len(t["rounds_ms"]) == 2 and t["in_sync"] for t in tuner.record["trials"])
+
+
 def test_the_users_knobs_are_read_from_the_strategy_on_every_torch():
-    from lit_ddp.callbacks.tuner import _knobs_of
+    from lit_ddp.callbacks.tuner import knobs_of
     from lit_ddp.run.strategy import LitDDPStrategy
 
     strategy = LitDDPStrategy(broadcast_buffers=False, gradient_as_bucket_view=True, bucket_cap_mb=2.0,
                               ddp_comm_hook=default_hooks.fp16_compress_hook)  # fmt: skip
-    assert _knobs_of(strategy) == Knobs(bucket_cap_mb=2.0, gradient_as_bucket_view=True, broadcast_buffers=False,
+    assert knobs_of(strategy) == Knobs(bucket_cap_mb=2.0, gradient_as_bucket_view=True, broadcast_buffers=False,
                                         comm_hook="fp16")  # fmt: skip
+
+
+def test_a_hook_the_tuner_cannot_measure_is_refused_in_one_line_before_any_rank_starts(monkeypatch, capsys):
+    hook = "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.powerSGD_hook"
+    bad = run_main(monkeypatch, capsys, "--trainer.accelerator", "cpu", "--devices", "2",
+                   "--trainer.strategy.init_args.ddp_comm_hook", hook, command="tune")  # fmt: skip
+    code, err = bad.returncode, bad.stderr
+    assert code == 2 and err.count("\n") == 1, err
+    assert err == ("lit-ddp-tune: error: DDPTuner: the strategy's communication hook powerSGD_hook is not one the "
+                   "tuner measures (fp16 or bf16 compression, or none): tune without it\n")  # fmt: skip
+    assert not torch.distributed.is_initialized()
 
 
 def test_a_json_out_is_refused_in_one_line(monkeypatch, capsys):

@@ -8,7 +8,9 @@ with a ``TrialBench`` on the first batch of the training data, prints every tria
 the fit before any training step. ``outcome`` holds the result (carried back to a ``ddp_fork`` parent).
 """
 
-from typing import Any, Optional
+import dataclasses
+from functools import partial
+from typing import Any, Optional, get_args
 
 import torch.distributed as dist
 from jsonargparse.typing import PositiveFloat, PositiveInt
@@ -18,11 +20,26 @@ from lightning.pytorch.utilities import CombinedLoader
 from torch import Tensor
 from typing_extensions import override
 
+from lit_ddp import _lightning
 from lit_ddp.analysis.memory import fmt_bytes
 from lit_ddp.analysis.tables import fmt_ms, table
 from lit_ddp.callbacks.shared import say
 from lit_ddp.measure.trials import TrialBench, no_logging, optimizer_impls
-from lit_ddp.scaling.tuning import Knobs, Model, Outcome, faster, grid, search, speedup, to_record
+from lit_ddp.scaling.tuning import (
+    Hook,
+    Knobs,
+    Model,
+    OptimizerImpl,
+    Outcome,
+    faster,
+    grid,
+    head_to_head,
+    search,
+    speedup,
+    to_record,
+)
+
+KNOWN_HOOKS = {"fp16_compress_hook": "fp16", "bf16_compress_hook": "bf16"}  # the hooks a trial can set
 
 
 class DDPTuner(Callback):
@@ -37,17 +54,24 @@ class DDPTuner(Callback):
             max |Δw| against your configuration after the same steps).
         grid: Measure every combination of the knobs instead (no budget; the reference benchmarks/tune_grid.py
             holds the search against).
+        compare: Measure exactly these configurations against yours instead, head to head (one round of each in
+            turn, ``rounds`` times): each a dict of the knobs it changes, e.g. ``{"bucket_cap_mb": 4.0}`` (the
+            names of ``lit_ddp.scaling.tuning.Knobs``; a tune's ``.json`` holds them as ``best``).
     """
 
     carried_back = ("record",)
 
     def __init__(self, budget_s: PositiveFloat = 120.0, steps: PositiveInt = 10, warmup: PositiveInt = 2,
-                 rounds: PositiveInt = 3, allow_lossy: bool = False, grid: bool = False) -> None:  # fmt: skip
+                 rounds: PositiveInt = 3, allow_lossy: bool = False, grid: bool = False,
+                 compare: Optional[list[dict[str, Any]]] = None) -> None:  # fmt: skip
         if not (budget_s > 0 and steps >= 1 and warmup >= 1 and rounds >= 2):
             given = f"budget_s={budget_s!r}, steps={steps!r}, warmup={warmup!r}, rounds={rounds!r}"
             raise ValueError(f"`DDPTuner({given})`: budget_s must be > 0, steps and warmup >= 1, rounds >= 2")
+        if grid and compare is not None:
+            raise ValueError("DDPTuner: grid and compare are two ways to choose what to measure: give one")
         self.budget_s, self.steps, self.warmup, self.rounds = budget_s, steps, warmup, rounds
         self.allow_lossy, self.grid = allow_lossy, grid
+        self.compare = None if compare is None else [_changes(c) for c in compare]
         self.outcome: Optional[Outcome] = None
         self.record: Optional[dict] = None  # the outcome as JSON-ready data (lit_ddp.scaling.tuning.to_record)
         self.rows = 0  # samples per step, every rank together
@@ -62,11 +86,11 @@ class DDPTuner(Callback):
             raise ValueError(f"DDPTuner tunes DDP and needs a DDP strategy (LitDDPStrategy, strategy='ddp'), got "
                              f"{type(trainer.strategy).__name__}")  # fmt: skip
         strategy = trainer.strategy
-        batch = strategy.batch_to_device(_first_batch(trainer, pl_module))
+        batch = strategy.batch_to_device(_first_batch(trainer))
         self.rows = _rows(batch) * trainer.world_size
         bench = TrialBench(pl_module, batch, trainer.optimizers[0], strategy.root_device, self.steps, self.warmup,
                            self.rounds, step_context=strategy.precision_plugin.train_step_context)  # fmt: skip
-        base = _knobs_of(strategy)
+        base = knobs_of(strategy)
         model = Model(
             grad_bytes=_grad_bytes(pl_module),
             has_buffers=any(True for _ in pl_module.buffers()),
@@ -76,7 +100,14 @@ class DDPTuner(Callback):
             world_size=trainer.world_size,
             bf16=strategy.root_device.type == "cuda",
         )
-        if self.grid:
+        if self.compare is not None:
+            configs = [dataclasses.replace(base, **c) for c in self.compare]
+            for knobs in configs:
+                if knobs.optimizer not in ("as_configured", *model.optimizer_impls):
+                    raise ValueError(f"DDPTuner: compare asks for optimizer={knobs.optimizer}, which "
+                                     f"{type(trainer.optimizers[0]).__name__} does not take")  # fmt: skip
+            self.outcome = head_to_head(partial(bench.measure, rounds=1), base, configs, self.rounds)
+        elif self.grid:
             self.outcome = grid(bench.measure, model, base, self.allow_lossy)
         else:
             self.outcome = search(bench.measure, model, base, self.budget_s, self.allow_lossy)
@@ -85,10 +116,22 @@ class DDPTuner(Callback):
         trainer.should_stop = True  # the fit ends before its first step: this was a tuning run
 
 
-def _first_batch(trainer: Trainer, pl_module: LightningModule) -> Any:
-    """The first training batch as ``training_step`` gets it (through Lightning's ``CombinedLoader``, as fit)."""
-    source = trainer.datamodule if trainer.datamodule is not None else pl_module
-    batch, _, _ = next(iter(CombinedLoader(source.train_dataloader(), "max_size_cycle")))
+def _changes(config: dict[str, Any]) -> dict[str, Any]:
+    """One configuration of ``compare``, checked: known knob names, and the values each takes."""
+    names = {f.name for f in dataclasses.fields(Knobs)}
+    if not isinstance(config, dict) or set(config) - names:
+        raise ValueError(f"DDPTuner: compare takes dicts of {', '.join(sorted(names))}; got {config!r}")
+    allowed = {"comm_hook": get_args(Hook)[:-1], "optimizer": get_args(OptimizerImpl)}  # not noop: a reference
+    for name, values in allowed.items():
+        if name in config and config[name] not in values:
+            raise ValueError(f"DDPTuner: compare's {name} is one of {', '.join(values)}; got {config[name]!r}")
+    return config
+
+
+def _first_batch(trainer: Trainer) -> Any:
+    """The first training batch as ``training_step`` gets it (through Lightning's ``CombinedLoader``, as fit),
+    wherever fit's data comes from (a datamodule, the module, or loaders passed to ``fit``)."""
+    batch, _, _ = next(iter(CombinedLoader(_lightning.train_dataloader(trainer), "max_size_cycle")))
     return batch
 
 
@@ -121,12 +164,18 @@ def _all_get_grads(module: LightningModule, batch: Any) -> bool:
     return used
 
 
-def _knobs_of(strategy: Any) -> Knobs:
-    """The user's configuration: the strategy's DDP options."""
+def knobs_of(strategy: DDPStrategy) -> Knobs:
+    """The user's configuration: the strategy's DDP options. A communication hook the tuner cannot measure (any but
+    fp16/bf16 compression, or a wrapper) is refused: its trials would measure something else."""
     kwargs = getattr(strategy, "_ddp_kwargs", None) or getattr(strategy, "ddp_kwargs", {}) or {}
-    hook = getattr(getattr(strategy, "_ddp_comm_hook", None), "__name__", "")
+    configured = _lightning.configured_comm_hook(strategy)
+    hook = getattr(configured.hook, "__name__", None)
+    if configured.wrapper is not None or (configured.hook is not None and hook not in KNOWN_HOOKS):
+        given = getattr(configured.wrapper or configured.hook, "__name__", None) or repr(configured.wrapper or hook)
+        raise ValueError(f"DDPTuner: the strategy's communication hook {given} is not one the tuner measures (fp16 or "
+                         "bf16 compression, or none): tune without it")  # fmt: skip
     return Knobs(
-        comm_hook={"fp16_compress_hook": "fp16", "bf16_compress_hook": "bf16"}.get(hook, "none"),  # type: ignore[arg-type]
+        comm_hook=KNOWN_HOOKS.get(hook, "none"),  # type: ignore[arg-type]
         bucket_cap_mb=kwargs.get("bucket_cap_mb"),
         gradient_as_bucket_view=bool(kwargs.get("gradient_as_bucket_view", False)),
         static_graph=bool(kwargs.get("static_graph", False)),

@@ -96,15 +96,16 @@ class TrialBench:
         self.seed = torch.initial_seed()  # every round draws the same dropout masks: the weights compare
         self.reference: list[Tensor] | None = None  # the user's configuration's weights after a round
 
-    def measure(self, knobs: Knobs) -> Trial:
+    def measure(self, knobs: Knobs, rounds: int | None = None) -> Trial:
+        """``knobs`` in ``rounds`` rounds (the bench's own number when None)."""
         trial = Trial(knobs)
         began = time.perf_counter()
-        for _ in range(self.rounds):
+        for _ in range(self.rounds if rounds is None else rounds):
             times, loss, memory, peak = self._round(knobs)
             trial.rounds_ms.append(sorted(times)[len(times) // 2])
             trial.loss, trial.ddp_bytes, trial.peak_bytes = loss, memory, peak
         weights = [p.detach().clone() for p in self.module.parameters()]
-        trial.in_sync = _in_sync(weights)
+        trial.in_sync = _in_sync([*weights, *(b.detach() for b in self.module.buffers())])  # BatchNorm's stats too
         if self.reference is None and knobs.comm_hook == "none":
             self.reference = weights
         if self.reference is not None:
@@ -169,7 +170,7 @@ class TrialBench:
 
 
 def _in_sync(weights: list[Tensor]) -> bool:
-    """Every rank holds rank 0's weights, bit for bit."""
+    """Every rank holds rank 0's weights and buffers, bit for bit."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return True
     flat = torch.cat([w.reshape(-1).float() for w in weights])

@@ -229,6 +229,25 @@ def grid(measure: Callable[[Knobs], Trial], model: Model, base: Knobs, allow_los
     return Outcome(trials[0], no_comm, best, trials, [])
 
 
+def head_to_head(measure: Callable[[Knobs], Trial], base: Knobs, configs: Sequence[Knobs], rounds: int) -> Outcome:
+    """``base`` and ``configs`` head to head: one round of each in turn (``measure`` times one), ``rounds``
+    times, so that the machine's drift over the run falls on every configuration alike. The best is the fastest
+    median among the trials that kept the ranks in sync."""
+    trials = {knobs: Trial(knobs) for knobs in (base, *configs)}  # the user's first: max |Δw|'s reference
+    for _ in range(rounds):
+        for knobs, trial in trials.items():
+            one = measure(knobs)
+            trial.rounds_ms += one.rounds_ms
+            trial.seconds += one.seconds
+            trial.loss, trial.ddp_bytes, trial.peak_bytes = one.loss, one.ddp_bytes, one.peak_bytes
+            trial.in_sync = trial.in_sync and one.in_sync
+            if one.max_dw is not None:
+                trial.max_dw = max(trial.max_dw or 0.0, one.max_dw)
+    measured = list(trials.values())
+    best = min((t for t in measured if t.in_sync), key=lambda t: t.median, default=measured[0])
+    return Outcome(measured[0], None, best, measured, [])
+
+
 def to_record(outcome: Outcome, rows: int) -> dict:
     """The outcome as plain JSON-ready data (what ``--out``'s .json holds, and what a ``ddp_fork`` rank carries
     back): every trial with its median and spread, the user's and the best knobs."""

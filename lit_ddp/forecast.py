@@ -183,8 +183,9 @@ def run(args: argparse.Namespace, run_dir: Path) -> int:
     ``ValueError``) with a one-line message on bad input, before it prints anything."""
     spec = "+".join(n for n in args.link if n)
     probe = args.probe if args.probe is not None else (run_dir / "probe.json")
-    topo = topology(args.link, args.gpus_per_node, probe if "measured" in args.link else None)
     ranks = sorted({1, *(args.forecast or [])})
+    measured_probe = probe if "measured" in args.link else None
+    topo = topology(args.link, args.gpus_per_node, measured_probe, across_nodes=ranks[-1] > args.gpus_per_node)
     for n in ranks:
         check_ranks(n, topo, spec)
     measured = measured_run(run_dir)

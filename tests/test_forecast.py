@@ -291,6 +291,9 @@ def test_a_probe_across_nodes_gives_each_hop_its_own_measured_link(tmp_path):
     probe.write_text(json.dumps({**one_node, "nodes": 1, "world_size": 2}))
     with pytest.raises(ForecastError, match=r"measured no link between nodes .* --link measured\+ib400"):
         links.topology(("measured", None), 2, probe)
+    # ... which a forecast that stays within a node never takes.
+    within = links.topology(("measured", None), 2, probe, across_nodes=False)
+    assert within.intra is within.inter and within.intra.busbw_gbps == pytest.approx(2.0)
 
 
 def forecast_rows(text):

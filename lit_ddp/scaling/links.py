@@ -176,9 +176,12 @@ def _read_json(path: Path) -> dict:
         raise ForecastError(f"{path} is not JSON: {e}") from None
 
 
-def topology(spec: tuple[str, str | None], gpus_per_node: int, probe: Path | None) -> Topology:
+def topology(
+    spec: tuple[str, str | None], gpus_per_node: int, probe: Path | None, across_nodes: bool = True
+) -> Topology:
     """``("nvlink", "ib400")`` -> links; one name alone means every hop uses that link (``measured`` alone: each hop
-    the probe's measurement of it, where it measured them apart)."""
+    the probe's measurement of it, where it measured them apart). ``across_nodes=False``: no rank count to forecast
+    crosses a node, so a probe that measured no hop between nodes is enough."""
 
     def link(name: str, hop: str) -> Link:
         if name != "measured":
@@ -188,7 +191,13 @@ def topology(spec: tuple[str, str | None], gpus_per_node: int, probe: Path | Non
                                 "(python -m lit_ddp.allreduce_probe --out probe.json)")  # fmt: skip
         return load_probe(probe, hop)
 
-    inter = link(spec[1] or spec[0], "inter")
+    try:
+        inter = link(spec[1] or spec[0], "inter")
+    except ForecastError:
+        if across_nodes or spec[1]:
+            raise
+        intra = link(spec[0], "intra")
+        return Topology(intra, intra, gpus_per_node)  # the hop between nodes is never taken
     # One rank per node has no hop within a node, and a probe with one rank per node measured none.
     intra = inter if gpus_per_node == 1 and spec[0] == "measured" else link(spec[0], "intra")
     intra = inter if intra == inter else intra  # one link (a probe of one machine): one object, named once

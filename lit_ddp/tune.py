@@ -36,10 +36,10 @@ DESCRIPTION = (
     "lit_ddp's DDP tuner: starts the ranks as `python -m lit_ddp.fit` would (same options and configs, any "
     "LightningModule with --model/--data), then, instead of training, measures DDP configurations on the model's "
     "first batch in short trials (bucket_cap_mb, gradient_as_bucket_view, static_graph, broadcast_buffers, "
-    "find_unused_parameters, the optimizer's foreach/fused step; fp16/bf16 compression with --tune.allow_lossy), "
-    "each in several rounds, and keeps a change only when it is faster beyond the noise the rounds show. It "
-    "prints every trial and the verdict, writes the winner as a config for `python -m lit_ddp.fit --config` "
-    "(--out) with a JSON of every trial beside it, and prints the strategy line for a script. Gradient "
+    "find_unused_parameters, the optimizer's foreach/fused step; fp16/bf16 and PowerSGD compression with "
+    "--tune.allow_lossy), each in several rounds, and keeps a change only when it is faster beyond the noise the "
+    "rounds show. It prints every trial and the verdict, writes the winner as a config for `python -m lit_ddp.fit "
+    "--config` (--out) with a JSON of every trial beside it, and prints the strategy line for a script. Gradient "
     "accumulation and the batch size are never touched (they change the training)."
 )
 
@@ -93,12 +93,16 @@ def tuned_config(cli: TuneCLI, knobs: Knobs) -> str:
     init_args.update(bucket_cap_mb=knobs.bucket_cap_mb, gradient_as_bucket_view=knobs.gradient_as_bucket_view,
                      static_graph=knobs.static_graph, broadcast_buffers=knobs.broadcast_buffers,
                      find_unused_parameters=knobs.find_unused_parameters,
-                     ddp_comm_hook=HOOK_PATHS.get(knobs.comm_hook))  # fmt: skip
+                     ddp_comm_hook=HOOK_PATHS.get(knobs.comm_hook), powersgd_rank=powersgd_rank(knobs))  # fmt: skip
     config["trainer"]["strategy"] = {"class_path": STRATEGY, "init_args": init_args}
     if knobs.optimizer != "as_configured" and takes_optimizer_impl(cli.model):
         model_args = config["model"].setdefault("init_args", {})
         model_args["foreach"], model_args["fused"] = knobs.optimizer == "foreach", knobs.optimizer == "fused"
     return yaml.safe_dump(config, sort_keys=False)
+
+
+def powersgd_rank(knobs: Knobs) -> int | None:
+    return int(knobs.comm_hook.removeprefix("powersgd")) if knobs.comm_hook.startswith("powersgd") else None
 
 
 def write(cli: TuneCLI, record: dict, out: Path) -> str:
@@ -110,6 +114,9 @@ def write(cli: TuneCLI, record: dict, out: Path) -> str:
     json_path.write_text(json.dumps(record, indent=1) + "\n")
     lines = [f"Wrote {out} (python -m lit_ddp.fit --config {out}) and {json_path}",
              "In a script, for Trainer(strategy=...):", *(f"    {line}" for line in script_lines(best))]  # fmt: skip
+    if powersgd_rank(best):
+        lines.append("PowerSGD compresses from step 1000 of a fit (all-reduces plainly before it, as its authors "
+                     "advise; the trials measured it compressing): powersgd_start_step sets it")  # fmt: skip
     if best.optimizer != "as_configured" and not takes_optimizer_impl(cli.model):
         lines.append(
             f"and in configure_optimizers, the optimizer with {best.optimizer}=True (the config cannot say it)"

@@ -103,7 +103,8 @@ def test_a_change_is_kept_only_beyond_the_noise_and_the_next_knob_builds_on_it()
 
 
 def test_over_a_slow_link_the_output_names_compression_with_its_figure_and_measures_it_when_allowed():
-    times = {"yours": (186, 187, 188), "comm_hook=noop": (18, 19, 20), "comm_hook=fp16": (100, 103, 105)}
+    times = {"yours": (186, 187, 188), "comm_hook=noop": (18, 19, 20), "comm_hook=fp16": (100, 103, 105),
+             "comm_hook=powersgd4": (60, 61, 62)}  # fmt: skip
     _, measure = measuring(times)
     lossless = search(measure, model(grad_bytes=(4 << 20,)), BASE, budget_s=100)
     assert "fp16/bf16 compression halves the bytes on the wire, at most ~84.00 ms less (an estimate" in report(
@@ -111,8 +112,10 @@ def test_over_a_slow_link_the_output_names_compression_with_its_figure_and_measu
     )
     asked, measure = measuring(times)
     lossy = search(measure, model(grad_bytes=(4 << 20,)), BASE, budget_s=100, allow_lossy=True)
-    assert lossy.best.knobs.comm_hook == "fp16" and "bf16" not in {k.comm_hook for k in asked}  # gloo: no bf16
-    assert "comm_hook=fp16" in report(lossy, rows=64).splitlines()[-1]
+    assert "bf16" not in {k.comm_hook for k in asked}  # gloo: no bf16
+    assert [k.comm_hook for k in asked[-3:]] == ["fp16", "powersgd1", "powersgd4"]  # PowerSGD at small ranks
+    assert lossy.best.knobs.comm_hook == "powersgd4" and "comm_hook=powersgd4" in report(lossy, 64).splitlines()[-1]
+    assert strategy_line(lossy.best.knobs) == "LitDDPStrategy(powersgd_rank=4)"
 
 
 def test_the_budget_stops_new_trials_and_says_which_were_left():
@@ -265,7 +268,10 @@ def test_head_to_head_takes_one_round_of_each_in_turn_and_picks_the_fastest_in_s
     ("given", "said"),
     [
         ('[{"bucket_cap": 4}]', "compare takes dicts of broadcast_buffers, bucket_cap_mb, "),
-        ('[{"comm_hook": "powersgd"}]', "compare's comm_hook is one of none, fp16, bf16; got 'powersgd'"),
+        (
+            '[{"comm_hook": "powersgd"}]',
+            "compare's comm_hook is one of none, fp16, bf16, powersgd1, powersgd4; got 'powersgd'",
+        ),
     ],
 )
 def test_a_configuration_to_compare_that_the_tuner_cannot_measure_is_one_line(monkeypatch, capsys, given, said):
@@ -348,6 +354,30 @@ def test_the_tuned_config_carries_every_knob_into_a_fit_that_parses_it(tmp_path)
     assert scope["strategy"]._ddp_comm_hook is default_hooks.fp16_compress_hook
 
 
+def test_powersgd_goes_from_the_tuner_into_a_fit_config_and_a_script_line(tmp_path, monkeypatch):
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    from lit_ddp.callbacks.tuner import knobs_of
+    from lit_ddp.run.strategy import LitDDPStrategy
+
+    monkeypatch.chdir(tmp_path)
+    cli = build_cli(["--trainer.accelerator", "cpu", "--devices", "2"], cli_class=TuneCLI)
+    knobs = Knobs(comm_hook="powersgd4")
+    (tmp_path / "tuned.yaml").write_text(tuned_config(cli, knobs))
+    strategy = build_cli(["--trainer.accelerator", "cpu", "--config", str(tmp_path / "tuned.yaml")]).trainer.strategy
+    assert strategy._ddp_comm_hook is powerSGD_hook.powerSGD_hook
+    state = strategy._ddp_comm_state
+    assert (state.matrix_approximation_rank, state.start_powerSGD_iter) == (4, 1000)  # torch's default start
+    assert knobs_of(strategy) == knobs
+    scope: dict = {}
+    exec("\n".join(script_lines(knobs)), scope)  # noqa: S102
+    assert scope["strategy"].powersgd_rank == 4 and knobs_of(scope["strategy"]) == knobs
+    with pytest.raises(ValueError, match="is a communication hook: give no ddp_comm_hook"):
+        LitDDPStrategy(powersgd_rank=1, ddp_comm_hook=default_hooks.fp16_compress_hook)
+    with pytest.raises(ValueError, match="the rank must be >= 1, the start step >= 2"):
+        LitDDPStrategy(powersgd_rank=1, powersgd_start_step=1)
+
+
 def test_without_a_ddp_strategy_the_tuner_says_so_in_one_line(tmp_path):
     from lightning.pytorch import Trainer
 
@@ -367,14 +397,18 @@ def test_in_a_script_the_tuner_steps_on_the_loaders_given_to_fit(make_trainer):
     from lit_ddp import LinearRegression
     from lit_ddp.callbacks import DDPTuner
 
-    tuner = DDPTuner(budget_s=5, steps=1, warmup=1, rounds=2, compare=[{"gradient_as_bucket_view": True}])
+    compare = [{"gradient_as_bucket_view": True}, {"comm_hook": "powersgd1"}]
+    tuner = DDPTuner(budget_s=5, steps=1, warmup=2, rounds=2, compare=compare)
     x = torch.randn(12, 8)
     trainer = make_trainer(devices=2, callbacks=[tuner])
     trainer.fit(LinearRegression(dim=8), train_dataloaders=DataLoader(TensorDataset(x, x), batch_size=3))
     assert trainer.global_step == 0  # a tuning run: no training step
     assert tuner.record["samples_per_step"] == 6  # the given loader's batches of 3, on each of 2 ranks
-    assert [t["knobs"]["gradient_as_bucket_view"] for t in tuner.record["trials"]] == [False, True]
+    yours, view, powersgd = tuner.record["trials"]
+    assert not yours["knobs"]["gradient_as_bucket_view"] and view["knobs"]["gradient_as_bucket_view"]
     assert all(len(t["rounds_ms"]) == 2 and t["in_sync"] for t in tuner.record["trials"])
+    # PowerSGD compressed the timed step (rank 1 of an 8 x 8 weight): other weights, every rank the same ones.
+    assert view["max_dw"] == 0 and powersgd["max_dw"] > 1e-4
 
 
 def test_the_users_knobs_are_read_from_the_strategy_on_every_torch():
@@ -388,13 +422,14 @@ def test_the_users_knobs_are_read_from_the_strategy_on_every_torch():
 
 
 def test_a_hook_the_tuner_cannot_measure_is_refused_in_one_line_before_any_rank_starts(monkeypatch, capsys):
-    hook = "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.powerSGD_hook"
+    hook = "torch.distributed.algorithms.ddp_comm_hooks.quantization_hooks.quantization_pertensor_hook"
     bad = run_main(monkeypatch, capsys, "--trainer.accelerator", "cpu", "--devices", "2",
                    "--trainer.strategy.init_args.ddp_comm_hook", hook, command="tune")  # fmt: skip
     code, err = bad.returncode, bad.stderr
     assert code == 2 and err.count("\n") == 1, err
-    assert err == ("lit-ddp-tune: error: DDPTuner: the strategy's communication hook powerSGD_hook is not one the "
-                   "tuner measures (fp16 or bf16 compression, or none): tune without it\n")  # fmt: skip
+    assert err == ("lit-ddp-tune: error: DDPTuner: the strategy's communication hook quantization_pertensor_hook is "
+                   "not one the tuner measures (fp16 or bf16 compression, PowerSGD at rank 1 or 4, or none): tune "
+                   "without it\n")  # fmt: skip
     assert not torch.distributed.is_initialized()
 
 

@@ -39,7 +39,9 @@ from lit_ddp.scaling.tuning import (
     to_record,
 )
 
-KNOWN_HOOKS = {"fp16_compress_hook": "fp16", "bf16_compress_hook": "bf16"}  # the hooks a trial can set
+# The hooks a trial can set, by the name of the user's
+KNOWN_HOOKS = {"fp16_compress_hook": "fp16", "bf16_compress_hook": "bf16", "powersgd1": "powersgd1",
+               "powersgd4": "powersgd4"}  # fmt: skip
 
 
 class DDPTuner(Callback):
@@ -48,10 +50,11 @@ class DDPTuner(Callback):
     Args:
         budget_s: Seconds of trials (every rank's slowest) after which no new configuration is started.
         steps: Timed steps per round of a trial.
-        warmup: Untimed steps before them (DDP rebuilds its buckets in the first; PowerSGD-free, so 2 suffice).
+        warmup: Untimed steps before them (DDP rebuilds its buckets in the first; PowerSGD all-reduces plainly in
+            them, at least 2, and compresses from the first timed step).
         rounds: Rounds per configuration: its figure is the median round, the rounds' range its noise.
-        allow_lossy: Also try fp16/bf16 gradient compression (changes the numbers: reported with the loss and
-            max |Δw| against your configuration after the same steps).
+        allow_lossy: Also try fp16/bf16 compression and PowerSGD at matrix rank 1 and 4 (they change the numbers:
+            reported with the loss and max |Δw| against your configuration after the same steps).
         grid: Measure every combination of the knobs instead (no budget; the reference benchmarks/tune_grid.py
             holds the search against).
         compare: Measure exactly these configurations against yours instead, head to head (one round of each in
@@ -170,10 +173,12 @@ def knobs_of(strategy: DDPStrategy) -> Knobs:
     kwargs = getattr(strategy, "_ddp_kwargs", None) or getattr(strategy, "ddp_kwargs", {}) or {}
     configured = _lightning.configured_comm_hook(strategy)
     hook = getattr(configured.hook, "__name__", None)
+    if hook == "powerSGD_hook":  # LitDDPStrategy(powersgd_rank=...) or the hook and its state given
+        hook = f"powersgd{getattr(configured.state, 'matrix_approximation_rank', '')}"
     if configured.wrapper is not None or (configured.hook is not None and hook not in KNOWN_HOOKS):
         given = getattr(configured.wrapper or configured.hook, "__name__", None) or repr(configured.wrapper or hook)
         raise ValueError(f"DDPTuner: the strategy's communication hook {given} is not one the tuner measures (fp16 or "
-                         "bf16 compression, or none): tune without it")  # fmt: skip
+                         "bf16 compression, PowerSGD at rank 1 or 4, or none): tune without it")  # fmt: skip
     return Knobs(
         comm_hook=KNOWN_HOOKS.get(hook, "none"),  # type: ignore[arg-type]
         bucket_cap_mb=kwargs.get("bucket_cap_mb"),
@@ -253,7 +258,7 @@ def _compression_hint(outcome: Outcome) -> str:
     """Where the all-reduce still shows in the best step (beyond the noise, a fifth of it or more), the bytes on
     the wire are what is left to cut: fp16/bf16 compression halves them (lossy, so only measured when allowed)."""
     best, no_comm = outcome.best, outcome.no_comm
-    tried = any(t.knobs.comm_hook in ("fp16", "bf16") for t in outcome.trials)
+    tried = any(t.knobs.lossy for t in outcome.trials)
     if no_comm is None or tried or best.knobs.optimizer != outcome.base.knobs.optimizer or not faster(no_comm, best):
         return ""
     exposed = best.median - no_comm.median
@@ -269,6 +274,8 @@ def strategy_line(knobs: Knobs) -> str:
     args = [f"{k}={v!r}" for k, v in knobs.changes(Knobs()).items() if k not in ("comm_hook", "optimizer")]
     if knobs.comm_hook in ("fp16", "bf16"):
         args.append(f"ddp_comm_hook=default_hooks.{knobs.comm_hook}_compress_hook")
+    elif knobs.comm_hook.startswith("powersgd"):
+        args.append(f"powersgd_rank={knobs.comm_hook.removeprefix('powersgd')}")
     return f"LitDDPStrategy({', '.join(args)})"
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from lit_ddp.measure.memory import ddp_memory
@@ -44,6 +44,22 @@ class _TrainingStep(nn.Module):
         if not isinstance(loss, Tensor):
             raise TypeError(f"training_step returned {type(out).__name__}: the tuner needs the loss (a Tensor)")
         return loss
+
+
+def powersgd(rank: int, start_step: int) -> tuple[powerSGD_hook.PowerSGDState, Callable]:
+    """torch's PowerSGD (error feedback, warm start) at matrix ``rank`` on the default process group, compressing
+    from step ``start_step`` (>= 2; plain all-reduces before): the state and hook for ``register_comm_hook``."""
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                        start_powerSGD_iter=start_step)  # fmt: skip
+    return state, powerSGD_hook.powerSGD_hook
+
+
+def comm_hook(name: str, warmup: int) -> tuple[Any, Callable] | None:
+    """The state and hook of a trial's ``comm_hook`` (None: DDP's own all-reduce). PowerSGD compresses from the
+    first timed step (the ``warmup`` untimed ones, at least 2, all-reduce plainly, as its start asks)."""
+    if name.startswith("powersgd"):
+        return powersgd(int(name.removeprefix("powersgd")), max(2, warmup))
+    return (None, HOOKS[name]) if name in HOOKS else None
 
 
 def buffer_sync(on: bool) -> dict[str, bool]:
@@ -132,8 +148,9 @@ class TrialBench:
             find_unused_parameters=knobs.find_unused_parameters,
             **buffer_sync(knobs.broadcast_buffers),
         )
-        if knobs.comm_hook in HOOKS:
-            ddp.register_comm_hook(None, HOOKS[knobs.comm_hook])
+        hook = comm_hook(knobs.comm_hook, self.warmup)
+        if hook is not None:
+            ddp.register_comm_hook(*hook)
         optimizer = _fresh_optimizer(self.optimizer, knobs.optimizer)
         times = []
         with no_logging(self.module):

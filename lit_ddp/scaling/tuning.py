@@ -18,7 +18,8 @@ MIB = 1 << 20
 DEFAULT_CAP_MB = 25.0  # DistributedDataParallel's bucket_cap_mb
 FIRST_BUCKET_BYTES = 1 * MIB  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 
-Hook = Literal["none", "fp16", "bf16", "noop"]  # noop: no all-reduce at all, a reference only
+# powersgd1/powersgd4: PowerSGD at matrix rank 1 / 4; noop: no all-reduce at all, a reference only
+Hook = Literal["none", "fp16", "bf16", "powersgd1", "powersgd4", "noop"]
 OptimizerImpl = Literal["as_configured", "foreach", "fused"]
 
 
@@ -171,7 +172,7 @@ def stages(model: Model, base: Knobs, comm_shows: bool, allow_lossy: bool) -> li
     if impls:
         out.append(("optimizer", [dataclasses.replace(base, optimizer=i) for i in impls]))  # type: ignore[arg-type]
     if allow_lossy and comm_shows and model.world_size > 1:
-        hooks = ["fp16", "bf16"] if model.bf16 else ["fp16"]
+        hooks = ["fp16", "bf16", "powersgd1", "powersgd4"] if model.bf16 else ["fp16", "powersgd1", "powersgd4"]
         out.append(("comm_hook", [dataclasses.replace(base, comm_hook=h) for h in hooks]))  # type: ignore[arg-type]
     return out
 

@@ -11,6 +11,7 @@ for a script. How the search goes and what it leaves alone: docs/tuning.md.
 """
 
 import copy
+import importlib
 import inspect
 import json
 import sys
@@ -19,12 +20,14 @@ from pathlib import Path
 import yaml
 from lightning.pytorch.cli import LightningArgumentParser
 from lightning.pytorch.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel
 
 from lit_ddp.callbacks import DDPTuner, DeviceMap
 from lit_ddp.callbacks.tuner import knobs_of, script_lines
 from lit_ddp.errors import Ending, UsageError
 from lit_ddp.fit import LitDDPCLI, build_cli
 from lit_ddp.run import console, lifecycle
+from lit_ddp.run.strategy import LitDDPStrategy
 from lit_ddp.scaling.tuning import Knobs
 
 STRATEGY = "lit_ddp.run.strategy.LitDDPStrategy"
@@ -83,13 +86,26 @@ def takes_optimizer_impl(model: object) -> bool:
     return {"foreach", "fused"} <= set(inspect.signature(type(model)).parameters)
 
 
+def strategy_args(strategy: object) -> tuple[dict, list[str]]:
+    """The user's strategy options (a config's ``trainer.strategy``) that ``LitDDPStrategy`` takes by the same name,
+    and the names of those it does not (another class's: the tuned config leaves them out, and says so)."""
+    if not isinstance(strategy, dict):  # a name ("ddp") or nothing: no options of its own
+        return {}, []
+    given = strategy.get("init_args") or {}
+    takes = inspect.signature(LitDDPStrategy).parameters
+    module, _, name = strategy["class_path"].rpartition(".")
+    # The dumped config holds every option, the defaults too (DDP's own, through the class's **kwargs).
+    params = {**inspect.signature(DistributedDataParallel).parameters,
+              **inspect.signature(getattr(importlib.import_module(module), name)).parameters}  # fmt: skip
+    changed = [k for k, v in given.items() if k not in params or v != params[k].default]
+    return {k: v for k, v in given.items() if k in takes}, [k for k in changed if k not in takes]
+
+
 def tuned_config(cli: TuneCLI, knobs: Knobs) -> str:
     """The user's config with the strategy (``LitDDPStrategy``) set to ``knobs``, as YAML for ``fit --config``. The
     knobs go into the dumped YAML, not through jsonargparse (which cannot dump a hook given by its path)."""
     config = yaml.safe_load(cli.parser.dump(cli.fit_config, skip_check=True))
-    strategy = config["trainer"].get("strategy")
-    ours = isinstance(strategy, dict) and strategy.get("class_path") == STRATEGY
-    init_args = {**(strategy.get("init_args") or {})} if ours else {}
+    init_args, _ = strategy_args(config["trainer"].get("strategy"))
     init_args.update(bucket_cap_mb=knobs.bucket_cap_mb, gradient_as_bucket_view=knobs.gradient_as_bucket_view,
                      static_graph=knobs.static_graph, broadcast_buffers=knobs.broadcast_buffers,
                      find_unused_parameters=knobs.find_unused_parameters,
@@ -114,6 +130,11 @@ def write(cli: TuneCLI, record: dict, out: Path) -> str:
     json_path.write_text(json.dumps(record, indent=1) + "\n")
     lines = [f"Wrote {out} (python -m lit_ddp.fit --config {out}) and {json_path}",
              "In a script, for Trainer(strategy=...):", *(f"    {line}" for line in script_lines(best))]  # fmt: skip
+    strategy = yaml.safe_load(cli.parser.dump(cli.fit_config, skip_check=True))["trainer"].get("strategy")
+    _, left_out = strategy_args(strategy)
+    if left_out:
+        lines.append(f"Left out of {out}: {strategy['class_path']}'s {', '.join(left_out)} (LitDDPStrategy, which "
+                     "the config names, takes no such option)")  # fmt: skip
     if powersgd_rank(best):
         lines.append("PowerSGD compresses from step 1000 of a fit (all-reduces plainly before it, as its authors "
                      "advise; the trials measured it compressing): powersgd_start_step sets it")  # fmt: skip

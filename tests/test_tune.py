@@ -9,6 +9,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
@@ -352,6 +353,20 @@ def test_the_tuned_config_carries_every_knob_into_a_fit_that_parses_it(tmp_path)
     exec("\n".join(script_lines(knobs)), scope)  # noqa: S102 (the lines the tuner prints for a script)
     assert scope["strategy"].ddp_kwargs == strategy.ddp_kwargs
     assert scope["strategy"]._ddp_comm_hook is default_hooks.fp16_compress_hook
+
+
+def test_another_ddp_strategys_options_are_carried_where_ours_takes_them_and_the_rest_named(tmp_path):
+    from lit_ddp.tune import strategy_args
+
+    args = ["--trainer.accelerator", "cpu", "--devices", "2", "--trainer.strategy", "DDPStrategy",
+            "--trainer.strategy.init_args.process_group_backend", "gloo", "--trainer.strategy.init_args.timeout",
+            "0:05:00"]  # fmt: skip
+    cli = build_cli(args, cli_class=TuneCLI, save_config_callback=None)
+    (tmp_path / "tuned.yaml").write_text(tuned_config(cli, Knobs(static_graph=True)))
+    strategy = build_cli(["--trainer.accelerator", "cpu", "--config", str(tmp_path / "tuned.yaml")]).trainer.strategy
+    assert strategy.process_group_backend == "gloo" and strategy.ddp_kwargs["static_graph"]
+    dumped = cli.parser.dump(cli.fit_config, skip_check=True)
+    assert strategy_args(yaml.safe_load(dumped)["trainer"]["strategy"])[1] == ["timeout"]
 
 
 def test_powersgd_goes_from_the_tuner_into_a_fit_config_and_a_script_line(tmp_path, monkeypatch):

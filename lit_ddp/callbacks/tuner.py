@@ -39,7 +39,7 @@ from lit_ddp.scaling.tuning import (
     to_record,
 )
 
-# The hooks a trial can set, by the name of the user's
+# The user's communication hook (by its function's name; PowerSGD's by its matrix rank) -> a trial's comm_hook
 KNOWN_HOOKS = {"fp16_compress_hook": "fp16", "bf16_compress_hook": "bf16", "powersgd1": "powersgd1",
                "powersgd4": "powersgd4"}  # fmt: skip
 
@@ -169,7 +169,8 @@ def _all_get_grads(module: LightningModule, batch: Any) -> bool:
 
 def knobs_of(strategy: DDPStrategy) -> Knobs:
     """The user's configuration: the strategy's DDP options. A communication hook the tuner cannot measure (any but
-    fp16/bf16 compression, or a wrapper) is refused: its trials would measure something else."""
+    fp16/bf16 compression and PowerSGD at rank 1 or 4, or a wrapper) is refused: its trials would measure something
+    else."""
     kwargs = getattr(strategy, "_ddp_kwargs", None) or getattr(strategy, "ddp_kwargs", {}) or {}
     configured = _lightning.configured_comm_hook(strategy)
     hook = getattr(configured.hook, "__name__", None)

@@ -170,7 +170,7 @@ BUCKET_ROW = re.compile(r"^0\s+([\d,]+)\s+([\d.]+) ms\s+\S+ \S+\s+([\d.]+) (MB|G
 def _two_nodes(tmp_path_factory, name: str, ranks_per_node: int, *rates: str) -> list[subprocess.CompletedProcess]:
     cwd = tmp_path_factory.mktemp(name)
     with nodes(2, *rates) as cluster:
-        results = run_fit_on(cluster, ranks_per_node, *RUN, cwd=cwd)
+        results = run_fit_on(cluster, ranks_per_node, *RUN, cwd=cwd, ahead=True)  # they measure the link's rate
     for k, result in enumerate(results):
         assert result.returncode == 0, f"node {k}: {result.stderr[-3000:]}"
     return results
@@ -239,8 +239,8 @@ def test_the_probe_across_nodes_names_the_node_whose_link_is_slow(tmp_path):
         launcher = ("torch.distributed.run", "--nnodes", "3", "--nproc_per_node", "1", "--master_addr",
                     cluster.address(0), "--master_port", "29500")  # fmt: skip
         probe = ("-m", "lit_ddp.allreduce_probe", *args)
-        runs = [stack.enter_context(start_on(cluster, k, *launcher, "--node_rank", str(k), *probe, cwd=tmp_path))
-                for k in range(3)]  # fmt: skip
+        runs = [stack.enter_context(start_on(cluster, k, *launcher, "--node_rank", str(k), *probe, cwd=tmp_path,
+                                             ahead=True)) for k in range(3)]  # fmt: skip
         codes = [run.wait(timeout=300) for run in runs]
     assert codes == [0, 0, 0], [run.stderr[-2000:] for run in runs]
     out = runs[0].stdout

@@ -14,10 +14,12 @@ import copy
 import importlib
 import inspect
 import json
+import re
 import sys
 from pathlib import Path
 
 import yaml
+from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.cli import LightningArgumentParser
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
@@ -31,6 +33,7 @@ from lit_ddp.run.strategy import LitDDPStrategy
 from lit_ddp.scaling.tuning import Knobs
 
 STRATEGY = "lit_ddp.run.strategy.LitDDPStrategy"
+TIMEDELTA = re.compile(r"(\d+):(\d\d):(\d\d(?:\.\d+)?)")  # str(timedelta) under a day, as a config dumps it
 HOOK_PATHS = {
     h: f"torch.distributed.algorithms.ddp_comm_hooks.default_hooks.{h}_compress_hook" for h in ("fp16", "bf16")
 }
@@ -79,6 +82,11 @@ class TuneCLI(LitDDPCLI):
                 knobs_of(trainer.strategy)  # a hook it cannot measure: said here, before any rank starts
             except ValueError as e:
                 raise UsageError(str(e)) from None
+        tuner = next(c for c in trainer.callbacks if isinstance(c, DDPTuner))
+        if any(c.get("comm_hook") == "bf16" for c in tuner.compare or []) and not isinstance(
+            trainer.accelerator, CUDAAccelerator
+        ):
+            raise UsageError("--tune.compare asks for bf16 compression, which only NCCL (CUDA) runs")
 
 
 def takes_optimizer_impl(model: object) -> bool:
@@ -94,11 +102,17 @@ def strategy_args(strategy: object) -> tuple[dict, list[str]]:
     given = strategy.get("init_args") or {}
     takes = inspect.signature(LitDDPStrategy).parameters
     module, _, name = strategy["class_path"].rpartition(".")
-    # The dumped config holds every option, the defaults too (DDP's own, through the class's **kwargs).
+    # The dumped config holds every option, the defaults too (DDP's own, through the class's **kwargs), as YAML
+    # writes them (a timedelta as "0:30:00").
     params = {**inspect.signature(DistributedDataParallel).parameters,
               **inspect.signature(getattr(importlib.import_module(module), name)).parameters}  # fmt: skip
-    changed = [k for k, v in given.items() if k not in params or v != params[k].default]
-    return {k: v for k, v in given.items() if k in takes}, [k for k in changed if k not in takes]
+    changed = {k: v for k, v in given.items() if k not in params or str(v) != str(params[k].default)}
+    carried = {k: v for k, v in given.items() if k in takes}
+    timeout = TIMEDELTA.fullmatch(str(changed.pop("timeout", "")))  # DDPStrategy's process-group timeout
+    if timeout:
+        h, m, sec = timeout.groups()
+        carried["timeout_s"] = float(h) * 3600 + float(m) * 60 + float(sec)
+    return carried, [k for k in changed if k not in takes]
 
 
 def tuned_config(cli: TuneCLI, knobs: Knobs) -> str:
@@ -118,6 +132,7 @@ def tuned_config(cli: TuneCLI, knobs: Knobs) -> str:
 
 
 def powersgd_rank(knobs: Knobs) -> int | None:
+    """The matrix rank of a PowerSGD ``comm_hook`` (``LitDDPStrategy(powersgd_rank=...)``); None for the others."""
     return int(knobs.comm_hook.removeprefix("powersgd")) if knobs.comm_hook.startswith("powersgd") else None
 
 
@@ -136,8 +151,9 @@ def write(cli: TuneCLI, record: dict, out: Path) -> str:
         lines.append(f"Left out of {out}: {strategy['class_path']}'s {', '.join(left_out)} (LitDDPStrategy, which "
                      "the config names, takes no such option)")  # fmt: skip
     if powersgd_rank(best):
-        lines.append("PowerSGD compresses from step 1000 of a fit (all-reduces plainly before it, as its authors "
-                     "advise; the trials measured it compressing): powersgd_start_step sets it")  # fmt: skip
+        start = (strategy_args(strategy)[0].get("powersgd_start_step") if strategy else None) or 1000
+        lines.append(f"PowerSGD compresses from step {start} of a fit (all-reduces plainly before it, as its "
+                     "authors advise; the trials measured it compressing): powersgd_start_step sets it")  # fmt: skip
     if best.optimizer != "as_configured" and not takes_optimizer_impl(cli.model):
         lines.append(
             f"and in configure_optimizers, the optimizer with {best.optimizer}=True (the config cannot say it)"

@@ -39,9 +39,8 @@ from lit_ddp.scaling.tuning import (
     to_record,
 )
 
-# The user's communication hook (by its function's name; PowerSGD's by its matrix rank) -> a trial's comm_hook
-KNOWN_HOOKS = {"fp16_compress_hook": "fp16", "bf16_compress_hook": "bf16", "powersgd1": "powersgd1",
-               "powersgd4": "powersgd4"}  # fmt: skip
+# The user's communication hook (by its function's name; PowerSGD's as powersgd<rank>) -> a trial's comm_hook
+KNOWN_HOOKS = {"fp16_compress_hook": "fp16", "bf16_compress_hook": "bf16", **{h: h for h in ("powersgd1", "powersgd4")}}
 
 
 class DDPTuner(Callback):
@@ -59,7 +58,8 @@ class DDPTuner(Callback):
             holds the search against).
         compare: Measure exactly these configurations against yours instead, head to head (one round of each in
             turn, ``rounds`` times): each a dict of the knobs it changes, e.g. ``{"bucket_cap_mb": 4.0}`` (the
-            names of ``lit_ddp.scaling.tuning.Knobs``; a tune's ``.json`` holds them as ``best``).
+            names of ``lit_ddp.scaling.tuning.Knobs``; a tune's ``.json`` holds them as ``best``). A repeated
+            configuration, or yours, is measured once.
     """
 
     carried_back = ("record",)
@@ -75,6 +75,10 @@ class DDPTuner(Callback):
         self.budget_s, self.steps, self.warmup, self.rounds = budget_s, steps, warmup, rounds
         self.allow_lossy, self.grid = allow_lossy, grid
         self.compare = None if compare is None else [_changes(c) for c in compare]
+        powersgd = allow_lossy or any(str(c.get("comm_hook")).startswith("powersgd") for c in self.compare or [])
+        if powersgd and warmup < 2:
+            raise ValueError(f"`DDPTuner(warmup={warmup!r})`: PowerSGD (tried with allow_lossy, or asked in compare) "
+                             "all-reduces plainly in its first 2 steps: warmup must be >= 2")  # fmt: skip
         self.outcome: Optional[Outcome] = None
         self.record: Optional[dict] = None  # the outcome as JSON-ready data (lit_ddp.scaling.tuning.to_record)
         self.rows = 0  # samples per step, every rank together
@@ -105,6 +109,8 @@ class DDPTuner(Callback):
         )
         if self.compare is not None:
             configs = [dataclasses.replace(base, **c) for c in self.compare]
+            if not model.bf16 and any(k.comm_hook == "bf16" for k in configs):
+                raise ValueError("DDPTuner: compare asks for bf16 compression, which only NCCL (CUDA) runs")
             for knobs in configs:
                 if knobs.optimizer not in ("as_configured", *model.optimizer_impls):
                     raise ValueError(f"DDPTuner: compare asks for optimizer={knobs.optimizer}, which "
@@ -124,10 +130,16 @@ def _changes(config: dict[str, Any]) -> dict[str, Any]:
     names = {f.name for f in dataclasses.fields(Knobs)}
     if not isinstance(config, dict) or set(config) - names:
         raise ValueError(f"DDPTuner: compare takes dicts of {', '.join(sorted(names))}; got {config!r}")
-    allowed = {"comm_hook": get_args(Hook)[:-1], "optimizer": get_args(OptimizerImpl)}  # not noop: a reference
-    for name, values in allowed.items():
+    hooks = tuple(h for h in get_args(Hook) if h != "noop")  # noop: the tuner's reference, not a configuration
+    for name, values in (("comm_hook", hooks), ("optimizer", get_args(OptimizerImpl))):
         if name in config and config[name] not in values:
             raise ValueError(f"DDPTuner: compare's {name} is one of {', '.join(values)}; got {config[name]!r}")
+    for name in names - {"comm_hook", "optimizer", "bucket_cap_mb"}:
+        if name in config and not isinstance(config[name], bool):
+            raise ValueError(f"DDPTuner: compare's {name} is true or false; got {config[name]!r}")
+    cap = config.get("bucket_cap_mb")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+        raise ValueError(f"DDPTuner: compare's bucket_cap_mb is a number of MiB > 0 (or null: torch's); got {cap!r}")
     return config
 
 
@@ -174,10 +186,12 @@ def knobs_of(strategy: DDPStrategy) -> Knobs:
     kwargs = getattr(strategy, "_ddp_kwargs", None) or getattr(strategy, "ddp_kwargs", {}) or {}
     configured = _lightning.configured_comm_hook(strategy)
     hook = getattr(configured.hook, "__name__", None)
+    named = configured.wrapper or configured.hook
+    given = getattr(named, "__name__", None) or repr(named)
     if hook == "powerSGD_hook":  # LitDDPStrategy(powersgd_rank=...) or the hook and its state given
-        hook = f"powersgd{getattr(configured.state, 'matrix_approximation_rank', '')}"
+        rank = getattr(configured.state, "matrix_approximation_rank", None)
+        hook, given = f"powersgd{rank}", f"{given} at rank {rank}"
     if configured.wrapper is not None or (configured.hook is not None and hook not in KNOWN_HOOKS):
-        given = getattr(configured.wrapper or configured.hook, "__name__", None) or repr(configured.wrapper or hook)
         raise ValueError(f"DDPTuner: the strategy's communication hook {given} is not one the tuner measures (fp16 or "
                          "bf16 compression, PowerSGD at rank 1 or 4, or none): tune without it")  # fmt: skip
     return Knobs(

@@ -56,7 +56,7 @@ def powersgd(rank: int, start_step: int) -> tuple[powerSGD_hook.PowerSGDState, C
 
 def comm_hook(name: str, warmup: int) -> tuple[Any, Callable] | None:
     """The state and hook of a trial's ``comm_hook`` (None: DDP's own all-reduce). PowerSGD compresses from the
-    first timed step (the ``warmup`` untimed ones, at least 2, all-reduce plainly, as its start asks)."""
+    first timed step: the ``warmup`` untimed ones (``DDPTuner`` asks for 2 or more) all-reduce plainly."""
     if name.startswith("powersgd"):
         return powersgd(int(name.removeprefix("powersgd")), max(2, warmup))
     return (None, HOOKS[name]) if name in HOOKS else None
@@ -121,7 +121,7 @@ class TrialBench:
             trial.rounds_ms.append(sorted(times)[len(times) // 2])
             trial.loss, trial.ddp_bytes, trial.peak_bytes = loss, memory, peak
         weights = [p.detach().clone() for p in self.module.parameters()]
-        trial.in_sync = _in_sync([*weights, *(b.detach() for b in self.module.buffers())])  # BatchNorm's stats too
+        trial.in_sync = _in_sync(weights)
         if self.reference is None and knobs.comm_hook == "none":
             self.reference = weights
         if self.reference is not None:
@@ -187,7 +187,8 @@ class TrialBench:
 
 
 def _in_sync(weights: list[Tensor]) -> bool:
-    """Every rank holds rank 0's weights and buffers, bit for bit."""
+    """Every rank holds rank 0's weights, bit for bit. (Not the buffers: BatchNorm's statistics follow each rank's
+    own rows in the last forward, after DDP's broadcast, whatever the knobs.)"""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return True
     flat = torch.cat([w.reshape(-1).float() for w in weights])

@@ -80,7 +80,10 @@ class LitDDPStrategy(DDPStrategy):
         ddp_comm_state = None
         if powersgd_rank is not None:
             if ddp_comm_hook is not None or ddp_comm_wrapper is not None:
-                raise ValueError("`LitDDPStrategy(powersgd_rank=...)` is a communication hook: give no ddp_comm_hook")
+                raise ValueError(
+                    "`LitDDPStrategy(powersgd_rank=...)` is a communication hook: give no ddp_comm_hook "
+                    "or ddp_comm_wrapper with it"
+                )
             if not (powersgd_rank >= 1 and powersgd_start_step >= 2):
                 raise ValueError(f"`LitDDPStrategy(powersgd_rank={powersgd_rank!r}, powersgd_start_step="
                                  f"{powersgd_start_step!r})`: the rank must be >= 1, the start step >= 2")  # fmt: skip

@@ -233,7 +233,7 @@ def grid(measure: Callable[[Knobs], Trial], model: Model, base: Knobs, allow_los
 def head_to_head(measure: Callable[[Knobs], Trial], base: Knobs, configs: Sequence[Knobs], rounds: int) -> Outcome:
     """``base`` and ``configs`` head to head: one round of each in turn (``measure`` times one), ``rounds``
     times, so that the machine's drift over the run falls on every configuration alike. The best is the fastest
-    median among the trials that kept the ranks in sync."""
+    median among the trials ``faster`` than ``base`` beyond the noise that kept the ranks in sync; else ``base``."""
     trials = {knobs: Trial(knobs) for knobs in (base, *configs)}  # the user's first: max |Δw|'s reference
     for _ in range(rounds):
         for knobs, trial in trials.items():
@@ -245,8 +245,8 @@ def head_to_head(measure: Callable[[Knobs], Trial], base: Knobs, configs: Sequen
             if one.max_dw is not None:
                 trial.max_dw = max(trial.max_dw or 0.0, one.max_dw)
     measured = list(trials.values())
-    best = min((t for t in measured if t.in_sync), key=lambda t: t.median, default=measured[0])
-    return Outcome(measured[0], None, best, measured, [])
+    better = (t for t in measured[1:] if t.in_sync and faster(t, measured[0]))
+    return Outcome(measured[0], None, min(better, key=lambda t: t.median, default=measured[0]), measured, [])
 
 
 def to_record(outcome: Outcome, rows: int) -> dict:

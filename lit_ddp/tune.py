@@ -146,12 +146,12 @@ def write(cli: TuneCLI, record: dict, out: Path) -> str:
     lines = [f"Wrote {out} (python -m lit_ddp.fit --config {out}) and {json_path}",
              "In a script, for Trainer(strategy=...):", *(f"    {line}" for line in script_lines(best))]  # fmt: skip
     strategy = yaml.safe_load(cli.parser.dump(cli.fit_config, skip_check=True))["trainer"].get("strategy")
-    _, left_out = strategy_args(strategy)
+    carried, left_out = strategy_args(strategy)
     if left_out:
         lines.append(f"Left out of {out}: {strategy['class_path']}'s {', '.join(left_out)} (LitDDPStrategy, which "
                      "the config names, takes no such option)")  # fmt: skip
     if powersgd_rank(best):
-        start = (strategy_args(strategy)[0].get("powersgd_start_step") if strategy else None) or 1000
+        start = carried.get("powersgd_start_step", 1000)
         lines.append(f"PowerSGD compresses from step {start} of a fit (all-reduces plainly before it, as its "
                      "authors advise; the trials measured it compressing): powersgd_start_step sets it")  # fmt: skip
     if best.optimizer != "as_configured" and not takes_optimizer_impl(cli.model):

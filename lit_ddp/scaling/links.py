@@ -117,9 +117,9 @@ def fit_probe(points: Sequence[ProbePoint], world_size: int, name: str = "measur
     """Fits t = A + B x S to a probe and reads the ring's terms off it: A = 2(n-1) a, B = 2(n-1)/n / busbw. B comes
     from the large sizes (least squares over those from ``LARGE_SHARE`` of the largest up): the buckets a forecast
     sends are MBs, and the small sizes' times are latency and noise (over a shaped link a few KB also pass in the
-    link's burst; weighted in, they read up to 17% more bandwidth than the largest sizes ran at over 100 Mbit/s, and 59%
-    more over 1 Gbit/s). A is then the
-    mean of t - B x S weighted by relative error, which the small, latency-bound sizes carry (never below 0)."""
+    link's burst; weighted in, they read up to 17% more bandwidth than the largest sizes ran at over 100 Mbit/s,
+    and 59% more over 1 Gbit/s). A is then the mean of t - B x S weighted by relative error, which the small,
+    latency-bound sizes carry (never below 0)."""
     if world_size < 2:
         raise ForecastError(f"a probe needs >= 2 ranks to measure a link, got world_size={world_size!r}")
     pts = [(p.nbytes, p.ms) for p in points if p.ms > 0]

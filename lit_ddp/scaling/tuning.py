@@ -172,7 +172,7 @@ def stages(model: Model, base: Knobs, comm_shows: bool, allow_lossy: bool) -> li
     if impls:
         out.append(("optimizer", [dataclasses.replace(base, optimizer=i) for i in impls]))  # type: ignore[arg-type]
     if allow_lossy and comm_shows and model.world_size > 1:
-        hooks = ["fp16", "bf16", "powersgd1", "powersgd4"] if model.bf16 else ["fp16", "powersgd1", "powersgd4"]
+        hooks = [*(("fp16", "bf16") if model.bf16 else ("fp16",)), "powersgd1", "powersgd4"]  # bf16: NCCL only
         out.append(("comm_hook", [dataclasses.replace(base, comm_hook=h) for h in hooks]))  # type: ignore[arg-type]
     return out
 

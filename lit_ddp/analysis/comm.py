@@ -14,6 +14,7 @@ from lit_ddp.analysis.memory import ddp_memory_lines
 from lit_ddp.analysis.phases import DEFAULT_PRECISION, sketch_or
 from lit_ddp.analysis.tables import fmt_bandwidth, fmt_ms, table
 from lit_ddp.analysis.trace import allreduce_bus_factor
+from lit_ddp.formatting import CLI, Advice
 from lit_ddp.records.schema import CommRecord, PhaseRecord, Sketch
 
 
@@ -33,9 +34,10 @@ def comm_summary(record: CommRecord, rank: int, name: str) -> Sketch:
     return sketch_or(record.ranks[rank].summaries, name, kept)
 
 
-def comm_table(record: CommRecord, phases: Optional[PhaseRecord] = None) -> str:
+def comm_table(record: CommRecord, phases: Optional[PhaseRecord] = None, advice: Advice = CLI) -> str:
     """Per bucket: bytes, all-reduce time, algbw and busbw (nccl-tests definitions); per step: totals; on
-    several ranks, the straggler verdict (``lit_ddp.analysis.stragglers``), with ``phases`` naming its slow phase.
+    several ranks, the straggler verdict (``lit_ddp.analysis.stragglers``), with ``phases`` naming its slow phase;
+    the knobs phrased for where the table is read (``advice``).
 
     Buckets are those of the final layout (DDP rebuilds its buckets after the first step), timed over the
     steady steps that used it. With several ranks, a bucket's time is its transfer (the shortest duration across
@@ -70,7 +72,7 @@ def comm_table(record: CommRecord, phases: Optional[PhaseRecord] = None) -> str:
         + _precision_line(record)
         + _accumulation_line(record)
         + _unused_line(record)
-        + (f"\n{ddp_memory_lines(record.ddp_memory)}" if record.ddp_memory else "")
+        + (f"\n{ddp_memory_lines(record.ddp_memory, advice)}" if record.ddp_memory else "")
         # A straggler is the phase table's verdict when there is one; otherwise it is said here.
         + (f"\n{stragglers.verdict_line(found)}" if found and (phases is None or found.rank is None) else "")
     )

@@ -8,7 +8,7 @@ How each figure is measured and what it means: docs/memory.md.
 
 from typing import Optional
 
-from lit_ddp.analysis.tables import fmt_si
+from lit_ddp.formatting import CLI, Advice, fmt_bytes
 from lit_ddp.records.schema import PHASES, DDPMemory, OutOfMemory, PhaseRecord, Sketch, StepMemory
 
 SOURCES = {
@@ -16,10 +16,6 @@ SOURCES = {
     "cpu_profiler": "the CPU allocator's events in the profiled steps (torch.profiler, profile_memory=True), on top "
     "of what parameters, gradients, DDP's buckets and optimizer state held at each step's start",
 }
-
-
-def fmt_bytes(value: float) -> str:
-    return fmt_si(value, "B")
 
 
 def memory_summary(record: PhaseRecord, rank: int, name: str) -> Sketch:
@@ -73,8 +69,9 @@ def memory_line(record: PhaseRecord) -> str:
     )
 
 
-def ddp_memory_lines(memory: DDPMemory) -> str:
-    """DDP's own memory on each rank, exactly, and what each knob would change."""
+def ddp_memory_lines(memory: DDPMemory, advice: Advice = CLI) -> str:
+    """DDP's own memory on each rank, exactly, and what each knob would change (``advice``: phrased for where it is
+    read)."""
     total = sum(memory.buckets)
     sizes = ", ".join(f"{b:,}" for b in memory.buckets[:8]) + (", ..." if len(memory.buckets) > 8 else "")
     view = memory.gradient_as_bucket_view
@@ -90,8 +87,9 @@ def ddp_memory_lines(memory: DDPMemory) -> str:
     if view:
         lines.append(f"gradient_as_bucket_view is on: the gradients are the buckets, saving {total:,} bytes.")
     else:
-        lines.append(f"The buckets are a second copy of the gradients: --trainer.strategy.gradient_as_bucket_view true "
-                     f"gives back {total:,} bytes ({fmt_bytes(total)}) per rank.")  # fmt: skip
+        lines.append(f"The buckets are a second copy of the gradients: "
+                     f"{advice.strategy_settings(gradient_as_bucket_view=True)} gives back {total:,} bytes "
+                     f"({fmt_bytes(total)}) per rank.")  # fmt: skip
     largest = max(memory.buckets)
     cap = f"{memory.bucket_cap / 2**20:g} MiB" if memory.bucket_cap else "its cap"
     lines.append(f"bucket_cap_mb ({cap} now) changes how the {total:,} bytes split (largest bucket {largest:,}), not "

@@ -3,19 +3,12 @@
 import math
 from collections.abc import Sequence
 
+from lit_ddp.formatting import fmt_si  # noqa: F401 (its home was here: phases.py and tests import it)
+
 
 def fmt_ms(value: float) -> str:
     """Milliseconds, or seconds from 1000 ms on."""
     return f"{value:.2f} ms" if value < 1000 else f"{value / 1000:.2f} s"
-
-
-def fmt_si(value: float, unit: str) -> str:
-    """``value`` in ``unit`` with the SI prefix its magnitude calls for: ``469.9 MB``, ``1.07 GFLOP``, ``64 FLOP``."""
-    prefix, scale = next(((p, k) for p, k in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)) if abs(value) >= k),
-                         ("", 1.0))  # fmt: skip
-    scaled = value / scale
-    digits = 2 if abs(scaled) < 10 else 1 if abs(scaled) < 1000 else 0
-    return f"{scaled:.0f} {unit}" if not prefix and scaled == int(scaled) else f"{scaled:.{digits}f} {prefix}{unit}"
 
 
 def fmt_bandwidth(gb_per_s: float) -> str:

@@ -21,9 +21,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_ddp import _lightning
-from lit_ddp.analysis.memory import fmt_bytes
 from lit_ddp.analysis.tables import fmt_ms, table
 from lit_ddp.callbacks.shared import say
+from lit_ddp.formatting import fmt_bytes
 from lit_ddp.measure.trials import TrialBench, no_logging, optimizer_impls
 from lit_ddp.scaling.tuning import (
     Hook,

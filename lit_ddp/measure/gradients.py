@@ -13,6 +13,7 @@ needs no collective, so no rank is left waiting).
 from torch import nn
 
 from lit_ddp.errors import UnusedParametersError
+from lit_ddp.formatting import CLI, Advice
 
 
 def without_grad(module: nn.Module) -> list[tuple[str, int]]:
@@ -22,8 +23,9 @@ def without_grad(module: nn.Module) -> list[tuple[str, int]]:
             if p.requires_grad and p.grad is None]  # fmt: skip
 
 
-def check_all_used(module: nn.Module, step: int) -> None:
-    """Raises ``UnusedParametersError`` naming the parameters that got no gradient in ``step``'s backward."""
+def check_all_used(module: nn.Module, step: int, advice: Advice = CLI) -> None:
+    """Raises ``UnusedParametersError`` naming the parameters that got no gradient in ``step``'s backward, and the
+    setting that lets DDP search for them (phrased for where it is read: ``advice``)."""
     missing = without_grad(module)
     if not missing:
         return
@@ -31,6 +33,6 @@ def check_all_used(module: nn.Module, step: int) -> None:
     raise UnusedParametersError(
         f"{len(missing)} parameter(s) got no gradient in step {step}: {names}; DDP would wait for them and fail "
         "at the next step. Use them in the loss, freeze them (requires_grad=False), or let DDP search for them "
-        "every step: --trainer.strategy.find_unused_parameters true (static_graph=True too when the same ones "
-        "are unused every step)"
+        f"every step: {advice.strategy_settings(find_unused_parameters=True)} (static_graph=True too when the same "
+        "ones are unused every step)"
     )

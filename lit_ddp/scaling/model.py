@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Optional
 
 from lit_ddp.analysis.comm import comm_summary
-from lit_ddp.analysis.memory import fmt_bytes
 from lit_ddp.analysis.phases import micro_batches, phase_summary
 from lit_ddp.errors import ForecastError, RecordError
+from lit_ddp.formatting import fmt_bytes
 from lit_ddp.records.schema import PHASES, DDPMemory, StepRow
 from lit_ddp.records.schema import load_run as load_record
 from lit_ddp.scaling.links import Topology, allreduce_ms

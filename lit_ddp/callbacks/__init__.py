@@ -12,9 +12,9 @@ from lit_ddp.callbacks.tuner import DDPTuner
 from lit_ddp.errors import NonFiniteLossError, SyncError
 from lit_ddp.run import console
 
-# In a script that uses these callbacks, as in the CLI: Lightning's start-up lines and warnings hidden
-# (LIT_DDP_QUIET_LIGHTNING=0 keeps them; docs/callbacks.md).
-console.quiet_lightning()
+# Nothing else happens on import: a ddp_spawn rank of a script that called `lit_ddp.quiet_lightning()` imports this
+# package to unpickle the callbacks, and quiets itself here as that script asked (its environment says so).
+console.quiet_if_asked()
 
 __all__ = [
     "CommMonitor",

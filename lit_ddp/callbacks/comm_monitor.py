@@ -31,6 +31,7 @@ from lit_ddp.measure.clock import ClockOffset, HostClock, clock_for
 from lit_ddp.measure.gradients import check_all_used, without_grad
 from lit_ddp.measure.memory import ddp_memory
 from lit_ddp.records.schema import CommRecord, RankComm, Sketch, StepBuckets, Window, is_steady
+from lit_ddp.run import console
 
 COMPRESSION_WRAPPERS = {
     "fp16": default_hooks.fp16_compress_wrapper,
@@ -186,7 +187,7 @@ class CommMonitor(Callback):
             return
         if not trainer.strategy.model.find_unused_parameters:
             if trainer.global_step == 0:  # DDP would fail at the next forward, naming indices: name them now
-                check_all_used(pl_module, 0)
+                check_all_used(pl_module, 0, console.advice(trainer))
             return
         self._unused = without_grad(pl_module)  # a Python pass over the parameters, only where DDP searches anyway
         self._unused_sets.add(tuple(name for name, _ in self._unused))

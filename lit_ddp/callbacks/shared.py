@@ -22,7 +22,7 @@ from lit_ddp.analysis import stragglers
 from lit_ddp.analysis.comm import comm_table
 from lit_ddp.analysis.phases import phase_table
 from lit_ddp.records.schema import CommRecord, PhaseRecord, RunMeta, as_json, save
-from lit_ddp.run import lifecycle
+from lit_ddp.run import console, lifecycle
 
 T = TypeVar("T")
 
@@ -175,7 +175,7 @@ def report_timers(trainer: Trainer, caller: Callback) -> None:
     if phases is not None:
         say(trainer, phase_table(phases, comm))
     if comm is not None:
-        say(trainer, comm_table(comm, phases))
+        say(trainer, comm_table(comm, phases, console.advice(trainer)))
     if written:  # where it went, and the command that reads it, ready to paste (a script prints no other path)
         run_dir = shown_path(written[0].log_dir)
         files = ", ".join(keeper.filename for keeper in written)

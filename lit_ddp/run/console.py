@@ -5,8 +5,8 @@
 The callbacks speak through Lightning's rank-zero logging (``rank_zero_info``), as Lightning's own callbacks
 do, so they print in any script. Here that logging goes to stdout, and a filter drops the banners *by their
 text*: setting Lightning's loggers to WARNING would also hide the model summary and profiler report a user
-asked for. In a script, importing ``lit_ddp.callbacks`` drops Lightning's start-up lines and warnings the same
-way (``quiet_lightning``; ``LIT_DDP_QUIET_LIGHTNING=0`` keeps them).
+asked for. Importing the tool changes nothing in a script's process; a script that wants Lightning's start-up
+lines and warnings dropped the same way calls ``lit_ddp.quiet_lightning()``.
 """
 
 import logging
@@ -15,11 +15,14 @@ import re
 import sys
 import warnings
 
+from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from lit_ddp.formatting import Advice
 
 # Lightning's start-up lines that say nothing the tool does not say better (the device map, the Done line) or
 # that nobody can act on (a tip to install a cloud logger, every rank's "Seed set to 0"): dropped in the CLI and
-# in any script that imports the tool's callbacks (``quiet_lightning``).
+# in a script that calls ``quiet_lightning``.
 LIGHTNING_BANNERS = (
     r"GPU available:|TPU available:|HPU available:|IPU available:|💡 Tip:"
     r"|Initializing distributed:|-{10,}|distributed_backend=|LOCAL_RANK: \d+ - CUDA_VISIBLE_DEVICES"
@@ -36,7 +39,7 @@ BANNERS = re.compile(
     r"|`weights_only` was not set, defaulting to `False`\.)"
 )
 
-# Warnings of Lightning's that nobody can act on, hidden in a script too (``quiet_lightning``).
+# Warnings of Lightning's that nobody can act on, hidden in a script that asks too (``quiet_lightning``).
 LIGHTNING_WARNINGS = (
     # Any run not under srun on a machine where Slurm is installed (a login node; CI's one-node Slurm): the
     # forked and torchrun runs do not need srun, and docs/launching.md says when to use it.
@@ -60,6 +63,8 @@ NOISY_WARNINGS = (
     # Only with an explicit `--trainer.accelerator cpu` on a GPU machine (auto takes the GPU): the user's choice,
     # and the device map says where each rank runs.
     ".*GPU available but not used.*",
+    # --trainer.max_steps -1 without max_epochs: RunSummary's "No step limit" line says it with the step count.
+    ".*`max_epochs` was not set. Setting it to 1000 epochs.*",
     # `cli_main` always passes the (expanded) argv as `args`.
     ".*LightningCLI's args parameter is intended to run from within Python.*",
 )
@@ -97,12 +102,28 @@ QUIET_ENV = "LIT_DDP_QUIET_LIGHTNING"
 
 
 def quiet_lightning() -> None:
-    """In a script that uses the tool's callbacks: Lightning's start-up lines and unactionable warnings dropped as
-    the CLI drops them (its model summary, profiler report and every other line still shown). Idempotent; nothing
-    when ``LIT_DDP_QUIET_LIGHTNING=0``. ``lit_ddp.callbacks`` calls it when imported, in every rank: before the
-    ``Trainer`` prints anything, and in ``ddp_spawn`` ranks too, which import it to unpickle the callbacks."""
-    if os.environ.get(QUIET_ENV, "1") == "0":
+    """In a script that uses the tool's callbacks, before its ``Trainer`` is made: Lightning's start-up lines and
+    unactionable warnings dropped as the CLI drops them (its model summary, profiler report and every other line
+    still shown). Idempotent; nothing when ``LIT_DDP_QUIET_LIGHTNING=0``.
+
+    It sets ``LIT_DDP_QUIET_LIGHTNING=1`` for the ranks this process starts: a ``ddp_spawn`` rank is a fresh
+    interpreter, and quiets itself when it imports ``lit_ddp.callbacks`` to unpickle them (``quiet_if_asked``);
+    ``ddp`` ranks run the script again, forked ones inherit the filters.
+    """
+    if os.environ.get(QUIET_ENV) == "0":
         return
+    os.environ[QUIET_ENV] = "1"
+    _drop_lightning_noise()
+
+
+def quiet_if_asked() -> None:
+    """``quiet_lightning`` where the environment asks for it (``LIT_DDP_QUIET_LIGHTNING=1``: a rank started by a
+    script that called it); else nothing, so that importing the tool changes nothing in a process."""
+    if os.environ.get(QUIET_ENV) == "1":
+        _drop_lightning_noise()
+
+
+def _drop_lightning_noise() -> None:
     for name in LIGHTNING_LOGGERS:
         logging.getLogger(name).addFilter(_DROP_LIGHTNING_BANNERS)  # a filter already there is not added twice
     for pattern in LIGHTNING_WARNINGS:
@@ -137,3 +158,9 @@ def setup() -> None:
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     for pattern in NOISY_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
+
+
+def advice(trainer: Trainer) -> Advice:
+    """How a suggestion reads where this run prints it: under ``python -m lit_ddp.fit`` (``setup`` ran in this
+    process or the one that started it), as options; in a script, as the strategy class to construct."""
+    return Advice(cli=CONSOLE_ENV in os.environ, strategy=type(trainer.strategy).__name__)

@@ -24,7 +24,7 @@ from typing_extensions import override
 from lit_ddp import _lightning
 from lit_ddp.measure.gradients import check_all_used
 from lit_ddp.measure.trials import buffer_sync, powersgd
-from lit_ddp.run import lifecycle
+from lit_ddp.run import console, lifecycle
 from lit_ddp.run.checkpointing import AtomicCheckpointIO
 from lit_ddp.run.hangs import name_absent_ranks
 from lit_ddp.run.rendezvous import init_loopback_process_group
@@ -167,7 +167,8 @@ class LitDDPStrategy(DDPStrategy):
         super().post_backward(closure_loss)
         if not self._checked_grads and not self.ddp_kwargs["find_unused_parameters"]:
             self._checked_grads = True  # once: the first backward shows what the graph leaves out
-            check_all_used(self.lightning_module, self.lightning_module.trainer.global_step)
+            trainer = self.lightning_module.trainer
+            check_all_used(self.lightning_module, trainer.global_step, console.advice(trainer))
 
     @override
     def teardown(self) -> None:

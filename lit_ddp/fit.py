@@ -12,9 +12,7 @@ option: docs/options.md.
 """
 
 import argparse
-import importlib
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -29,7 +27,15 @@ from lit_ddp.callbacks import DeviceMap, LossMonitor, RunSummary, StepSync, Sync
 from lit_ddp.errors import Ending, UsageError
 from lit_ddp.lab.data import FixedBatchDataModule
 from lit_ddp.run import console, lifecycle
-from lit_ddp.run.arguments import check_devices, default_classes, expand_shorthands
+from lit_ddp.run.arguments import (
+    HelpFormatter,
+    check_devices,
+    default_classes,
+    expand_shorthands,
+    names_class,
+    one_line,
+    take_launcher_devices,
+)
 from lit_ddp.run.checkpointing import LastCheckpoint, checkpoint_dir, resume_path
 from lit_ddp.run.run_dir import claim_version
 
@@ -109,7 +115,7 @@ class LitDDPCLI(LightningCLI):
         except (ValueError, MisconfigurationException, ModuleNotFoundError) as err:
             # The classes' own argument checks, and Trainer's resolution of accelerator, devices and strategy
             # (Lightning raises ValueError and MisconfigurationException for those): the user's input.
-            raise UsageError(_one_line(err)) from err
+            raise UsageError(one_line(err)) from err
 
     def __init__(self, *args, claim_log_version: bool = False, **kwargs) -> None:
         self.claim_log_version = claim_log_version
@@ -120,8 +126,9 @@ class LitDDPCLI(LightningCLI):
             raise UsageError(f"devices: {self.config.devices!r} in a config file: --devices is a command-line "
                              "shorthand; a config file says trainer.devices")  # fmt: skip
         check_devices(self.config.trainer.accelerator, self.config.trainer.devices)
+        take_launcher_devices(self.config.trainer)
         model, data = self.config.model, self.config.data
-        if _names(data.class_path, FixedBatchDataModule) and data.init_args.dim is None:  # the model's width
+        if names_class(data.class_path, FixedBatchDataModule) and data.init_args.dim is None:  # the model's width
             data.init_args.dim = model.init_args.get("dim") if "init_args" in model else None
         if self.config.checkpoint.dirpath is None:
             self.config.checkpoint.dirpath = str(checkpoint_dir(self.config.trainer))
@@ -153,39 +160,17 @@ def build_cli(args: list[str], claim_log_version: bool = False, cli_class: type[
             auto_configure_optimizers=False,
             parser_kwargs={
                 "exit_on_error": False,
+                "allow_abbrev": False,  # --trainer.max_step is an error, not max_steps
+                "formatter_class": HelpFormatter,
                 "prog": cli_class.prog(),
                 "description": cli_class.description,
                 "usage": USAGE,
-            },  # fmt: skip
+            },
             claim_log_version=claim_log_version,
         )
         return cli_class(LightningModule, LightningDataModule, **{**options, **cli_kwargs})
     except ArgumentError as err:  # types, ranges, unknown keys, unreadable config files
-        raise UsageError(_one_line(err)) from err
-
-
-def _names(class_path: str, cls: type) -> bool:
-    module, _, name = class_path.rpartition(".")
-    return getattr(importlib.import_module(module), name, None) is cls
-
-
-# jsonargparse's error for --model/--data (subclass mode) tries each member of a Union in turn: the class's own
-# complaint is the one to show.
-_SUBCLASS_ERROR = re.compile(r'Parser key "(\w+)":.*?Problem with given class_path \'([^\']+)\': (.*?)'
-                             r"(?: - Expected a <class 'NoneType'>.*)?$")  # fmt: skip
-_INNER_KEY = re.compile(r'Parser key "([^"]+)": (.*)$')
-
-
-def _one_line(err: BaseException) -> str:
-    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
-    subclass = _SUBCLASS_ERROR.match(text)
-    if not subclass:
-        return text
-    group, class_path, message = subclass.groups()
-    inner = _INNER_KEY.match(message)
-    return (
-        f'Parser key "{group}.{inner[1]}": {inner[2]}' if inner else f'Parser key "{group}" ({class_path}): {message}'
-    )
+        raise UsageError(one_line(err)) from err
 
 
 def cli_main(args: Optional[list[str]] = None) -> Ending:

@@ -1,7 +1,9 @@
-"""The closing line of a run: ``Done: 5 steps on 2 ranks, backend gloo, device cpu, wall 3.1 s, logs in ...``.
+"""The closing line of a run: ``Done: 5 steps on 2 ranks, backend gloo, device cpu, wall 3.1 s, logs in ...``,
+and, at its start, the word that it has no step limit.
 
     python -m lit_ddp.fit --devices 2
     python -m lit_ddp.fit --ckpt_path last     # Done: 5 steps on 2 ranks (resumed at step 5 from ...), ...
+    python -m lit_ddp.fit --trainer.max_steps -1    # No step limit (max_steps=-1): 1,000 epochs of ... steps
 
 The steps are those this run trained: a run resumed from a checkpoint (``--ckpt_path``, or Lightning's own
 ``hpc_ckpt_N.ckpt`` in a requeued Slurm job) counts from the checkpoint's step, and says where it resumed.
@@ -10,13 +12,23 @@ Printed by rank 0 of the ranks that trained, so it is right whichever process la
 launcher's rank 0, torchrun, or the parent of ``ddp_fork`` ranks, which trains nothing itself).
 """
 
+import math
 import time
+from pathlib import Path
+from typing import Optional, Protocol, runtime_checkable
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lit_ddp.callbacks.shared import say
 from lit_ddp.run import console
+
+
+@runtime_checkable
+class SavesCheckpoints(Protocol):
+    """A callback that says where it last wrote a checkpoint in this fit (``LastCheckpoint``)."""
+
+    saved: Optional[Path]
 
 
 class RunSummary(Callback):
@@ -42,6 +54,12 @@ class RunSummary(Callback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._first_step = trainer.global_step  # the loops' state is restored before this hook
+        if trainer.max_steps == -1:  # Lightning then runs max_epochs epochs (1000 when not set) without a word
+            steps = trainer.estimated_stepping_batches
+            epochs = f"{trainer.max_epochs:,} epoch(s)" if trainer.max_epochs != -1 else "epochs without end"
+            total = f"{int(steps):,} steps" if math.isfinite(steps) else "no last step"
+            say(trainer, f"No step limit (max_steps=-1): {epochs} of {trainer.num_training_batches:,} batch(es), "
+                         f"{total}; --trainer.max_steps N sets one")  # fmt: skip
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -50,8 +68,11 @@ class RunSummary(Callback):
         ranks = f"{trainer.world_size} rank" + ("s" if trainer.world_size != 1 else "")
         backend = getattr(strategy, "process_group_backend", None) or "none"
         resumed = f" (resumed at step {self._first_step} from {trainer.ckpt_path})" if trainer.ckpt_path else ""
+        saved = next((c.saved for c in trainer.callbacks if isinstance(c, SavesCheckpoints) and c.saved), None)
+        checkpoint = f", checkpoint {saved}" if saved else ", no checkpoint written"
         say(
             trainer,
             f"Done: {trainer.global_step - self._first_step} steps on {ranks}{resumed}, backend {backend}, "
-            f"device {strategy.root_device.type}, wall {time.perf_counter() - self._start:.1f} s, logs in {log_dir}",
+            f"device {strategy.root_device.type}, wall {time.perf_counter() - self._start:.1f} s, logs in {log_dir}"
+            f"{checkpoint}",
         )

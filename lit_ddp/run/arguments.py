@@ -1,13 +1,19 @@
-"""The command line before LightningCLI parses it, and the checks whose messages Lightning words without
-naming the option.
+"""The command line before LightningCLI parses it, how its help and errors read, and the checks whose messages
+Lightning words without naming the option.
 
     python -m lit_ddp.fit --devices 2 --config configs/mini_train.yaml     # runs on 2 processes
+    torchrun --nproc_per_node 2 -m lit_ddp.fit                             # devices taken from torchrun
 """
 
+import importlib
+import os
+import re
 from typing import Any
 
 import torch
 import yaml
+from jsonargparse import ActionConfigFile, DefaultHelpFormatter
+from lightning.pytorch.plugins.environments import TorchElasticEnvironment
 
 from lit_ddp.errors import UsageError
 
@@ -103,3 +109,96 @@ def check_devices(accelerator: Any, devices: Any) -> None:
         raise UsageError(f"--trainer.devices must be {allowed}, got {devices}")
     if isinstance(devices, str) and devices != "auto" and not all(p.strip().isdigit() for p in devices.split(",")):
         raise UsageError(f"--trainer.devices must be a number, a list of GPU indices or 'auto', got {devices!r}")
+
+
+def take_launcher_devices(trainer: Any) -> None:
+    """Under torchrun the processes are torchrun's: ``devices: auto`` becomes its ``--nproc_per_node`` and
+    ``num_nodes: 1`` (the default) its node count. Any other figure that does not match is refused in one line;
+    Lightning's own error names ``devices=1``, which the user never set.
+
+    Args:
+        trainer: The parsed (not yet instantiated) ``trainer`` section of the config; changed in place.
+
+    Raises:
+        UsageError: ``devices`` or ``num_nodes`` disagrees with torchrun's.
+    """
+    if not TorchElasticEnvironment.detect():
+        return
+    local, world = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
+    devices = trainer.devices
+    count = _device_count(devices)
+    if devices == "auto":
+        trainer.devices = local
+    elif count is not None and count != local:
+        raise UsageError(f"--trainer.devices {devices} under torchrun --nproc_per_node {local}: leave it out "
+                         f"(torchrun's count is taken) or make it {local}")  # fmt: skip
+    nodes = world // local
+    if trainer.num_nodes == 1 and nodes != 1:
+        trainer.num_nodes = nodes
+    elif trainer.num_nodes != nodes:
+        raise UsageError(f"--trainer.num_nodes {trainer.num_nodes} under torchrun with {nodes} node(s) of {local} "
+                         f"process(es): leave it out or make it {nodes}")  # fmt: skip
+
+
+def _device_count(devices: Any) -> int | None:
+    if isinstance(devices, str) and devices.strip().isdigit():
+        return int(devices)
+    if isinstance(devices, int) and devices > 0:
+        return devices
+    if isinstance(devices, str) and "," in devices:
+        return len([d for d in devices.split(",") if d.strip()])
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    return None  # "auto", -1 (all GPUs): Lightning resolves them
+
+
+# Lightning's docstrings end some options' help with its own default ("Default: ``True``."), which jsonargparse
+# follows with the tool's (enable_progress_bar: "Default: ``True``. (type: Optional[bool], default: False)").
+_DOCSTRING_DEFAULT = re.compile(r"\s*Default:\s*(``[^`]*``|[^\s.]+)\.?")
+_KNOWN_SUBCLASSES = re.compile(r", known subclasses: [^)]*")
+# A Trainer option's help is its docstring's first sentence (the rest is Lightning's Trainer documentation).
+_FIRST_SENTENCE = re.compile(r"^(.*?\.)\s+[A-Z`:(].*$", re.S)
+
+
+class HelpFormatter(DefaultHelpFormatter):
+    """``--help`` with one default per option (the one the command takes), a Trainer option's docstring cut to its
+    first sentence, without each group's ``--GROUP CONFIG`` line (``--config`` says it once) and without the lists
+    of known subclasses (``--trainer.strategy.help`` shows a class's options)."""
+
+    def _get_help_string(self, action) -> str:
+        text = _KNOWN_SUBCLASSES.sub("", _DOCSTRING_DEFAULT.sub("", super()._get_help_string(action)))
+        doc, typed, facts = text.rpartition(" (type:")
+        if action.dest.startswith("trainer.") and typed:
+            text = _FIRST_SENTENCE.sub(r"\1", doc) + typed + facts
+        return text
+
+    def _format_action(self, action) -> str:
+        if isinstance(action, ActionConfigFile) and "--config" not in action.option_strings:
+            return ""
+        return super()._format_action(action)
+
+
+def names_class(class_path: str, cls: type) -> bool:
+    """Whether ``class_path`` (``module.Name``) is ``cls``."""
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name, None) is cls
+
+
+# jsonargparse's error for --model/--data (subclass mode) tries each member of a Union in turn: the class's own
+# complaint is the one to show.
+_SUBCLASS_ERROR = re.compile(r'Parser key "(\w+)":.*?Problem with given class_path \'([^\']+)\': (.*?)'
+                             r"(?: - Expected a <class 'NoneType'>.*)?$")  # fmt: skip
+_INNER_KEY = re.compile(r'Parser key "([^"]+)": (.*)$')
+
+
+def one_line(err: BaseException) -> str:
+    """A parser's or a class's error as the one line the command prints."""
+    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    subclass = _SUBCLASS_ERROR.match(text)
+    if not subclass:
+        return text
+    group, class_path, message = subclass.groups()
+    inner = _INNER_KEY.match(message)
+    return (
+        f'Parser key "{group}.{inner[1]}": {inner[2]}' if inner else f'Parser key "{group}" ({class_path}): {message}'
+    )

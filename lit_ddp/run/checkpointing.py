@@ -66,6 +66,7 @@ class LastCheckpoint(Callback):
             raise ValueError(f"`LastCheckpoint(every_n_steps={every_n_steps!r})` must be >= 0")
         self.every_n_steps = every_n_steps
         self.dirpath = dirpath
+        self.saved: Optional[Path] = None  # where this fit last wrote last.ckpt
         self._steps = OptimizerSteps()
 
     def path(self, trainer: Trainer) -> Path:
@@ -82,6 +83,7 @@ class LastCheckpoint(Callback):
             return
         if trainer.global_step % self.every_n_steps == 0 or trainer.should_stop:
             trainer.save_checkpoint(self.path(trainer))
+            self.saved = self.path(trainer)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -13,8 +13,8 @@ PROG = "lit-ddp-fit"
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
-# report, trace_report, forecast: the text printed, the picture asked for not drawn (matplotlib missing, or the
-# folder not writable); --no-plot asks for none.
+# report, trace_report, forecast: the text printed, the picture asked for not written (its folder not writable;
+# without matplotlib they say how to get it and exit 0); --no-plot asks for none.
 EXIT_NO_PICTURE = 1
 
 

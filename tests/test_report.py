@@ -1,8 +1,14 @@
 """``python -m lit_ddp.report RUN_DIR``: the tables again from a run's timing JSON, and the picture."""
 
+import sys
+
 import pytest
+from matplotlib.collections import LineCollection
 
 from lit_ddp import report
+from lit_ddp.analysis import plots
+from lit_ddp.records.schema import PHASES, PhaseRecord, StepPhases, StepRow, load_run, save
+from tests.records import phase_record
 from tests.trainers import profile
 
 
@@ -13,6 +19,13 @@ def test_report_reprints_the_tables_and_draws_the_picture(make_trainer, tmp_path
     assert "Phase times (perf_counter: host time), 2 rank(s)" in out and "Gradient all-reduce per step" in out
     png = log_dir / "phases.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    # Every line and segment of the timeline has its legend entry: "other", the all-reduces, backward's end.
+    phases, comm = load_run(log_dir)
+    timeline = plots.phases_figure(phases, comm).axes[1]
+    lines = [c for c in timeline.collections if isinstance(c, LineCollection)]
+    assert len(lines) == 2 and [line.get_label() for line in lines[:1]] == ["backward's compute ends"]
+    legend = [t.get_text() for t in timeline.get_legend().get_texts()]
+    assert legend == ["other", *PHASES[:4], "all-reduce (one per bucket)", "exposed", "backward's compute ends"], legend
 
 
 def test_report_refuses_a_directory_without_timings(tmp_path, capsys):
@@ -20,3 +33,47 @@ def test_report_refuses_a_directory_without_timings(tmp_path, capsys):
         report.main([str(tmp_path)])
     assert exit_info.value.code == 2
     assert "neither phases.json nor comm.json" in capsys.readouterr().err
+
+
+def steps_with_boundaries(per_step: list[tuple[float, float, float, float]]) -> list[StepRow]:
+    """Steps whose phases follow each other from the start, with every boundary PhaseTimer marks."""
+    rows = []
+    for step, (forward, backward, update, other) in enumerate(per_step):
+        total = forward + backward + update + other
+        ends = [0.0, forward, forward, forward + backward, forward + backward, forward + backward + update,
+                forward + backward + update, total]  # fmt: skip
+        rows.append(StepRow(step, StepPhases(forward, backward, update, other, total), ends))
+    return rows
+
+
+def warm_record() -> PhaseRecord:
+    """Two ranks, a warm-up 50x the steady 40 ms step, steps 2-4 profiled."""
+    per_step = [(500.0, 1000.0, 400.0, 100.0)] + [(10.0, 20.0, 8.0, 2.0)] * 7
+    record = phase_record([per_step, per_step], profiled=[2, 3, 4])
+    for rank in record.ranks:
+        rank.rows = steps_with_boundaries(per_step)
+    return record
+
+
+def test_the_picture_keeps_the_steady_steps_readable_and_marks_the_profiled_ones():
+    bars, timeline = plots.phases_figure(warm_record(), None).axes
+    assert 40.0 < bars.get_ylim()[1] < 100.0  # the steady 40 ms steps fill the axis; step 0's 2 s does not
+    assert [t.get_text() for t in bars.texts] == ["2.00 s ↑"] and "clipped" in bars.get_title()
+    assert "0: warm-up" in bars.get_xlabel()
+    legend = [t.get_text() for t in bars.get_legend().get_texts()]
+    assert legend == ["profiled: steps 2-4", *PHASES[:-1]], legend
+    assert "other" in [t.get_text() for t in timeline.get_legend().get_texts()]
+
+
+def test_without_matplotlib_report_prints_its_tables_says_how_to_get_the_picture_and_exits_0(
+    tmp_path, capsys, monkeypatch
+):
+    save(warm_record(), tmp_path / "phases.json")
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails as if matplotlib were missing
+    assert report.main([str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert "Phase times (perf_counter: host time), 2 rank(s)" in out
+    assert err.splitlines() == [
+        "no phases.png: matplotlib is missing (pip install 'lit_ddp[plot]'); the text above is complete"
+    ]
+    assert not (tmp_path / "phases.png").exists()

@@ -5,7 +5,8 @@ writes one (``forecast.png`` too).
     python -m lit_ddp.trace_report runs/mini_train/version_0        # trace.png beside the traces
 
 matplotlib's Figure API, not pyplot: no backend switch and no global state, so they draw inside a notebook too.
-matplotlib is the ``plot`` extra; without it every command prints its text and answers alike (``write``).
+matplotlib is the ``plot`` extra; without it every command prints its text, says how to get the picture, and
+succeeds (``write``).
 """
 
 import sys
@@ -13,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from lit_ddp.analysis.tables import fmt_ms
 from lit_ddp.analysis.trace import GRADIENT, RankAnalysis, merge
 from lit_ddp.errors import EXIT_NO_PICTURE
 from lit_ddp.records.schema import BOUNDARIES, PHASES, CommRecord, PhaseRecord
@@ -45,13 +47,14 @@ def save(fig: "Figure", out: Path) -> Path:
 
 def write(draw: Callable[[], "Figure"], out: Path) -> int:
     """A command's picture, the same answer in every command: ``draw()`` saved to ``out``, ``wrote OUT`` on stdout
-    and 0; when matplotlib is missing or ``out`` cannot be written, one line on stderr and ``EXIT_NO_PICTURE`` (the
-    command's text is printed by then; ``--no-plot`` asks for no picture)."""
+    and 0. Without matplotlib (an install without the ``plot`` extra), one line on stderr that says how to get the
+    picture, and 0: the text printed by then is the whole answer. When ``out`` cannot be written, one line on
+    stderr and ``EXIT_NO_PICTURE`` (``--no-plot`` asks for no picture)."""
     try:
         save(draw(), out)
     except MatplotlibMissing as err:
-        print(f"no {out.name}: {err}", file=sys.stderr)
-        return EXIT_NO_PICTURE
+        print(f"no {out.name}: {err}; the text above is complete", file=sys.stderr)
+        return 0
     except OSError as err:
         print(f"no {out.name}: {out}: {err.strerror}", file=sys.stderr)
         return EXIT_NO_PICTURE
@@ -60,32 +63,66 @@ def write(draw: Callable[[], "Figure"], out: Path) -> int:
 
 
 def phases_figure(phases: PhaseRecord, comm: Optional[CommRecord]) -> "Figure":
-    """``phases.png``. Left: stacked phase bars per kept step (rank 0). Right: a timeline of one steady step per
-    rank: the phases as segments, each bucket's all-reduce as a segment below them, its exposed part (after
-    backward) hatched."""
-    colors = {"forward": "#4C72B0", "backward": "#DD8452", "update": "#55A868", "data": "#937860", "other": "#BBBBBB"}
+    """``phases.png``. Left: stacked phase bars per kept step (rank 0), the profiled steps shaded, the axis clipped
+    above the steady steps so that the warm-up does not flatten them (its total written on its bar). Right: a
+    timeline of one steady step per rank: the phases as segments, each bucket's all-reduce as a segment below
+    them, its exposed part (after backward) hatched."""
     fig = figure(figsize=(13, 4.5))
     ax_step, ax_line = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 2]})
+    _phase_bars(ax_step, phases)
+    _phase_timeline(ax_line, phases, comm)
+    fig.tight_layout()
+    return fig
+
+
+_PHASE_BAR_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "update": "#55A868", "data": "#937860",
+                     "other": "#BBBBBB"}  # fmt: skip
+# The steady steps' tallest bar fills this share of the clipped axis: a warm-up step up to this much taller is
+# drawn whole.
+_HEADROOM = 1.4
+
+
+def _phase_bars(ax, phases: PhaseRecord) -> None:
     rows = phases.ranks[0].rows
     steps = [r.step for r in rows]
     bottom = [0.0] * len(steps)
     for phase in PHASES[:-1]:
         heights = [max(getattr(r.ms, phase), 0.0) for r in rows]
-        ax_step.bar(steps, heights, bottom=bottom, color=colors[phase], label=phase)
+        ax.bar(steps, heights, bottom=bottom, color=_PHASE_BAR_COLORS[phase], label=phase)
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-    ax_step.set(title=f"per step, rank 0 ({phases.meta.clock})", xlabel="step", ylabel="ms")
-    ax_step.legend(loc="upper right", fontsize=8)
-    _phase_timeline(ax_line, phases, comm, colors)
-    fig.tight_layout()
-    return fig
+    profiled = [s for s in steps if s in set(phases.profiled_steps)]
+    if profiled:
+        ax.axvspan(min(profiled) - 0.5, max(profiled) + 0.5, color="#F2D95C", alpha=0.35, lw=0, zorder=0,
+                   label=f"profiled: steps {_steps_text(profiled)}")  # fmt: skip
+    steady = {r.step for r in phases.steady_rows(0)}
+    left_out = {*phases.profiled_steps, *phases.skipped_steps}
+    warm_up = [s for s in steps if s not in steady and s not in left_out]
+    top = max((b for s, b in zip(steps, bottom, strict=True) if s in steady), default=0.0) * _HEADROOM
+    if top > 0 and max(bottom) > top:  # a warm-up (or profiled) step far above the steady ones: clip, and say so
+        ax.set_ylim(0, top)
+        for s, total in zip(steps, bottom, strict=True):
+            if total > top:
+                ax.annotate(f"{fmt_ms(total)} ↑", (s, top), xytext=(0, -3), textcoords="offset points", ha="center",
+                            va="top", fontsize=7, bbox={"boxstyle": "round", "fc": "white", "lw": 0})  # fmt: skip
+        ax.set_title(f"per step, rank 0 ({phases.meta.clock}); clipped above the steady steps", fontsize=10)
+    else:
+        ax.set_title(f"per step, rank 0 ({phases.meta.clock})")
+    warm = f" ({_steps_text(warm_up)}: warm-up)" if warm_up else ""
+    ax.set(xlabel=f"step{warm}", ylabel="ms")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, fontsize=8, frameon=False)
 
 
-def _phase_timeline(ax, phases: PhaseRecord, comm: Optional[CommRecord], colors: dict[str, str]) -> None:
+def _steps_text(steps: Sequence[int]) -> str:
+    return f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else str(steps[0])
+
+
+def _phase_timeline(ax, phases: PhaseRecord, comm: Optional[CommRecord]) -> None:
     """One steady step per rank (the kept step whose rank-0 time is the median), ms from the step's start."""
     steady = phases.steady_rows(0) or phases.ranks[0].rows
     by_time = sorted(steady, key=lambda r: r.ms.step)
     step = by_time[len(by_time) // 2].step
     at = {name: i for i, name in enumerate(BOUNDARIES)}
+    colors = _PHASE_BAR_COLORS
     spans = (("forward", "forward_start", "forward_end"), ("backward", "backward_start", "backward_end"),
              ("update", "update_start", "update_end"), ("data", "data_start", "end"))  # fmt: skip
     for rank, kept in enumerate(phases.ranks):
@@ -94,7 +131,9 @@ def _phase_timeline(ax, phases: PhaseRecord, comm: Optional[CommRecord], colors:
             continue
         marks = row.offsets_ms
         y = 2 * rank
-        ax.broken_barh([(0, marks[at["end"]])], (y + 0.55, 0.4), color=colors["other"])
+        # The whole step in grey: what no phase covers is "other".
+        ax.broken_barh([(0, marks[at["end"]])], (y + 0.55, 0.4), color=colors["other"],
+                       label="other" if rank == 0 else None)  # fmt: skip
         for phase, start, end in spans:
             ax.broken_barh([(marks[at[start]], marks[at[end]] - marks[at[start]])], (y + 0.55, 0.4),
                            color=colors[phase], label=phase if rank == 0 else None)  # fmt: skip
@@ -113,7 +152,8 @@ def _phase_timeline(ax, phases: PhaseRecord, comm: Optional[CommRecord], colors:
                 ax.broken_barh([(lo, end - lo)], (y + 0.05, 0.4), facecolor="none", edgecolor="#C44E52",
                                hatch="///", label=exposed_label)  # fmt: skip
                 exposed_label = None
-        ax.vlines(backward_end, y, y + 1, color="#888888", lw=0.8)  # backward's compute ends
+        ax.vlines(backward_end, y, y + 1, color="#555555", lw=0.8, linestyles="dashed",
+                  label="backward's compute ends" if rank == 0 else None)  # fmt: skip
     ax.set_yticks([2 * r + 0.5 for r in range(len(phases.ranks))])
     ax.set_yticklabels([f"rank {r}" for r in range(len(phases.ranks))])
     ax.set(title=f"timeline of step {step} (the median step)", xlabel="ms from the step's start")

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from lit_ddp.fit import build_cli, main
-from tests.runner import ROOT, STEP_LINE, pythonpath, run_fit, run_main, step_losses, step_numbers
+from tests.runner import ROOT, STEP_LINE, TORCHRUN, pythonpath, run_fit, run_main, step_losses, step_numbers
 
 CPU = ("--trainer.accelerator", "cpu")  # for build_cli and main(): the subprocess helpers add it themselves
 SMALL = ("--devices", "2", "--model.dim", "64")
@@ -36,6 +36,7 @@ def assert_notes_output(result, version: int) -> list[float]:
     losses = step_losses(result.stdout)
     assert all(a > b for a, b in zip(losses, losses[1:], strict=False)), losses
     assert lines[8] == "weights in sync across 2 ranks after step 4: max |diff| = 0 (1,049,600 parameters)"
+    # No checkpoint written (--checkpoint.every_n_steps 0): the Done line names none.
     assert re.fullmatch(r"Done: 5 steps on 2 ranks, backend gloo, device cpu, wall [0-9.]+ s, "
                         rf"logs in runs/mini_train/version_{version}", lines[9])  # fmt: skip
     for banner in ("GPU available", "TPU available", "Seed set to", "Tip:", "Initializing distributed"):
@@ -212,7 +213,7 @@ def test_print_config_round_trips(tmp_path, monkeypatch, capsys):
     assert result.returncode == 0, result.stderr
     config = yaml.safe_load(result.stdout)
     assert int(config["trainer"]["devices"]) == 2 and config["model"]["init_args"]["dim"] == 64
-    assert config["trainer"]["strategy"]["class_path"] == "lit_ddp.run.strategy.LitDDPStrategy"
+    assert config["trainer"]["strategy"]["class_path"] == "lit_ddp.LitDDPStrategy"  # by its public name
     (tmp_path / "printed.yaml").write_text(result.stdout)
     cli = build_cli([*CPU, "--config", str(tmp_path / "printed.yaml")])
     assert cli.model.hparams.dim == 64
@@ -237,6 +238,7 @@ BAD_INPUTS = [
     (["--data.batch_size", "0"], "data.batch_size"),
     (["--trainer.max_steps", "-5"], "max_steps"),
     (["--no_such_option", "1"], "no_such_option"),
+    (["--trainer.max_step", "20"], "unrecognized arguments: --trainer.max_step 20"),  # no prefix of max_steps
     (["--config", "missing.yaml"], "missing.yaml"),
 ]
 
@@ -276,3 +278,75 @@ def test_bad_input_exits_2_without_traceback_or_spawn(tmp_path):
         'lit-ddp-fit: error: Parser key "model.dim": Not of type PositiveInt: -4 does not conform to restriction v>0'
     ]
     assert not (tmp_path / "runs").exists()
+
+
+def test_help_gives_each_option_the_default_the_command_takes_and_stays_short(monkeypatch, capsys):
+    result = run_main(monkeypatch, capsys, "--help")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    # Lightning's docstring said "Default: ``True``." before the tool's own default, False.
+    assert "--trainer.enable_progress_bar {true,false,null} Whether to enable to progress bar by default. (type: " \
+           "Optional[bool], default: False)" in text  # fmt: skip
+    assert "Default:" not in text and "known subclasses" not in text
+    assert "--loss_monitor CONFIG" not in text and "-c CONFIG, --config CONFIG" in text
+    assert len(result.stdout.splitlines()) < 320, len(result.stdout.splitlines())  # 482 before
+
+
+def test_done_names_the_checkpoint_and_a_run_without_a_step_limit_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    result = run_main(monkeypatch, capsys, *CPU, "--devices", "1", "--model.dim", "8", "--trainer.max_steps", "-1",
+                      "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "3", "--checkpoint.every_n_steps",
+                      "2", "--loss_monitor.every_n_steps", "0")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    # At the start, under the device map (header, one rank), before any step.
+    limit = "No step limit (max_steps=-1): 2 epoch(s) of 3 batch(es), 6 steps; --trainer.max_steps N sets one"
+    assert lines[2] == limit, lines
+    done = (
+        r"Done: 6 steps on 1 rank, backend \S+, device cpu, wall [0-9.]+ s, logs in runs/mini_train/version_0, "
+        r"checkpoint runs/mini_train/checkpoints/last\.ckpt"
+    )
+    assert re.fullmatch(done, lines[-1]), lines[-1]
+    assert (tmp_path / "runs/mini_train/checkpoints/last.ckpt").is_file()
+    assert "max_epochs` was not set" not in result.stdout + result.stderr
+
+
+# What torchrun sets in each worker it starts (rank 0 of 2 on one node).
+TORCHRUN_RANK_0_OF_2 = {"TORCHELASTIC_RUN_ID": "test", "RANK": "0", "GROUP_RANK": "0", "LOCAL_RANK": "0",
+                        "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29500"}  # fmt: skip
+
+
+def test_under_torchrun_the_devices_are_torchrun_s_and_a_mismatch_is_one_line(monkeypatch, capsys):
+    for name, value in TORCHRUN_RANK_0_OF_2.items():
+        monkeypatch.setenv(name, value)
+    cli = build_cli([*CPU, "--model.dim", "8"])
+    assert (cli.trainer.num_devices, cli.trainer.num_nodes) == (2, 1)
+    monkeypatch.setenv("WORLD_SIZE", "4")  # two nodes of two
+    cli = build_cli([*CPU, "--model.dim", "8"])
+    assert (cli.trainer.num_devices, cli.trainer.num_nodes) == (2, 2)
+    for args, line in (
+        (("--devices", "3"), "--trainer.devices 3 under torchrun --nproc_per_node 2: leave it out (torchrun's count "
+                             "is taken) or make it 2"),
+        (("--trainer.num_nodes", "3"), "--trainer.num_nodes 3 under torchrun with 2 node(s) of 2 process(es): leave "
+                                       "it out or make it 2"),
+    ):  # fmt: skip
+        result = run_main(monkeypatch, capsys, *CPU, *args)
+        assert (result.returncode, result.stderr.splitlines()) == (2, [f"lit-ddp-fit: error: {line}"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_torchrun_without_devices_runs_on_its_processes(tmp_path):
+    launcher = (*TORCHRUN, "--standalone", "--nproc_per_node", "2")
+    result = run_fit("--model.dim", "64", "--trainer.max_steps", "2", launcher=launcher, cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"^Done: 2 steps on 2 ranks, backend gloo", result.stdout, re.M), result.stdout
+    refused = run_fit("--devices", "3", launcher=launcher, cwd=tmp_path, timeout=120)
+    assert refused.returncode != 0
+    ours = [line for line in refused.stderr.splitlines() if line.startswith("lit-ddp-fit: error:")]
+    line = (
+        "lit-ddp-fit: error: --trainer.devices 3 under torchrun --nproc_per_node 2: leave it out (torchrun's "
+        "count is taken) or make it 2"
+    )
+    assert ours and set(ours) == {line}, refused.stderr[-3000:]  # each rank that says it says that

@@ -1,5 +1,5 @@
-"""The closing line of a run: ``Done: 5 steps on 2 ranks, backend gloo, device cpu, wall 3.1 s, logs in ...``,
-and, at its start, the word that it has no step limit.
+"""The closing line of a run: ``Done: 5 steps on 2 ranks, backend gloo, device cpu, wall 3.1 s, logs in ...``
+(``, checkpoint .../last.ckpt`` when it wrote one), and, at its start, the word that it has no step limit.
 
     python -m lit_ddp.fit --devices 2
     python -m lit_ddp.fit --ckpt_path last     # Done: 5 steps on 2 ranks (resumed at step 5 from ...), ...
@@ -69,7 +69,7 @@ class RunSummary(Callback):
         backend = getattr(strategy, "process_group_backend", None) or "none"
         resumed = f" (resumed at step {self._first_step} from {trainer.ckpt_path})" if trainer.ckpt_path else ""
         saved = next((c.saved for c in trainer.callbacks if isinstance(c, SavesCheckpoints) and c.saved), None)
-        checkpoint = f", checkpoint {saved}" if saved else ", no checkpoint written"
+        checkpoint = f", checkpoint {saved}" if saved else ""  # a run that wrote none says nothing of it
         say(
             trainer,
             f"Done: {trainer.global_step - self._first_step} steps on {ranks}{resumed}, backend {backend}, "

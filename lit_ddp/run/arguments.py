@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 import yaml
-from jsonargparse import ActionConfigFile, DefaultHelpFormatter
+from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch.plugins.environments import TorchElasticEnvironment
 
 from lit_ddp.errors import UsageError
@@ -173,7 +173,7 @@ class HelpFormatter(DefaultHelpFormatter):
         return text
 
     def _format_action(self, action) -> str:
-        if isinstance(action, ActionConfigFile) and "--config" not in action.option_strings:
+        if action.metavar == "CONFIG" and "--config" not in action.option_strings:  # a group's own config file
             return ""
         return super()._format_action(action)
 

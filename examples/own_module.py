@@ -15,7 +15,8 @@ from lightning.pytorch import LightningDataModule, Trainer, seed_everything
 from lightning.pytorch.demos import LightningTransformer
 from torch.utils.data import DataLoader, TensorDataset
 
-from lit_ddp.callbacks import CommMonitor, DeviceMap, PhaseTimer, SyncCheck
+import lit_ddp
+from lit_ddp import CommMonitor, DeviceMap, PhaseTimer, SyncCheck
 
 
 class RandomTokens(LightningTransformer):
@@ -43,6 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=2)
     args = parser.parse_args()
+    lit_ddp.quiet_lightning()  # Lightning's start-up lines and unactionable warnings hidden, as the CLI hides them
     seed_everything(0)
     tokens = torch.randint(0, 1000, (64, 17))
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)

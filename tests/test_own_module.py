@@ -5,7 +5,9 @@ one device the same callbacks list runs to the end: CommMonitor and SyncCheck st
 
 import atexit
 import logging
+import os
 import re
+import subprocess
 import sys
 import warnings
 from types import SimpleNamespace
@@ -15,7 +17,7 @@ import torch.distributed as dist
 
 from lit_ddp.callbacks.shared import exit_cleanly
 from lit_ddp.run import console, lifecycle
-from tests.runner import run_module
+from tests.runner import ROOT, pythonpath, run_module
 
 # What Lightning prints in a script and the tool's callbacks hide (LeafSpec: torch >= 2.13 against Lightning 2.6).
 NOISE = ("Tip:", "GPU available", "Initializing distributed", "distributed_backend", "Seed set", "LeafSpec",
@@ -36,6 +38,9 @@ def test_callbacks_print_once_in_a_plain_script(tmp_path):
         "Roofline (rank 0, steady median):",
         "Gradient all-reduce per step (2 ranks, compression none, all ranks, steady median):",
         "weights in sync across 2 ranks after step 3: max |diff| = 0 (1,692,200 parameters)",
+        # Advice for a script: the strategy to construct, not the CLI's --trainer.strategy.* option.
+        "The buckets are a second copy of the gradients: DDPStrategy(gradient_as_bucket_view=True) gives back "
+        "6,768,800 bytes (6.77 MB) per rank.",
         # Where the record went, the command ready to paste (the default logger's folder, under the cwd).
         "Record in lightning_logs/version_0 (phases.json, comm.json); the tables again: python -m lit_ddp.report "
         "lightning_logs/version_0",
@@ -73,7 +78,8 @@ def test_lightning_s_noise_is_hidden_in_a_script_and_can_be_kept(monkeypatch):
     leaf_spec = "`isinstance(treespec, LeafSpec)` is deprecated, use `isinstance(treespec, TreeSpec)` instead."
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        console.quiet_lightning()  # importing lit_ddp.callbacks did it already; again changes nothing
+        console.quiet_lightning()  # what a script calls (lit_ddp.quiet_lightning); a second call changes nothing
+        console.quiet_lightning()
         warnings.warn(leaf_spec, DeprecationWarning, stacklevel=1)
     assert not rank_zero.filter(record) and rank_zero.filter(ours)
     assert caught == []
@@ -109,3 +115,47 @@ def test_a_script_s_process_group_is_torn_down_at_exit_once_training_ended_norma
     monkeypatch.delattr(sys, "last_exc", raising=False)
     lifecycle.teardown_at_exit()
     assert not dist.is_initialized()
+
+
+# The public surface, as README shows it.
+PUBLIC_IMPORT = (
+    "from lit_ddp import PhaseTimer, CommMonitor, SyncCheck, DeviceMap, LossMonitor, LitDDPStrategy, DDPTuner, load_run"
+)
+
+# In a fresh interpreter: the process's warning filters and every logger's level, filters, handlers and propagation
+# before and after importing the public surface (Lightning imported first: its own set-up is not the tool's).
+IMPORT_CHANGES = """
+import logging, sys, warnings
+import lit_ddp.report
+assert not [m for m in sys.modules if m.split(".")[0] == "lightning"], "report imported Lightning"
+import lightning.pytorch
+
+def state():
+    loggers = {name: (lg.level, list(lg.filters), list(lg.handlers), lg.propagate)
+               for name, lg in logging.root.manager.loggerDict.items() if isinstance(lg, logging.Logger)}
+    return list(warnings.filters), (logging.root.level, list(logging.root.handlers)), loggers
+
+before = state()
+PUBLIC_IMPORT
+import lit_ddp.callbacks, lit_ddp.fit
+after = state()
+assert after[:2] == before[:2], [f for f in after[0] if f not in before[0]]
+changed = [name for name, kept in before[2].items() if after[2][name] != kept]
+assert not changed, changed
+import lit_ddp.callbacks.phase_timer, lit_ddp.run.strategy, lit_ddp.records.schema, lit_ddp.callbacks.tuner
+assert PhaseTimer is lit_ddp.callbacks.phase_timer.PhaseTimer and LitDDPStrategy is lit_ddp.run.strategy.LitDDPStrategy
+assert load_run is lit_ddp.records.schema.load_run and DDPTuner is lit_ddp.callbacks.tuner.DDPTuner
+lit_ddp.quiet_lightning()  # the opt-in
+assert state()[0] != before[0]
+print("unchanged")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_public_surface_imports_and_changes_nothing_in_the_process():
+    env = {name: value for name, value in os.environ.items() if not name.startswith("LIT_DDP_")}
+    assert PUBLIC_IMPORT in (ROOT / "README.md").read_text().splitlines()
+    code = IMPORT_CHANGES.replace("PUBLIC_IMPORT", PUBLIC_IMPORT)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
+                            env={**env, "PYTHONPATH": pythonpath()}, cwd=ROOT)  # fmt: skip
+    assert result.returncode == 0 and result.stdout.split() == ["unchanged"], result.stderr[-3000:]

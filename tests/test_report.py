@@ -77,3 +77,20 @@ def test_without_matplotlib_report_prints_its_tables_says_how_to_get_the_picture
         "no phases.png: matplotlib is missing (pip install 'lit_ddp[plot]'); the text above is complete"
     ]
     assert not (tmp_path / "phases.png").exists()
+
+
+def test_without_a_logger_the_record_goes_to_the_trainer_s_root_directory(tmp_path, monkeypatch, caplog):
+    from lightning.pytorch import Trainer
+
+    from lit_ddp import FixedBatchDataModule, LinearRegression, PhaseTimer
+
+    elsewhere, root = tmp_path / "cwd", tmp_path / "root"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+                      callbacks=[PhaseTimer(print_steps=0)])  # fmt: skip
+    with caplog.at_level("INFO"):
+        trainer.fit(LinearRegression(dim=8), FixedBatchDataModule(dim=8, batch_size=4))
+    assert (root / "phases.json").is_file() and list(elsewhere.iterdir()) == []
+    assert f"Record in {root} (phases.json); the tables again: python -m lit_ddp.report {root}" in caplog.text

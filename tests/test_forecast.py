@@ -379,7 +379,8 @@ def test_cli_errors(tmp_path, capsys, argv, message):
 
 @pytest.mark.timeout(10)
 def test_probe_sizes_and_points():
-    from lit_ddp.allreduce_probe import parse_bytes, probe_points, sizes_between
+    from lit_ddp.allreduce_probe import parse_bytes
+    from lit_ddp.measure.allreduce import probe_points, sizes_between
 
     assert sizes_between(1024, 5000) == [1024, 2048, 4096, 5000]
     assert sizes_between(1024, 1024) == [1024]

@@ -256,7 +256,7 @@ def test_the_probe_across_nodes_names_the_node_whose_link_is_slow(tmp_path):
 
 
 def test_a_nodes_link_is_its_fastest_pair_and_a_slow_one_is_named_from_three_nodes_on():
-    from lit_ddp.allreduce_probe import node_links, slow_nodes
+    from lit_ddp.measure.allreduce import node_links, slow_nodes
 
     # Links 100, 100, 25, 100 (MB/s): every pair runs at its slower link.
     true = [100.0, 100.0, 25.0, 100.0]

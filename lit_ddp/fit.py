@@ -26,57 +26,17 @@ import lit_ddp
 from lit_ddp.callbacks import DeviceMap, LossMonitor, RunSummary, StepSync, SyncCheck
 from lit_ddp.errors import Ending, UsageError
 from lit_ddp.lab.data import FixedBatchDataModule
-from lit_ddp.run import console, lifecycle
-from lit_ddp.run.arguments import (
-    HelpFormatter,
-    check_devices,
-    default_classes,
-    expand_shorthands,
-    names_class,
-    one_line,
-    take_launcher_devices,
-)
+from lit_ddp.run import arguments, console, lifecycle
+from lit_ddp.run.arguments import TRAINER_DEFAULTS, names_class, one_line
 from lit_ddp.run.checkpointing import LastCheckpoint, checkpoint_dir, resume_path
 from lit_ddp.run.run_dir import claim_version
-
-LAB_MODEL, LAB_DATA = "lit_ddp.lab.module.LinearRegression", "lit_ddp.lab.data.FixedBatchDataModule"
-TRAINER_DEFAULTS = {
-    "strategy": {"class_path": "lit_ddp.run.strategy.LitDDPStrategy"},
-    "accelerator": "auto",
-    "devices": "auto",
-    "max_steps": 5,
-    "logger": {
-        "class_path": "lightning.pytorch.loggers.CSVLogger",
-        "init_args": {"save_dir": "runs", "name": "mini_train"},
-    },
-    "enable_checkpointing": False,  # LastCheckpoint (--checkpoint.*) writes the run's last.ckpt
-    "enable_progress_bar": False,  # the Step lines are the progress report
-    "enable_model_summary": False,
-    "log_every_n_steps": 1,
-    # Where config.yaml goes when there is no logger (`--trainer.logger false`): not the working directory.
-    "default_root_dir": "runs",
-}
-
-
-# --help opens with these, the tool's own options before the model's, the data's and Lightning's Trainer's.
-DESCRIPTION = (
-    "lit_ddp: the notes' DDP lab experiment in PyTorch Lightning, instrumented. It trains a Linear regression on N "
-    "processes (CPU with gloo, or GPUs with NCCL) and prints where each rank runs, each step's global loss and a "
-    "check that every rank holds the same weights; configs/mini_train_profile.yaml adds where each step's time "
-    "went. The tool's own options come first (--devices, then its callbacks: --loss_monitor.*, --sync_check.*, "
-    "--step_sync.*, --checkpoint.*), then Lightning's --trainer.*, the model's --model.* and the data's --data.*; "
-    "any of them can come from a YAML config (--config). Any LightningModule and LightningDataModule importable "
-    "from here can take the lab's place: --model my_module.MyModel --data my_module.MyData (--model.help CLASS "
-    "lists a class's options). Every option: docs/options.md."
-)
-USAGE = "%(prog)s [-h] [--devices N] [-c CONFIG] [--print_config] [--GROUP.OPTION VALUE ...]"
 
 
 class LitDDPCLI(LightningCLI):
     """LightningCLI with the tool's callbacks as option groups, any LightningModule (the lab's by default), and the
     lab data's width taken from the model."""
 
-    script, module, description = "lit-ddp-fit", "lit_ddp.fit", DESCRIPTION
+    script, module, description = "lit-ddp-fit", "lit_ddp.fit", arguments.DESCRIPTION
 
     @classmethod
     def prog(cls) -> str:
@@ -122,11 +82,7 @@ class LitDDPCLI(LightningCLI):
         super().__init__(*args, **kwargs)
 
     def before_instantiate_classes(self) -> None:
-        if "devices" in self.config:  # a config file's top-level key: the command line's was rewritten before parsing
-            raise UsageError(f"devices: {self.config.devices!r} in a config file: --devices is a command-line "
-                             "shorthand; a config file says trainer.devices")  # fmt: skip
-        check_devices(self.config.trainer.accelerator, self.config.trainer.devices)
-        take_launcher_devices(self.config.trainer)
+        arguments.check_devices(self.config)
         model, data = self.config.model, self.config.data
         if names_class(data.class_path, FixedBatchDataModule) and data.init_args.dim is None:  # the model's width
             data.init_args.dim = model.init_args.get("dim") if "init_args" in model else None
@@ -151,21 +107,14 @@ def build_cli(args: list[str], claim_log_version: bool = False, cli_class: type[
             subclass_mode_data=True,
             # Any LightningModule and LightningDataModule (--model my_module.MyModel, importable from the working
             # directory); the notes' task when none is named.
-            args=default_classes(expand_shorthands(args), {"model": LAB_MODEL, "data": LAB_DATA}),
+            args=arguments.default_classes(arguments.expand_shorthands(args), arguments.LAB_CLASSES),
             run=False,
             trainer_defaults=TRAINER_DEFAULTS,
             seed_everything_default=0,
             save_config_kwargs={"overwrite": True},
             # The model owns its optimizer (configure_optimizers): no --optimizer to override it behind its back.
             auto_configure_optimizers=False,
-            parser_kwargs={
-                "exit_on_error": False,
-                "allow_abbrev": False,  # --trainer.max_step is an error, not max_steps
-                "formatter_class": HelpFormatter,
-                "prog": cli_class.prog(),
-                "description": cli_class.description,
-                "usage": USAGE,
-            },
+            parser_kwargs=arguments.parser_kwargs(cli_class.prog(), cli_class.description),
             claim_log_version=claim_log_version,
         )
         return cli_class(LightningModule, LightningDataModule, **{**options, **cli_kwargs})

@@ -17,6 +17,47 @@ from lightning.pytorch.plugins.environments import TorchElasticEnvironment
 
 from lit_ddp.errors import UsageError
 
+# The lab's classes, where the command line and the config files name none (``default_classes``).
+LAB_CLASSES = {"model": "lit_ddp.lab.module.LinearRegression", "data": "lit_ddp.lab.data.FixedBatchDataModule"}
+# The command's defaults for Lightning's Trainer, which --help shows as each option's default.
+TRAINER_DEFAULTS = {
+    "strategy": {"class_path": "lit_ddp.run.strategy.LitDDPStrategy"},
+    "accelerator": "auto",
+    "devices": "auto",
+    "max_steps": 5,
+    "logger": {
+        "class_path": "lightning.pytorch.loggers.CSVLogger",
+        "init_args": {"save_dir": "runs", "name": "mini_train"},
+    },
+    "enable_checkpointing": False,  # LastCheckpoint (--checkpoint.*) writes the run's last.ckpt
+    "enable_progress_bar": False,  # the Step lines are the progress report
+    "enable_model_summary": False,
+    "log_every_n_steps": 1,
+    # Where config.yaml goes when there is no logger (`--trainer.logger false`): not the working directory.
+    "default_root_dir": "runs",
+}
+
+
+# --help opens with these, the tool's own options before the model's, the data's and Lightning's Trainer's.
+DESCRIPTION = (
+    "lit_ddp: the notes' DDP lab experiment in PyTorch Lightning, instrumented. It trains a Linear regression on N "
+    "processes (CPU with gloo, or GPUs with NCCL) and prints where each rank runs, each step's global loss and a "
+    "check that every rank holds the same weights; configs/mini_train_profile.yaml adds where each step's time "
+    "went. The tool's own options come first (--devices, then its callbacks: --loss_monitor.*, --sync_check.*, "
+    "--step_sync.*, --checkpoint.*), then Lightning's --trainer.*, the model's --model.* and the data's --data.*; "
+    "any of them can come from a YAML config (--config). Any LightningModule and LightningDataModule importable "
+    "from here can take the lab's place: --model my_module.MyModel --data my_module.MyData (--model.help CLASS "
+    "lists a class's options). Every option: docs/options.md."
+)
+USAGE = "%(prog)s [-h] [--devices N] [-c CONFIG] [--print_config] [--GROUP.OPTION VALUE ...]"
+
+
+def parser_kwargs(prog: str, description: str) -> dict[str, Any]:
+    """The parser's settings: errors raised (to be one line, exit 2), no abbreviated options (``--trainer.max_step``
+    is refused, not taken as ``max_steps``), the tidied help."""
+    return {"exit_on_error": False, "allow_abbrev": False, "formatter_class": HelpFormatter, "prog": prog,
+            "description": description, "usage": USAGE}  # fmt: skip
+
 
 def expand_shorthands(args: list[str]) -> list[str]:
     """``--devices N`` -> ``--trainer.devices N``, ``--key -1e-3`` -> ``--key=-1e-3``, and every ``--config`` first.
@@ -94,7 +135,22 @@ def _join_negative_values(args: list[str]) -> list[str]:
     return joined
 
 
-def check_devices(accelerator: Any, devices: Any) -> None:
+def check_devices(config: Any) -> None:
+    """The parsed config's devices: no top-level ``devices`` (the command line's shorthand, rewritten before
+    parsing), a count Lightning takes (``check_device_count``), and under torchrun torchrun's
+    (``take_launcher_devices``).
+
+    Raises:
+        UsageError: For any of them.
+    """
+    if "devices" in config:
+        raise UsageError(f"devices: {config.devices!r} in a config file: --devices is a command-line shorthand; a "
+                         "config file says trainer.devices")  # fmt: skip
+    check_device_count(config.trainer.accelerator, config.trainer.devices)
+    take_launcher_devices(config.trainer)
+
+
+def check_device_count(accelerator: Any, devices: Any) -> None:
     """Lightning reports a bad ``devices`` as "`Trainer(devices=0)` value is not a valid input"; name the option
     a user typed instead.
 

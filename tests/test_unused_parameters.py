@@ -55,6 +55,7 @@ def test_without_it_every_rank_stops_after_the_first_backward_naming_them(tmp_pa
     last = raised.value.msg.strip().splitlines()[-1]
     assert last.startswith("lit_ddp.errors.UnusedParametersError: 2 parameter(s) got no gradient in step 0: "
                            "unused.weight, unused.bias;"), last  # fmt: skip
+    assert "every step: DDPStrategy(find_unused_parameters=True) (static_graph" in last  # a script's phrasing
     # From the CLI that is bad input: one line, exit 2.
     assert exit_code(lambda: (_ for _ in ()).throw(raised.value)) == 2
 

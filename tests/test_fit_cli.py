@@ -350,3 +350,10 @@ def test_torchrun_without_devices_runs_on_its_processes(tmp_path):
         "count is taken) or make it 2"
     )
     assert ours and set(ours) == {line}, refused.stderr[-3000:]  # each rank that says it says that
+
+
+def test_under_the_cli_advice_names_the_options_to_type(profile_run):
+    out = profile_run.result.stdout
+    assert profile_run.result.returncode == 0, profile_run.result.stderr[-2000:]
+    assert "copy of the gradients: --trainer.strategy.gradient_as_bucket_view true gives back 67,125,248 bytes" in out
+    assert "DDPStrategy(" not in out  # a script's phrasing (tests/test_own_module.py)

@@ -159,3 +159,30 @@ def test_the_public_surface_imports_and_changes_nothing_in_the_process():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
                             env={**env, "PYTHONPATH": pythonpath()}, cwd=ROOT)  # fmt: skip
     assert result.returncode == 0 and result.stdout.split() == ["unchanged"], result.stderr[-3000:]
+
+
+SPAWNED_SCRIPT = """
+import lit_ddp
+from lightning.pytorch import Trainer
+from lit_ddp import DeviceMap, FixedBatchDataModule, LinearRegression
+
+lit_ddp.quiet_lightning()
+trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=2, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  callbacks=[DeviceMap()])
+trainer.fit(LinearRegression(dim=8), FixedBatchDataModule(dim=8, batch_size=4))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_ranks_that_ddp_spawn_starts_follow_the_script_s_quiet_lightning():
+    """Each spawned rank is a fresh interpreter: it logs "Initializing distributed" itself, and is quiet only because
+    the script's choice reaches it (LIT_DDP_QUIET_LIGHTNING=1, read when it imports the callbacks to unpickle them)."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("LIT_DDP_")}
+    result = subprocess.run([sys.executable, "-c", SPAWNED_SCRIPT], capture_output=True, text=True, timeout=140,
+                            env={**env, "PYTHONPATH": pythonpath()}, cwd=ROOT)  # fmt: skip
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    assert len(re.findall(r"^rank\s+local\s+node", out, re.M)) == 1  # the run happened, and printed
+    assert [noise for noise in NOISE if noise in out] == [], out[-3000:]

@@ -17,11 +17,13 @@ from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp._torch import optimizer_step_post_hooks
 from lit_ddp.analysis.phases import MEASURE, phase_table, roofline_table
 from lit_ddp.analysis.trace import BACKWARD, FORWARD, STEP_PREFIX, UPDATE
-from lit_ddp.callbacks import PhaseTimer
+from lit_ddp.callbacks import LossMonitor, PhaseTimer
+from lit_ddp.callbacks.comm_monitor import CommMonitor
 from lit_ddp.measure.clock import HostClock
 from lit_ddp.measure.profiling import Ranges
 from lit_ddp.records import schema as record
 from lit_ddp.records.schema import HEAD_STEPS, PHASES, TAIL_STEPS, Roofline, Sketch, is_steady
+from lit_ddp.run.roles import NamesPendingCollective, ReportsOutOfMemory
 from tests.records import phase_record
 
 
@@ -354,3 +356,11 @@ def test_cuda_events_time_the_device_not_the_host(tmp_path):
     clock.wait(end)
     assert clock.ready(end)
     assert clock.elapsed_ms(start, end) > 0.1
+
+
+@pytest.mark.timeout(30)
+def test_the_strategy_finds_the_callbacks_by_their_declared_roles():
+    """``LitDDPStrategy`` looks callbacks up by ``lit_ddp.run.roles``' Protocols, not by a method name it guesses."""
+    assert isinstance(PhaseTimer(), ReportsOutOfMemory) and not isinstance(PhaseTimer(), NamesPendingCollective)
+    assert isinstance(CommMonitor(), NamesPendingCollective) and not isinstance(CommMonitor(), ReportsOutOfMemory)
+    assert not isinstance(LossMonitor(), ReportsOutOfMemory) and not isinstance(LossMonitor(), NamesPendingCollective)

@@ -222,9 +222,9 @@ def test_a_cpu_verdict_names_a_phase_only_beyond_the_steps_spread_and_advises_no
 
 def test_a_failed_fit_leaves_no_profiler_and_no_hook(stand_in_gpu, tmp_path):
     timer, trainer, model = drive_steps(stand_in_gpu, tmp_path, kernel_steps=3, steps=3)
-    assert timer._recorder.active and model._forward_pre_hooks
+    assert timer._fit.recorder.active and model._forward_pre_hooks
     timer.on_exception(trainer, model, RuntimeError("a rank failed"))
-    assert timer._recorder.closed and not timer._recorder.active
+    assert timer._fit.recorder.closed and not timer._fit.recorder.active
     assert not model._forward_pre_hooks and not optimizer_step_post_hooks(trainer.optimizers[0])
 
 
@@ -238,9 +238,9 @@ def test_update_ends_at_batch_end_without_the_post_hook(monkeypatch, tmp_path):
     timer._handles[1].remove()  # as if the optimizer had no post-hook support
     timer._on_optimizer_step_end = lambda *a: None
     drive_one_step(timer, trainer, model, clock)
-    timer._close_step(timer._clock.mark())
+    timer._fit._close_step(timer._fit.clock.mark())
     timer._resolve(trainer, block=True)
-    (step_0,) = [row for step, row in timer._window.items() if step == 0]
+    (step_0,) = [row for step, row in timer._fit.window.items() if step == 0]
     forward, backward, update, other, step, data, _ = astuple(step_0.ms)  # and backward_last
     assert update == pytest.approx(7.0)  # update_start -> batch end
     assert forward + backward + update + data + other == pytest.approx(step)

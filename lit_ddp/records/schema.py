@@ -38,23 +38,25 @@ HEAD_STEPS = 10
 TAIL_STEPS = 50
 
 
-def is_steady(step: int, profiled: Iterable[int] = ()) -> bool:
-    """After the warm-up step, and not slowed by the profiler."""
-    return step >= WARMUP_STEPS and step not in profiled
+def is_steady(step: int, profiled: Iterable[int] = (), first_step: int = 0) -> bool:
+    """After the warm-up step of the fit that started at global step ``first_step`` (0, or where a fit resumed from
+    a checkpoint), and not slowed by the profiler."""
+    return step >= first_step + WARMUP_STEPS and step not in profiled
 
 
 class Window:
-    """The steps whose per-step detail a rank keeps: the first ``HEAD_STEPS``, the ``profiled`` ones, and the
-    last ``TAIL_STEPS`` (older ones are dropped as new ones come)."""
+    """The steps whose per-step detail a rank keeps: the first ``HEAD_STEPS`` of the fit (which starts at global step
+    ``first_step``), the ``profiled`` ones, and the last ``TAIL_STEPS`` (older ones are dropped as new ones come)."""
 
-    def __init__(self, profiled: Iterable[int] = ()) -> None:
+    def __init__(self, profiled: Iterable[int] = (), first_step: int = 0) -> None:
         self.profiled = set(profiled)
+        self.first_step = first_step
         self._kept: dict[int, Any] = {}
         self._tail: deque[int] = deque()
 
     def add(self, step: int, item: Any) -> None:
         self._kept[step] = item
-        if step < HEAD_STEPS or step in self.profiled:
+        if step < self.first_step + HEAD_STEPS or step in self.profiled:
             return
         self._tail.append(step)
         if len(self._tail) > TAIL_STEPS:
@@ -176,6 +178,9 @@ class Roofline:
     peak_label: Optional[str] = None
     micro_batches: int = 1
     compute_dtype: Optional[str] = None
+    # Where the FLOPs come from: "FlopCounterMode, step <n>" (the fit's first step, counted as Lightning ran it), or
+    # None (not counted: PhaseTimer(count_flops=False), or the step never ended).
+    flop_source: Optional[str] = None
 
 
 @dataclass
@@ -191,6 +196,9 @@ class PhaseRecord:
     skipped_count: int = 0  # all of them
     # Whose bytes RankPhases.memory holds: "cuda_allocator" (every step), "cpu_profiler" (profiled steps), or None.
     memory_source: Optional[str] = None
+    # The global step the fit started from: 0, or the resume point of a fit resumed from a checkpoint. Steps are
+    # global step numbers; the fit's warm-up step is this one, and its profiled steps come after it.
+    first_step: int = 0
 
     @property
     def steps(self) -> list[int]:
@@ -199,7 +207,7 @@ class PhaseRecord:
 
     def steady_rows(self, rank: int = 0) -> list[StepRow]:
         left_out = {*self.profiled_steps, *self.skipped_steps}
-        return [r for r in self.ranks[rank].rows if is_steady(r.step, left_out)]
+        return [r for r in self.ranks[rank].rows if is_steady(r.step, left_out, self.first_step)]
 
 
 @dataclass

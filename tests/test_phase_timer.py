@@ -364,3 +364,36 @@ def test_the_strategy_finds_the_callbacks_by_their_declared_roles():
     assert isinstance(PhaseTimer(), ReportsOutOfMemory) and not isinstance(PhaseTimer(), NamesPendingCollective)
     assert isinstance(CommMonitor(), NamesPendingCollective) and not isinstance(CommMonitor(), ReportsOutOfMemory)
     assert not isinstance(LossMonitor(), ReportsOutOfMemory) and not isinstance(LossMonitor(), NamesPendingCollective)
+
+
+def test_every_optimizer_is_hooked_so_a_second_one_is_no_skipped_update(monkeypatch, tmp_path):
+    """Manual optimization with two optimizers under a grad scaler: both steps ran, so no update was skipped (with
+    the first optimizer alone hooked, every step read as skipped)."""
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr("lit_ddp.measure.clock.perf_counter", lambda: clock.now)
+    model = LinearRegression(dim=8)
+    trainer = FakeTrainer(model, tmp_path)
+    trainer.optimizers = [
+        torch.optim.SGD(model.net[0].parameters(), lr=0.1),
+        torch.optim.SGD([model.net[0].bias], lr=0.1),
+    ]
+    trainer.precision_plugin = SimpleNamespace(scaler=object())  # 16-mixed: a scaler may skip an update
+    timer = PhaseTimer()
+    timer.on_train_start(trainer, model)
+    assert all(optimizer_step_post_hooks(opt) for opt in trainer.optimizers)
+    batch = (torch.zeros(4, 8), torch.zeros(4, 8))
+    for _ in range(3):
+        timer.on_train_batch_start(trainer, model, batch, 0)
+        timer._on_forward_start(model, (batch,))
+        timer.on_before_backward(trainer, model, torch.tensor(1.0))
+        clock.now += 0.01
+        timer.on_after_backward(trainer, model)
+        for opt in trainer.optimizers:
+            timer.on_before_optimizer_step(trainer, model, opt)
+            opt.step()  # the real post-hooks run
+            trainer.global_step += 1  # manual optimization: one step per optimizer step
+        clock.now += 0.01
+        timer.on_train_batch_end(trainer, model, None, batch, 0)
+    timer.on_train_end(trainer, model)
+    phases = record.load(tmp_path / "phases.json")
+    assert (phases.skipped_count, phases.steps) == (0, [0, 2, 4])

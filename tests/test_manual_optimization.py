@@ -1,7 +1,7 @@
 """Manual optimization (``automatic_optimization = False``, ``manual_backward``, ``optimizer.step()``) in a user's
 Trainer on 2 CPU ranks (Lightning's own DDP strategy): every phase timed as in automatic optimization, the
-roofline's FLOPs counted in the real step (running the step again as a probe would train the model once more: the
-losses show it does not), the all-reduce, the sync check and one line per optimizer step. With the step taken
+roofline's FLOPs counted in the real first step, as in automatic optimization (the losses show that counting
+trained nothing), the all-reduce, the sync check and one line per optimizer step. With the step taken
 every second batch, both batches are micro-batches of one step, and CommMonitor shows that each backward
 all-reduced (manual optimization has no no_sync unless the step asks for it)."""
 
@@ -70,8 +70,8 @@ def test_manual_optimization_is_timed_as_automatic(tmp_path):
     out, (phases, comm) = run(tmp_path, "manual")
     auto_out, (auto_phases, _) = run(tmp_path, "auto")
     check_phases(phases, micro=1)
-    # The FLOPs of the real step equal the probe's in automatic optimization, and counting them did not train:
-    # the same losses, step for step.
+    # The FLOPs of the real step equal automatic optimization's, and counting them did not train: the same losses,
+    # step for step.
     for field in ("forward_flop", "backward_flop", "rows_per_rank", "update_bytes"):
         assert getattr(phases.roofline, field) == getattr(auto_phases.roofline, field), field
     assert phases.roofline.forward_flop == 2 * 8 * 32 * 32

@@ -5,6 +5,7 @@ import csv
 import gzip
 import json
 import re
+import shutil
 import statistics
 from dataclasses import astuple
 from types import SimpleNamespace
@@ -25,6 +26,7 @@ from lit_ddp.records import schema as record
 from lit_ddp.records.schema import HEAD_STEPS, PHASES, TAIL_STEPS, Roofline, Sketch, is_steady
 from lit_ddp.run.roles import NamesPendingCollective, ReportsOutOfMemory
 from tests.records import phase_record
+from tests.runner import PROFILE_RUN, ROOT, run_fit
 
 
 class FakeTrainer(SimpleNamespace):
@@ -397,3 +399,32 @@ def test_every_optimizer_is_hooked_so_a_second_one_is_no_skipped_update(monkeypa
     timer.on_train_end(trainer, model)
     phases = record.load(tmp_path / "phases.json")
     assert (phases.skipped_count, phases.steps) == (0, [0, 2, 4])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_fit_resumed_from_last_ckpt_warms_up_and_profiles_its_own_steps(tmp_path):
+    """The profile config run for 10 steps, then resumed from its last.ckpt for 10 more: the resumed fit's warm-up
+    is its own first step (10), it profiles 12-14 and has the memory columns, and its record says so."""
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    args = (*PROFILE_RUN, "--checkpoint.every_n_steps", "10")
+    first = run_fit(*args, cwd=tmp_path, timeout=190)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_fit(*args, "--trainer.max_steps", "20", "--ckpt_path", "last", cwd=tmp_path, timeout=190)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    out = resumed.stdout
+    run_dir = tmp_path / "runs" / "mini_train_profile" / "version_1"
+    assert "Step 10\n forward : " in out and "Step 9\n" not in out  # print_steps: the fit's first 3
+    assert "PhaseTimer: steps 12-14 profiled, CPU activity only" in out, out[-3000:]
+    assert ("2 rank(s), step 10 = warm-up (the fit resumed there), then 6 steady step(s) (steps 12-14 ran under the "
+            "profiler for the memory columns, left out of the others):\nphase       step 10  ") in out  # fmt: skip
+    assert re.search(r"^phase +step 10 +median .* peak memory +retained$", out, re.M), out[-3000:]
+    assert "Memory (rank 0, the highest; steps 13-14;" in out
+    phases = record.load(run_dir / "phases.json")
+    assert (phases.first_step, phases.profiled_steps, phases.steps) == (10, [12, 13, 14], list(range(10, 20)))
+    assert [row.step for row in phases.steady_rows()] == [11, 15, 16, 17, 18, 19]
+    assert phases.memory_source == "cpu_profiler" and [m.step for m in phases.ranks[0].memory] == [13, 14]
+    assert phases.roofline.flop_source == "FlopCounterMode, step 10" and phases.roofline.forward_flop > 0
+    assert sorted(p.name for p in (run_dir / "traces").iterdir()) == [f"rank{r}.pt.trace.json.gz" for r in (0, 1)]
+    first_phases = record.load(run_dir.parent / "version_0" / "phases.json")  # the first fit: its own steps
+    assert (first_phases.first_step, first_phases.profiled_steps) == (0, [2, 3, 4])

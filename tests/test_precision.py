@@ -147,6 +147,14 @@ def test_16_mixed_on_a_gpu(tmp_path):
     check_16_mixed(out, tmp_path)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.timeout(150)
+def test_16_mixed_with_a_fused_optimizer_on_a_gpu(tmp_path):
+    """The fused path on CUDA: ``found_inf`` on the device, read only once the step's work is done."""
+    out = run_16_mixed(tmp_path, "gpu", fused=True)
+    check_16_mixed(out, tmp_path)
+
+
 def test_the_roofline_takes_the_precisions_peak():
     model = torch.nn.Linear(2, 2)
     for precision, dtype in (("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16), ("32-true", torch.float32)):

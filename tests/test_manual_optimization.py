@@ -1,7 +1,7 @@
 """Manual optimization (``automatic_optimization = False``, ``manual_backward``, ``optimizer.step()``) in a user's
 Trainer on 2 CPU ranks (Lightning's own DDP strategy): every phase timed as in automatic optimization, the
-roofline's FLOPs counted in the real step (running the step again as a probe would train the model once more: the
-losses show it does not), the all-reduce, the sync check and one line per optimizer step. With the step taken
+roofline's FLOPs counted in the real first step, as in automatic optimization (the losses show that counting
+trained nothing), the all-reduce, the sync check and one line per optimizer step. With the step taken
 every second batch, both batches are micro-batches of one step, and CommMonitor shows that each backward
 all-reduced (manual optimization has no no_sync unless the step asks for it)."""
 
@@ -17,7 +17,7 @@ from lit_ddp.callbacks import CommMonitor, LossMonitor, PhaseTimer, SyncCheck
 from lit_ddp.records import schema as record
 from tests.recorders import RecordLogs
 from tests.runner import step_losses, step_numbers
-from tests.trainers import cpu_start_method
+from tests.trainers import cpu_start_method, fast_trainer
 
 
 class Manual(LinearRegression):
@@ -70,8 +70,8 @@ def test_manual_optimization_is_timed_as_automatic(tmp_path):
     out, (phases, comm) = run(tmp_path, "manual")
     auto_out, (auto_phases, _) = run(tmp_path, "auto")
     check_phases(phases, micro=1)
-    # The FLOPs of the real step equal the probe's in automatic optimization, and counting them did not train:
-    # the same losses, step for step.
+    # The FLOPs of the real step equal automatic optimization's, and counting them did not train: the same losses,
+    # step for step.
     for field in ("forward_flop", "backward_flop", "rows_per_rank", "update_bytes"):
         assert getattr(phases.roofline, field) == getattr(auto_phases.roofline, field), field
     assert phases.roofline.forward_flop == 2 * 8 * 32 * 32
@@ -89,3 +89,18 @@ def test_manual_accumulation_over_two_batches(tmp_path):
     assert phases.roofline.rows_per_rank == 16 and phases.roofline.forward_flop == 2 * 2 * 8 * 32 * 32
     assert {(row.micro_batches, tuple(row.synced)) for rank in comm.ranks for row in rank.rows} == {(2, (0, 1))}
     assert "gradient accumulation: 2 micro-batches per step, and micro-batches [0, 1] all-reduced: 2x the bytes" in out
+
+
+def test_a_second_fit_with_the_same_timer_counts_its_own_flops(tmp_path):
+    """Each fit's state is made fresh: a second manual-optimization fit with the same PhaseTimer counts the same
+    FLOPs as the first (its backward's are not taken off the earlier fit's), and warms up at its own first step."""
+    timer = PhaseTimer()
+    rooflines = []
+    for run in ("first", "second"):
+        trainer = fast_trainer(tmp_path / run, devices=1, max_steps=3, callbacks=[timer], spawn=False,
+                               logger=CSVLogger(tmp_path, name=run, version=0))  # fmt: skip
+        trainer.fit(Manual(dim=32), FixedBatchDataModule(dim=32, batch_size=8))
+        rooflines.append(timer.record.roofline)
+        assert timer.record.first_step == 0 and timer.record.steps == [0, 1, 2]
+    assert rooflines[0] == rooflines[1]
+    assert (rooflines[1].forward_flop, rooflines[1].backward_flop) == (2 * 8 * 32 * 32, 2 * 8 * 32 * 32)

@@ -5,6 +5,7 @@ import csv
 import gzip
 import json
 import re
+import shutil
 import statistics
 from dataclasses import astuple
 from types import SimpleNamespace
@@ -17,12 +18,15 @@ from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp._torch import optimizer_step_post_hooks
 from lit_ddp.analysis.phases import MEASURE, phase_table, roofline_table
 from lit_ddp.analysis.trace import BACKWARD, FORWARD, STEP_PREFIX, UPDATE
-from lit_ddp.callbacks import PhaseTimer
+from lit_ddp.callbacks import LossMonitor, PhaseTimer
+from lit_ddp.callbacks.comm_monitor import CommMonitor
 from lit_ddp.measure.clock import HostClock
 from lit_ddp.measure.profiling import Ranges
 from lit_ddp.records import schema as record
 from lit_ddp.records.schema import HEAD_STEPS, PHASES, TAIL_STEPS, Roofline, Sketch, is_steady
+from lit_ddp.run.roles import NamesPendingCollective, ReportsOutOfMemory
 from tests.records import phase_record
+from tests.runner import PROFILE_RUN, ROOT, run_fit
 
 
 class FakeTrainer(SimpleNamespace):
@@ -220,9 +224,9 @@ def test_a_cpu_verdict_names_a_phase_only_beyond_the_steps_spread_and_advises_no
 
 def test_a_failed_fit_leaves_no_profiler_and_no_hook(stand_in_gpu, tmp_path):
     timer, trainer, model = drive_steps(stand_in_gpu, tmp_path, kernel_steps=3, steps=3)
-    assert timer._recorder.active and model._forward_pre_hooks
+    assert timer._fit.recorder.active and model._forward_pre_hooks
     timer.on_exception(trainer, model, RuntimeError("a rank failed"))
-    assert timer._recorder.closed and not timer._recorder.active
+    assert timer._fit.recorder.closed and not timer._fit.recorder.active
     assert not model._forward_pre_hooks and not optimizer_step_post_hooks(trainer.optimizers[0])
 
 
@@ -236,9 +240,9 @@ def test_update_ends_at_batch_end_without_the_post_hook(monkeypatch, tmp_path):
     timer._handles[1].remove()  # as if the optimizer had no post-hook support
     timer._on_optimizer_step_end = lambda *a: None
     drive_one_step(timer, trainer, model, clock)
-    timer._close_step(timer._clock.mark())
+    timer._fit._close_step(timer._fit.clock.mark())
     timer._resolve(trainer, block=True)
-    (step_0,) = [row for step, row in timer._window.items() if step == 0]
+    (step_0,) = [row for step, row in timer._fit.window.items() if step == 0]
     forward, backward, update, other, step, data, _ = astuple(step_0.ms)  # and backward_last
     assert update == pytest.approx(7.0)  # update_start -> batch end
     assert forward + backward + update + data + other == pytest.approx(step)
@@ -354,3 +358,73 @@ def test_cuda_events_time_the_device_not_the_host(tmp_path):
     clock.wait(end)
     assert clock.ready(end)
     assert clock.elapsed_ms(start, end) > 0.1
+
+
+@pytest.mark.timeout(30)
+def test_the_strategy_finds_the_callbacks_by_their_declared_roles():
+    """``LitDDPStrategy`` looks callbacks up by ``lit_ddp.run.roles``' Protocols, not by a method name it guesses."""
+    assert isinstance(PhaseTimer(), ReportsOutOfMemory) and not isinstance(PhaseTimer(), NamesPendingCollective)
+    assert isinstance(CommMonitor(), NamesPendingCollective) and not isinstance(CommMonitor(), ReportsOutOfMemory)
+    assert not isinstance(LossMonitor(), ReportsOutOfMemory) and not isinstance(LossMonitor(), NamesPendingCollective)
+
+
+def test_every_optimizer_is_hooked_so_a_second_one_is_no_skipped_update(monkeypatch, tmp_path):
+    """Manual optimization with two optimizers under a grad scaler: both steps ran, so no update was skipped (with
+    the first optimizer alone hooked, every step read as skipped)."""
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr("lit_ddp.measure.clock.perf_counter", lambda: clock.now)
+    model = LinearRegression(dim=8)
+    trainer = FakeTrainer(model, tmp_path)
+    trainer.optimizers = [
+        torch.optim.SGD(model.net[0].parameters(), lr=0.1),
+        torch.optim.SGD([model.net[0].bias], lr=0.1),
+    ]
+    trainer.precision_plugin = SimpleNamespace(scaler=object())  # 16-mixed: a scaler may skip an update
+    timer = PhaseTimer()
+    timer.on_train_start(trainer, model)
+    assert all(optimizer_step_post_hooks(opt) for opt in trainer.optimizers)
+    batch = (torch.zeros(4, 8), torch.zeros(4, 8))
+    for _ in range(3):
+        timer.on_train_batch_start(trainer, model, batch, 0)
+        timer._on_forward_start(model, (batch,))
+        timer.on_before_backward(trainer, model, torch.tensor(1.0))
+        clock.now += 0.01
+        timer.on_after_backward(trainer, model)
+        for opt in trainer.optimizers:
+            timer.on_before_optimizer_step(trainer, model, opt)
+            opt.step()  # the real post-hooks run
+            trainer.global_step += 1  # manual optimization: one step per optimizer step
+        clock.now += 0.01
+        timer.on_train_batch_end(trainer, model, None, batch, 0)
+    timer.on_train_end(trainer, model)
+    phases = record.load(tmp_path / "phases.json")
+    assert (phases.skipped_count, phases.steps) == (0, [0, 2, 4])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_fit_resumed_from_last_ckpt_warms_up_and_profiles_its_own_steps(tmp_path):
+    """The profile config run for 10 steps, then resumed from its last.ckpt for 10 more: the resumed fit's warm-up
+    is its own first step (10), it profiles 12-14 and has the memory columns, and its record says so."""
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    args = (*PROFILE_RUN, "--checkpoint.every_n_steps", "10")
+    first = run_fit(*args, cwd=tmp_path, timeout=190)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_fit(*args, "--trainer.max_steps", "20", "--ckpt_path", "last", cwd=tmp_path, timeout=190)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    out = resumed.stdout
+    run_dir = tmp_path / "runs" / "mini_train_profile" / "version_1"
+    assert "Step 10\n forward : " in out and "Step 9\n" not in out  # print_steps: the fit's first 3
+    assert "PhaseTimer: steps 12-14 profiled, CPU activity only" in out, out[-3000:]
+    assert ("2 rank(s), step 10 = warm-up (the fit resumed there), then 6 steady step(s) (steps 12-14 ran under the "
+            "profiler for the memory columns, left out of the others):\nphase       step 10  ") in out  # fmt: skip
+    assert re.search(r"^phase +step 10 +median .* peak memory +retained$", out, re.M), out[-3000:]
+    assert "Memory (rank 0, the highest; steps 13-14;" in out
+    phases = record.load(run_dir / "phases.json")
+    assert (phases.first_step, phases.profiled_steps, phases.steps) == (10, [12, 13, 14], list(range(10, 20)))
+    assert [row.step for row in phases.steady_rows()] == [11, 15, 16, 17, 18, 19]
+    assert phases.memory_source == "cpu_profiler" and [m.step for m in phases.ranks[0].memory] == [13, 14]
+    assert phases.roofline.flop_source == "FlopCounterMode, step 10" and phases.roofline.forward_flop > 0
+    assert sorted(p.name for p in (run_dir / "traces").iterdir()) == [f"rank{r}.pt.trace.json.gz" for r in (0, 1)]
+    first_phases = record.load(run_dir.parent / "version_0" / "phases.json")  # the first fit: its own steps
+    assert (first_phases.first_step, first_phases.profiled_steps) == (0, [2, 3, 4])

@@ -19,6 +19,7 @@ from lit_ddp.analysis.phases import roofline_table
 from lit_ddp.callbacks import CommMonitor, LossMonitor, PhaseTimer, SyncCheck
 from lit_ddp.callbacks.phase_timer import _compute_dtype
 from lit_ddp.measure import roofline
+from lit_ddp.measure.step_marks import Updates
 from lit_ddp.records import schema as record
 from tests.recorders import RecordLogs
 from tests.records import phase_record
@@ -54,9 +55,10 @@ class InfGradient(Callback):
             next(pl_module.parameters()).grad.view(-1)[0] = float("inf")
 
 
-def run_16_mixed(tmp_path, accelerator):
+def run_16_mixed(tmp_path, accelerator, fused=False):
     """A user's Trainer at 16-mixed, Lightning's own DDP strategy: 2 CPU ranks forked from this process (with
-    Lightning's fp16 plugin), or 1 GPU; what rank 0 printed."""
+    Lightning's fp16 plugin), or 1 GPU; what rank 0 printed. ``fused``: Adam's fused kernel, which takes the grad
+    scaler's ``found_inf`` itself (the scaler then always calls ``optimizer.step()``)."""
     seed_everything(0)
     cpu = accelerator == "cpu"
     plugins = [MixedPrecision("16-mixed", "cpu")] if cpu else []
@@ -66,7 +68,7 @@ def run_16_mixed(tmp_path, accelerator):
                       version=0), enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[PhaseTimer(), CommMonitor(compression="fp16"), SyncCheck(), LossMonitor(),
                                  InfGradient(), RecordLogs(tmp_path)])  # fmt: skip
-    trainer.fit(LinearRegression(dim=32), FixedBatchDataModule(dim=32, batch_size=8))
+    trainer.fit(LinearRegression(dim=32, fused=fused), FixedBatchDataModule(dim=32, batch_size=8))
     return RecordLogs.read(tmp_path, 0)
 
 
@@ -90,10 +92,66 @@ def test_16_mixed_grad_scaler_skip_in_a_users_script_on_cpu(tmp_path):
     check_16_mixed(out, tmp_path)
 
 
+def test_16_mixed_grad_scaler_skip_with_a_fused_optimizer_on_cpu(tmp_path):
+    """torch's CPU GradScaler and fused Adam: the scaler calls ``optimizer.step()`` at step 2 too (the kernel skips
+    the update), and the skip is still seen, through ``found_inf``."""
+    out = run_16_mixed(tmp_path, "cpu", fused=True)
+    check_16_mixed(out, tmp_path)
+
+
+class FakeScaler:
+    """``torch.amp.GradScaler.step``'s two ways with an optimizer, on any device: an optimizer that takes the
+    scaling in its own kernel (``_step_supports_amp_scaling``: ``fused=True``) is always stepped, with ``found_inf``
+    set for that call; any other is not stepped when a gradient is inf/NaN."""
+
+    def __init__(self, inf: bool) -> None:
+        self.inf = inf
+
+    def step(self, optimizer):
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            optimizer.grad_scale, optimizer.found_inf = None, torch.tensor(float(self.inf))
+            try:
+                return optimizer.step()
+            finally:
+                del optimizer.grad_scale, optimizer.found_inf
+        if not self.inf:
+            return optimizer.step()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_skipped_update_is_seen_whether_or_not_the_scaler_calls_step(fused):
+    layer = torch.nn.Linear(4, 4)
+    first, second = (torch.optim.Adam([p], fused=fused) for p in (layer.weight, layer.bias))
+    updates = Updates()
+    for opt in (first, second):  # every optimizer, as PhaseTimer and LossMonitor hook them
+        opt.register_step_post_hook(lambda optimizer, args, kwargs: updates.ran(optimizer))
+    for inf_first, inf_second in ((False, False), (False, True), (True, False), (True, True)):
+        layer(torch.randn(2, 4)).sum().backward()
+        before = [p.detach().clone() for p in (layer.weight, layer.bias)]
+        for opt, inf in ((first, inf_first), (second, inf_second)):  # manual optimization, two optimizers
+            updates.begin()
+            FakeScaler(inf).step(opt)
+        skipped = updates.skipped()
+        assert isinstance(skipped, torch.Tensor) == fused  # a fused optimizer's flag stays a tensor: no read
+        assert bool(skipped) == (inf_first or inf_second), (inf_first, inf_second)
+        # The control: the fake scaler did skip (or not) the updates it was told to.
+        after = (layer.weight, layer.bias)
+        assert [torch.equal(b, a) for b, a in zip(before, after, strict=True)] == [inf_first, inf_second]
+    assert updates.skipped() is False  # reset after each step: nothing begun, nothing skipped
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.timeout(150)
 def test_16_mixed_on_a_gpu(tmp_path):
     out = run_16_mixed(tmp_path, "gpu")
+    check_16_mixed(out, tmp_path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.timeout(150)
+def test_16_mixed_with_a_fused_optimizer_on_a_gpu(tmp_path):
+    """The fused path on CUDA: ``found_inf`` on the device, read only once the step's work is done."""
+    out = run_16_mixed(tmp_path, "gpu", fused=True)
     check_16_mixed(out, tmp_path)
 
 

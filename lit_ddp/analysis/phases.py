@@ -59,9 +59,10 @@ def _busy_median(rows: list[StepRow], phase: str) -> float:
 
 
 def phase_table(record: PhaseRecord, comm: Optional[CommRecord] = None) -> str:
-    """Per phase: warm-up (step 0, rank 0), median/min/max over steady steps of all ranks, the slowest rank."""
+    """Per phase: warm-up (the fit's first step, rank 0), median/min/max over steady steps of all ranks, the slowest
+    rank. A fit resumed from a checkpoint warms up at its resume point (``first_step``)."""
     n_ranks = len(record.ranks)
-    first = record.ranks[0].row(0)
+    first = record.ranks[0].row(record.first_step)
     rows = []
     for phase in PHASES:
         per_rank = [phase_summary(record, r, phase) for r in range(n_ranks)]
@@ -70,7 +71,7 @@ def phase_table(record: PhaseRecord, comm: Optional[CommRecord] = None) -> str:
         warmup = fmt_ms(getattr(first.ms, phase)) if first else "-"
         rows.append((phase, warmup, fmt_ms(pooled.median), fmt_ms(pooled.min), fmt_ms(pooled.max),
                      f"rank {slowest}: {fmt_ms(per_rank[slowest].median)}"))  # fmt: skip
-    header = ["phase", "step 0", "median", "min", "max", "slowest rank (median)"]
+    header = ["phase", f"step {record.first_step}", "median", "min", "max", "slowest rank (median)"]
     busy = record.ranks[0].busy_ms  # GPU kernel time inside each phase of the profiled steps
     if busy:
         header.append("GPU busy (rank 0)")
@@ -82,7 +83,7 @@ def phase_table(record: PhaseRecord, comm: Optional[CommRecord] = None) -> str:
     n_steady = phase_summary(record, 0, "step").count
     clock = record.meta.clock + CLOCKS.get(record.meta.clock, "")
     precision = "" if record.meta.precision == DEFAULT_PRECISION else f", precision {record.meta.precision}"
-    title = (f"Phase times ({clock}), {n_ranks} rank(s){precision}{_micro_note(record)}, step 0 = warm-up, then "
+    title = (f"Phase times ({clock}), {n_ranks} rank(s){precision}{_micro_note(record)}, {_warmup(record)}, then "
              f"{n_steady} steady step(s)")  # fmt: skip
     profiled = [s for s in record.profiled_steps if record.ranks[0].row(s)]
     if profiled:
@@ -95,6 +96,11 @@ def phase_table(record: PhaseRecord, comm: Optional[CommRecord] = None) -> str:
     if record.roofline:
         text += "\n" + roofline_table(record)
     return text + "\n" + verdict(record, comm)
+
+
+def _warmup(record: PhaseRecord) -> str:
+    resumed = " (the fit resumed there)" if record.first_step else ""
+    return f"step {record.first_step} = warm-up{resumed}"
 
 
 def micro_batches(record: PhaseRecord) -> int:

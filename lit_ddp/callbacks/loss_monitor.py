@@ -21,7 +21,7 @@ from typing_extensions import override
 from lit_ddp.callbacks.shared import grad_scaler, is_last_step, log_metrics, say
 from lit_ddp.callbacks.step_sync import StepSync
 from lit_ddp.errors import NonFiniteLossError
-from lit_ddp.measure.step_marks import OptimizerSteps
+from lit_ddp.measure.step_marks import OptimizerSteps, Updates
 
 
 class LossMonitor(Callback):
@@ -42,7 +42,7 @@ class LossMonitor(Callback):
         self._losses: list[Tensor] = []  # the running optimizer step's micro-batch losses
         self._steps = OptimizerSteps()
         self._handles: list[Any] = []
-        self._updating = self._updated = False
+        self._updates = Updates()
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -50,16 +50,16 @@ class LossMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._losses, self._updating, self._updated = [], False, False
-        if grad_scaler(trainer) is not None:  # 16-mixed: whether optimizer.step() ran tells a skipped step
+        self._losses, self._updates = [], Updates()
+        if grad_scaler(trainer) is not None:  # 16-mixed: each optimizer's step tells a skipped update (Updates)
             self._handles = [opt.register_step_post_hook(self._on_step_end) for opt in trainer.optimizers]
 
     def _on_step_end(self, optimizer, args, kwargs) -> None:
-        self._updated = True
+        self._updates.ran(optimizer)
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
-        self._updating = True
+        self._updates.begin()
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -88,16 +88,16 @@ class LossMonitor(Callback):
             return
         step = trainer.global_step - 1  # the optimizer step has already advanced global_step
         losses, self._losses = self._losses, []
-        skipped = self._updating and not self._updated and grad_scaler(trainer) is not None
-        self._updating = self._updated = False
+        skipped = self._updates.skipped() if grad_scaler(trainer) is not None else False
         due = bool(self.every_n_steps) and (step % self.every_n_steps == 0 or is_last_step(trainer, batch_idx))
         if not (due or self.check_finite) or not losses:
             return
         local = torch.cat(losses).mean().reshape(1)
-        row = torch.cat([local, (~torch.isfinite(local)).float()])
-        note = " (update skipped: the grad scaler found inf/NaN gradients)" if skipped else ""
+        # A fused optimizer's skip is a flag on the device: it travels in the row, read once gathered (no sync here).
+        flag = skipped.to(local) if isinstance(skipped, Tensor) else local.new_full((1,), float(skipped))
+        row = torch.cat([local, (~torch.isfinite(local)).float(), flag])
 
-        def report(gathered: Tensor) -> None:  # [world_size, 2]: loss, non-finite flag
+        def report(gathered: Tensor) -> None:  # [world_size, 3]: loss, non-finite flag, update skipped
             bad = [rank for rank, flag in enumerate(gathered[:, 1].tolist()) if flag]
             global_mean = gathered[:, 0].mean().item()
             if bad:  # every rank sees the same rows, so every rank raises here, at this step
@@ -105,6 +105,7 @@ class LossMonitor(Callback):
                     f"loss is {global_mean} at step {step}: non-finite on rank(s) {bad}; training stopped"
                 )
             if due:
+                note = " (update skipped: the grad scaler found inf/NaN gradients)" if gathered[0, 2].item() else ""
                 say(trainer, f"Step {step}, Loss {global_mean:.4f}{note}")
                 log_metrics(trainer, {"train/loss": global_mean}, step=step)
 

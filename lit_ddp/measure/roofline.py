@@ -2,21 +2,18 @@
 
     python -m lit_ddp.fit --config configs/mini_train_profile.yaml --devices 2    # PhaseTimer prints its table
 
-``count_step_flops`` runs the module's own ``training_step`` once on a real batch under torch's
-``FlopCounterMode`` and takes the gradient of its loss, so every op the step dispatches is counted;
+``StepFlopCounter`` counts a real training step under torch's ``FlopCounterMode`` as Lightning runs it (the
+user's code runs no extra time), so every op the step dispatches is counted;
 ``optimizer_update_bytes`` reads the optimizer's real state, so each optimizer moves what it actually keeps;
 ``GPU_PEAKS`` / ``peak_for`` give the datasheet peak of the device torch reports, for the step's dtype. What the
 roofline table shows: docs/output.md.
 """
 
-from collections.abc import Iterator, Mapping
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
-from lightning.pytorch import LightningModule
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils.flop_counter import FlopCounterMode
 
 
@@ -26,162 +23,71 @@ class StepFlops:
 
     Attributes:
         forward: FLOPs of ``training_step``, loss included.
-        backward: FLOPs of the gradient of the loss with respect to the trainable parameters.
+        backward: FLOPs of the step's backward passes.
     """
 
     forward: int
     backward: int
 
 
-def count_step_flops(pl_module: LightningModule, batch: Any, batch_idx: int = 0) -> Optional[StepFlops]:
-    """Counts the FLOPs of one forward and backward of ``pl_module.training_step`` on ``batch``.
-
-    Runs ``training_step(batch, batch_idx)`` once under ``FlopCounterMode`` (the forward), then
-    ``torch.autograd.grad`` of its loss with respect to the parameters that require grad (the backward),
-    and reads the counter in between. Safe to call from a callback hook in the middle of a fit, on a
-    module that Lightning has wrapped in ``DistributedDataParallel``:
-
-    - ``training_step`` is the LightningModule's own method, so DDP's ``forward`` (buffer broadcast,
-      ``prepare_for_backward``) does not run.
-    - ``torch.autograd.grad`` returns the gradients instead of accumulating them: ``.grad`` is untouched
-      and the ``AccumulateGrad`` nodes, whose post-hooks are DDP's reducer hooks, never run, so nothing is
-      all-reduced. Hooks registered with ``Tensor.register_hook`` on a parameter do run, as they would in
-      any backward; Lightning (2.6) and lit_ddp register none.
-    - torch's CPU generator and those of the module's accelerators are forked, so a dropout in the step
-      does not shift the training run's random stream (Python's and NumPy's generators are not).
-    - Every buffer (e.g. BatchNorm's running statistics) is put back to its previous tensor and values.
-
-    What the step does besides computing (``self.log``, a torchmetrics update, a cached plain attribute) is
-    its own and is not undone. A step that runs collectives (e.g. ``SyncBatchNorm``) must be counted on
-    every rank at once, like the training step itself. The step runs outside Lightning's precision context
-    (autocast): the counts do not depend on the dtype, only on the shapes.
-
-    Args:
-        pl_module: The module whose ``training_step`` to count; already on its training device.
-        batch: A batch as the training loop passes it to ``training_step``, on the module's device.
-        batch_idx: Passed on to ``training_step``.
-
-    Returns:
-        The forward and backward FLOPs, or ``None`` when ``training_step`` returns ``None`` (Lightning's
-        way of skipping a batch: there is no loss, hence no backward to count).
-
-    Raises:
-        TypeError: ``training_step`` returned neither a tensor, a mapping with ``"loss"``, nor ``None``.
-        ValueError: The loss is not a scalar, does not require grad, or the module has no trainable
-            parameter.
-    """
-    params = [p for p in pl_module.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError(f"`count_step_flops`: {type(pl_module).__name__} has no parameter that requires grad")
-    # display=False: the counter would otherwise print a per-module table on exit, from every rank.
-    counter = FlopCounterMode(display=False)
-    with _untouched(pl_module), torch.enable_grad(), counter:
-        loss = _loss_of(pl_module.training_step(batch, batch_idx))
-        if loss is None:
-            return None
-        forward = counter.get_total_flops()
-        if loss.dim() != 0:
-            raise ValueError(
-                f"`count_step_flops`: training_step's loss must be a scalar, got shape {tuple(loss.shape)}"
-            )
-        if not loss.requires_grad:
-            raise ValueError(
-                f"`count_step_flops`: training_step's loss ({loss!r}) does not require grad: no backward to count"
-            )
-        # Not loss.backward(): it accumulates into .grad and runs the AccumulateGrad post-hooks. Between DDP's
-        # forward and the real backward (e.g. from on_before_backward) those hooks all-reduce this probe's
-        # gradients and mark the buckets done, so the real backward's gradients are then never all-reduced,
-        # silently (checked on torch 2.13, gloo, 2 ranks).
-        torch.autograd.grad(loss, params, allow_unused=True)
-        backward = counter.get_total_flops() - forward
-    return StepFlops(forward=forward, backward=backward)
-
-
-class RealStepFlops:
-    """Counts the FLOPs of a real training step while it runs, for manual optimization: its ``training_step`` runs
-    its own ``manual_backward`` and ``optimizer.step()``, so it cannot be run again as a probe
-    (``count_step_flops``: that would train the model once more, outside the fit).
+class StepFlopCounter:
+    """Counts the FLOPs of one real training step while Lightning runs it: torch's ``FlopCounterMode`` entered at the
+    step's start and left at its end. The user's ``training_step`` runs once, as Lightning calls it: no probe of the
+    tool's own calls it again, which a counter, a metric, a logged value or a schedule in the step would see.
 
     ``start`` before the step's first forward, ``backward_start`` / ``backward_end`` around each backward (what is
-    counted between them is backward, the rest forward), ``stop`` when the step is done. The optimizer's update
-    runs inside the count; its elementwise ops are not in ``FlopCounterMode``'s table (matmuls, convolutions,
-    attention), so it adds nothing. The count's own cost falls in the step it counts: step 0, the warm-up.
+    counted between them is backward), ``update_start`` / ``update_end`` around each optimizer step (left out: torch's
+    optimizers' elementwise ops are not in the counter's table of matmuls, convolutions and attention, and a matmul in
+    an optimizer's step is no forward), ``stop`` when the step is done; the rest is forward, loss included. Under
+    automatic and manual optimization alike, every micro-batch of the step. The count's own cost falls in the step it
+    counts: PhaseTimer counts the fit's first, its warm-up, never a timed steady step.
     """
 
     def __init__(self) -> None:
         self._counter: Optional[FlopCounterMode] = None
-        self._backward = 0
-        self._since: Optional[int] = None
+        self._spans = {"backward": 0, "update": 0}
+        self._since: dict[str, int] = {}
 
     @property
     def active(self) -> bool:
         return self._counter is not None
 
     def start(self) -> None:
+        # display=False: the counter would otherwise print a per-module table on exit, from every rank.
         self._counter = FlopCounterMode(display=False)
         self._counter.__enter__()
 
-    def backward_start(self) -> None:
+    def _open(self, span: str) -> None:
         if self._counter is not None:
-            self._since = self._counter.get_total_flops()
+            self._since[span] = self._counter.get_total_flops()
+
+    def _close(self, span: str) -> None:
+        since = self._since.pop(span, None)
+        if self._counter is not None and since is not None:
+            self._spans[span] += self._counter.get_total_flops() - since
+
+    def backward_start(self) -> None:
+        self._open("backward")
 
     def backward_end(self) -> None:
-        if self._counter is not None and self._since is not None:
-            self._backward += self._counter.get_total_flops() - self._since
-            self._since = None
+        self._close("backward")
+
+    def update_start(self) -> None:
+        self._open("update")
+
+    def update_end(self) -> None:
+        self._close("update")
 
     def stop(self) -> Optional[StepFlops]:
         """The step's FLOPs (None if it was not started); the count ends, also when the step failed."""
-        counter, self._counter = self._counter, None
+        counter = self._counter
         if counter is None:
             return None
+        self._close("update")  # an update without a step post-hook (or skipped by the grad scaler) ends here
+        self._counter = None
         counter.__exit__(None, None, None)
-        total = counter.get_total_flops()
-        return StepFlops(forward=total - self._backward, backward=self._backward)
-
-
-def _loss_of(output: Any) -> Optional[Tensor]:
-    """The loss of a ``training_step`` output, as Lightning's automatic optimization reads it."""
-    if output is None or isinstance(output, Tensor):
-        return output
-    if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
-        return output["loss"]
-    raise TypeError(
-        "`count_step_flops`: training_step must return a tensor, a mapping with a tensor under 'loss', or None;"
-        f" got {type(output).__name__}: {output!r}"
-    )
-
-
-@contextmanager
-def _untouched(module: nn.Module) -> Iterator[None]:
-    """Restores ``module``'s buffers and torch's RNG streams of its devices when the block exits."""
-    saved = [
-        (owner, name, buf, buf.detach().clone())
-        for owner in module.modules()
-        for name, buf in owner.named_buffers(recurse=False)
-    ]
-    accelerators: dict[str, set[int]] = {}
-    for tensor in (*module.parameters(), *module.buffers()):
-        if tensor.device.type not in ("cpu", "meta"):
-            index = tensor.device.index if tensor.device.index is not None else 0
-            accelerators.setdefault(tensor.device.type, set()).add(index)
-    # fork_rng always forks the CPU generator. Naming the devices keeps it from initialising every visible
-    # GPU (slow, and needless for a module on one device); a CPU module names none.
-    forks = sorted(accelerators.items()) or [("cuda", set())]
-    with ExitStack() as stack:
-        for device_type, indices in forks:
-            stack.enter_context(torch.random.fork_rng(devices=sorted(indices), device_type=device_type))
-        try:
-            yield
-        finally:
-            for owner, name, buf, value in saved:
-                if getattr(owner, name) is not buf:  # the step replaced the buffer instead of updating it
-                    setattr(owner, name, buf)
-                # Through .data, which has its own version counter: a plain copy_ would bump the buffer's, and a
-                # graph still waiting for its backward (the real step's, when called from on_before_backward)
-                # that saved the buffer, as BatchNorm saves its running statistics, would then refuse to run
-                # ("modified by an inplace operation"). That graph sees the very values it saved.
-                buf.data.copy_(value)
+        forward = counter.get_total_flops() - self._spans["backward"] - self._spans["update"]
+        return StepFlops(forward=forward, backward=self._spans["backward"])
 
 
 def optimizer_update_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -13,7 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from lightning.pytorch import Trainer
+from torch import Tensor
 
 from lit_ddp.records.schema import BOUNDARIES, StepPhases
 
@@ -42,6 +44,38 @@ class OptimizerSteps:
         return trainer.global_step != self._at_start
 
 
+class Updates:
+    """Whether the running step's updates ran, for the steps a grad scaler (``16-mixed``) skips: its owner calls
+    ``begin`` from ``on_before_optimizer_step`` and ``ran`` from a step post-hook on every optimizer (manual
+    optimization may step several). An update is skipped two ways (``torch.amp.GradScaler.step``): for most
+    optimizers the scaler does not call ``optimizer.step()`` (no post-hook runs); for those that take the scaling in
+    their own kernel (``fused=True``: ``_step_supports_amp_scaling``) it always calls it, with ``optimizer.found_inf``
+    set for that call, and the kernel skips the update when it is non-zero."""
+
+    def __init__(self) -> None:
+        self.begun = 0
+        self._ran = 0
+        self._found_inf: list[Tensor] = []
+
+    def begin(self) -> None:
+        self.begun += 1
+
+    def ran(self, optimizer: torch.optim.Optimizer) -> None:
+        self._ran += 1
+        found_inf = getattr(optimizer, "found_inf", None)  # set by the scaler for this call only (a fresh tensor)
+        if isinstance(found_inf, Tensor):
+            self._found_inf.append(found_inf)
+
+    def skipped(self) -> bool | Tensor:
+        """Whether an update of the step was skipped, and resets for the next step. A bool, or where only a fused
+        optimizer's ``found_inf`` tells, a one-element tensor on its device (not read here: on CUDA reading it
+        would wait for the GPU; read it once the step's work is done)."""
+        missing, found, self.begun, self._ran, self._found_inf = self._ran < self.begun, self._found_inf, 0, 0, []
+        if missing or not found:
+            return missing
+        return torch.stack([f.reshape(()) for f in found]).gt(0).any().reshape(1)
+
+
 @dataclass
 class StepMarks:
     """The marks of one optimizer step: per micro-batch, boundary -> mark (``start`` and ``end`` included), and
@@ -50,6 +84,8 @@ class StepMarks:
     step: int
     micro: list[dict[str, Any]]
     outside: list[tuple[str, Any, Any]] = field(default_factory=list)
+    memory: Any = None  # the step's StepMemory (CUDA), kept with it until its times are read
+    skipped: bool | Tensor = False  # the grad scaler skipped its update (Updates.skipped)
 
     @property
     def end(self) -> Any:

@@ -12,16 +12,20 @@ the window: docs/architecture.md.
 """
 
 import dataclasses
+import functools
 import json
+import types
+import typing
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar, Union
 
 from lit_ddp.errors import RecordError
 from lit_ddp.records.sketch import Sketch
 
+R = TypeVar("R")
 SCHEMA_VERSION = 3  # 3: memory (StepMemory, DDPMemory, OutOfMemory)
 
 PHASES = ("forward", "backward", "update", "data", "other", "step")
@@ -34,23 +38,25 @@ HEAD_STEPS = 10
 TAIL_STEPS = 50
 
 
-def is_steady(step: int, profiled: Iterable[int] = ()) -> bool:
-    """After the warm-up step, and not slowed by the profiler."""
-    return step >= WARMUP_STEPS and step not in profiled
+def is_steady(step: int, profiled: Iterable[int] = (), first_step: int = 0) -> bool:
+    """After the warm-up step of the fit that started at global step ``first_step`` (0, or where a fit resumed from
+    a checkpoint), and not slowed by the profiler."""
+    return step >= first_step + WARMUP_STEPS and step not in profiled
 
 
 class Window:
-    """The steps whose per-step detail a rank keeps: the first ``HEAD_STEPS``, the ``profiled`` ones, and the
-    last ``TAIL_STEPS`` (older ones are dropped as new ones come)."""
+    """The steps whose per-step detail a rank keeps: the first ``HEAD_STEPS`` of the fit (which starts at global step
+    ``first_step``), the ``profiled`` ones, and the last ``TAIL_STEPS`` (older ones are dropped as new ones come)."""
 
-    def __init__(self, profiled: Iterable[int] = ()) -> None:
+    def __init__(self, profiled: Iterable[int] = (), first_step: int = 0) -> None:
         self.profiled = set(profiled)
+        self.first_step = first_step
         self._kept: dict[int, Any] = {}
         self._tail: deque[int] = deque()
 
     def add(self, step: int, item: Any) -> None:
         self._kept[step] = item
-        if step < HEAD_STEPS or step in self.profiled:
+        if step < self.first_step + HEAD_STEPS or step in self.profiled:
             return
         self._tail.append(step)
         if len(self._tail) > TAIL_STEPS:
@@ -172,6 +178,9 @@ class Roofline:
     peak_label: Optional[str] = None
     micro_batches: int = 1
     compute_dtype: Optional[str] = None
+    # Where the FLOPs come from: "FlopCounterMode, step <n>" (the fit's first step, counted as Lightning ran it), or
+    # None (not counted: PhaseTimer(count_flops=False), or the step never ended).
+    flop_source: Optional[str] = None
 
 
 @dataclass
@@ -187,6 +196,9 @@ class PhaseRecord:
     skipped_count: int = 0  # all of them
     # Whose bytes RankPhases.memory holds: "cuda_allocator" (every step), "cpu_profiler" (profiled steps), or None.
     memory_source: Optional[str] = None
+    # The global step the fit started from: 0, or the resume point of a fit resumed from a checkpoint. Steps are
+    # global step numbers; the fit's warm-up step is this one, and its profiled steps come after it.
+    first_step: int = 0
 
     @property
     def steps(self) -> list[int]:
@@ -195,7 +207,7 @@ class PhaseRecord:
 
     def steady_rows(self, rank: int = 0) -> list[StepRow]:
         left_out = {*self.profiled_steps, *self.skipped_steps}
-        return [r for r in self.ranks[rank].rows if is_steady(r.step, left_out)]
+        return [r for r in self.ranks[rank].rows if is_steady(r.step, left_out, self.first_step)]
 
 
 @dataclass
@@ -290,46 +302,54 @@ def save(record: PhaseRecord | CommRecord | OutOfMemory, path: Path) -> Path:
     return path
 
 
-def _phases_from(data: dict[str, Any]) -> PhaseRecord:
-    # Fields added within a schema come with defaults: a record written before them loads as it was.
-    def rows(items: list[dict]) -> list[StepRow]:
-        return [StepRow(r["step"], StepPhases(**r["ms"]), r["offsets_ms"], r.get("micro_batches", 1)) for r in items]
+def read(cls: type[R], data: Any, where: str = "") -> R:
+    """A record, or any part of one, from its JSON by field name: the reader of ``as_json``'s output, derived from
+    ``cls``'s own fields and their types. A field the data lacks takes its default (a field added within a schema
+    loads from a record written before it); a missing field without a default, or data that is no object, is a
+    ``RecordError`` that names where. Keys the fields do not name are passed over.
 
-    ranks = [RankPhases(r["rank"], rows(r["rows"]), _summaries(r["summaries"]), rows(r["busy_ms"]),
-                        _summaries(r.get("outside", {})), [StepMemory(**m) for m in r["memory"]],
-                        _summaries(r["memory_summaries"])) for r in data["ranks"]]  # fmt: skip
-    roof = Roofline(**data["roofline"]) if data.get("roofline") else None
-    return PhaseRecord(
-        RunMeta(**data["meta"]),
-        ranks,
-        data["profiled_steps"],
-        roof,
-        skipped_steps=data.get("skipped_steps", []),
-        skipped_count=data.get("skipped_count", 0),
-        memory_source=data["memory_source"],
-    )
-
-
-def _comm_from(data: dict[str, Any]) -> CommRecord:
-    ranks = [RankComm(r["rank"], [StepBuckets(**s) for s in r["rows"]], _summaries(r["summaries"]))
-             for r in data["ranks"]]  # fmt: skip
-    return CommRecord(RunMeta(**data["meta"]), ranks, data["layout"], data["param_bytes"], data["compression"],
-                      data["first_layout"], data["profiled_steps"], data["clock_offset_s"], data["clock_error_s"],
-                      data["find_unused_parameters"], data["unused"], data["unused_bytes"],
-                      data["unused_every_step"], data["straggler"],
-                      wire_dtype=data.get("wire_dtype"),
-                      ddp_memory=DDPMemory(**data["ddp_memory"]) if data["ddp_memory"] else None)  # fmt: skip
+    Raises:
+        RecordError: A required field is missing, or the data is not shaped as ``cls``.
+    """
+    where = where or cls.__name__
+    if not isinstance(data, dict):
+        raise RecordError(f"{where}: expected an object of {cls.__name__}'s fields, got {type(data).__name__}")
+    hints = _hints(cls)
+    found = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if f.name in data:
+            found[f.name] = _value(hints[f.name], data[f.name], f"{where}.{f.name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise RecordError(f"{where}: no {f.name!r}, a required field of {cls.__name__}")
+    return cls(**found)
 
 
-def _oom_from(data: dict[str, Any]) -> OutOfMemory:
-    fields = {**data, "meta": RunMeta(**data["meta"]), "held": DDPMemory(**data["held"]),
-              "memory": [StepMemory(**m) for m in data["memory"]]}  # fmt: skip
-    fields.pop("schema")
-    return OutOfMemory(**fields)
+def _value(kind: Any, data: Any, where: str) -> Any:
+    """``data`` read as the annotation ``kind`` says: a dataclass, a Sketch, a list or dict of them, Optional."""
+    if kind is Sketch:
+        return Sketch.from_json(data)
+    if dataclasses.is_dataclass(kind):
+        return read(kind, data, where)
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (Union, types.UnionType):
+        if data is None:
+            return None
+        kinds = [a for a in args if a is not type(None)]
+        return _value(kinds[0], data, where) if len(kinds) == 1 else data
+    if origin is list and isinstance(data, list):
+        return [_value(args[0], item, f"{where}[{i}]") for i, item in enumerate(data)]
+    if origin is dict and isinstance(data, dict):
+        return {key: _value(args[1], item, f"{where}[{key!r}]") for key, item in data.items()}
+    if origin in (list, dict):
+        raise RecordError(f"{where}: expected a {origin.__name__}, got {type(data).__name__}")
+    return data
 
 
-def _summaries(data: dict[str, Any]) -> dict[str, Sketch]:
-    return {name: Sketch.from_json(s) for name, s in data.items()}
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
 
 def load(path: Path) -> PhaseRecord | CommRecord | OutOfMemory:
@@ -346,11 +366,14 @@ def load(path: Path) -> PhaseRecord | CommRecord | OutOfMemory:
     if version != SCHEMA_VERSION:
         raise RecordError(f"{path}: run record schema {version}; this lit_ddp reads schema {SCHEMA_VERSION} "
                           "(written by another version of the tool: run the job again)")  # fmt: skip
-    readers = {"phases": _phases_from, "comm": _comm_from, "oom": _oom_from}
+    kinds = {"phases": PhaseRecord, "comm": CommRecord, "oom": OutOfMemory}
+    kind = kinds.get(data.get("kind"))
     try:
-        return readers[data["kind"]](data)
-    except (KeyError, TypeError) as err:
-        raise RecordError(f"{path}: a damaged run record ({type(err).__name__}: {err})") from err
+        if kind is None:
+            raise RecordError(f"kind {data.get('kind')!r} is none of {sorted(kinds)}")
+        return read(kind, data)
+    except (RecordError, KeyError, TypeError, ValueError) as err:
+        raise RecordError(f"{path}: a damaged run record ({err})") from err
 
 
 def load_run(run_dir: Path) -> tuple[Optional[PhaseRecord], Optional[CommRecord]]:

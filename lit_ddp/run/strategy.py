@@ -28,6 +28,7 @@ from lit_ddp.run import console, lifecycle
 from lit_ddp.run.checkpointing import AtomicCheckpointIO
 from lit_ddp.run.hangs import name_absent_ranks
 from lit_ddp.run.rendezvous import init_loopback_process_group
+from lit_ddp.run.roles import NamesPendingCollective, ReportsOutOfMemory
 
 
 class LitDDPStrategy(DDPStrategy):
@@ -200,9 +201,8 @@ class LitDDPStrategy(DDPStrategy):
         # on_exception, and the others may be waiting in a collective. PhaseTimer says where and what held it.
         trainer = self.lightning_module.trainer
         for callback in trainer.callbacks:
-            report = getattr(callback, "on_out_of_memory", None)
-            if report is not None:
-                report(trainer, exception)
+            if isinstance(callback, ReportsOutOfMemory):
+                callback.on_out_of_memory(trainer, exception)
 
     @override
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -216,7 +216,7 @@ class LitDDPStrategy(DDPStrategy):
 
     def _name_absent_ranks(self, exception: BaseException) -> None:
         trainer = self.lightning_module.trainer
-        where = next((c.waiting_for() for c in trainer.callbacks if hasattr(c, "waiting_for")), None)
+        where = next((c.waiting_for() for c in trainer.callbacks if isinstance(c, NamesPendingCollective)), None)
         per_node = self.num_processes if self.num_nodes > 1 else None  # several nodes: name each rank's node
         name_absent_ranks(exception, self.global_rank, self.world_size, trainer.global_step, where, per_node)
 

@@ -88,9 +88,7 @@ def median_interval(samples: Sequence[float], *, confidence: float = 0.95, seed:
     return _interval(estimate, _medians(x, np.random.default_rng(seed)), confidence)
 
 
-def difference_interval(
-    a: Sequence[float], b: Sequence[float], *, confidence: float = 0.95, seed: int = 0
-) -> Interval:
+def difference_interval(a: Sequence[float], b: Sequence[float], *, confidence: float = 0.95, seed: int = 0) -> Interval:
     """``median(b) - median(a)`` with its ``confidence`` interval; ``a`` and ``b`` resampled independently (two
     runs, or two ranks, each per-step in time order)."""
     _check(confidence)

@@ -23,6 +23,7 @@ from lit_ddp.analysis.memory import oom_line
 from lit_ddp.analysis.phases import phase_table
 from lit_ddp.errors import RecordError
 from lit_ddp.records.schema import load_oom, load_run
+from lit_ddp.scaling.advice import wire_savings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     if phases is None and comm is None:
         parser.error(f"{args.run_dir} holds neither phases.json nor comm.json: was PhaseTimer or CommMonitor on?")
     if phases is not None:
-        print(phase_table(phases, comm))
+        print(phase_table(phases, comm, wire_savings(args.run_dir, comm)))
     if comm is not None:
         print(comm_table(comm, phases))
     code = 0

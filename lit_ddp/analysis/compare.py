@@ -168,12 +168,16 @@ def run_samples(phases: Optional[PhaseRecord], comm: Optional[CommRecord]) -> di
 def compare_runs(a: tuple[Optional[PhaseRecord], Optional[CommRecord]],
                  b: tuple[Optional[PhaseRecord], Optional[CommRecord]]) -> str:  # fmt: skip
     """The comparison of two runs' records, as printed by ``python -m lit_ddp.report A --compare B``."""
-    notes = incompatibilities(a, b)
+    return render("Run B against run A, per step after warm-up", incompatibilities(a, b), run_rows(a, b))
+
+
+def run_rows(a: tuple[Optional[PhaseRecord], Optional[CommRecord]],
+             b: tuple[Optional[PhaseRecord], Optional[CommRecord]]) -> list[Row]:  # fmt: skip
+    """The rows both runs have (the per-bucket ones only with one bucket layout), compared."""
     sa, sb = run_samples(*a), run_samples(*b)
     same_layout = a[1] is None or b[1] is None or a[1].layout == b[1].layout
     names = [n for n in sa if n in sb and (same_layout or not n.startswith("bucket"))]
-    rows = compare([Samples(n, sa[n][0], sa[n][1], sb[n][1]) for n in names])
-    return render("Run B against run A, per step after warm-up", notes, rows)
+    return compare([Samples(n, sa[n][0], sa[n][1], sb[n][1]) for n in names])
 
 
 def compare_dirs(run_a: Path, run_b: Path) -> str:

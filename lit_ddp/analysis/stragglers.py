@@ -108,9 +108,10 @@ def arrivals(comm: CommRecord) -> Optional[Arrivals]:
 def find_straggler(comm: CommRecord, phases: Optional[PhaseRecord] = None) -> Optional[Straggler]:
     """The straggler verdict of a run of two or more ranks; None with one rank or no common steady step.
 
-    The rank the others wait for most is named when it arrives last at ``STRAGGLER_SHARE`` of the all-reduces
-    and its median lateness is above the bar beyond the noise: the whole interval of the median (per all-reduce,
-    in time order: lateness that comes and goes in spells widens it) lies above ``threshold_ms``."""
+    The rank the others wait for most is named when it arrives last at ``STRAGGLER_SHARE`` of the all-reduces,
+    its median lateness is beyond the noise (the whole interval of the median, per all-reduce in time order, so
+    that lateness coming and going in spells widens it, lies above the floor the clocks can tell, ``MIN_LATE_MS``
+    or 3 clock errors) and the median is above ``threshold_ms`` (``STEP_SHARE`` of the step, or that floor)."""
     found = arrivals(comm)
     if found is None:
         return None
@@ -119,9 +120,11 @@ def find_straggler(comm: CommRecord, phases: Optional[PhaseRecord] = None) -> Op
     lateness = found.lateness[worst]
     late = noise.median_interval(lateness, confidence=noise.family_confidence(CONFIDENCE, n))
     share = sum(d > 0 for d in lateness) / len(lateness)
-    error_ms = 1e3 * max(comm.clock_error_s or [0.0])
-    threshold = max(MIN_LATE_MS, 3 * error_ms, STEP_SHARE * found.step_ms)
-    named = share >= STRAGGLER_SHARE and noise.call(late, null=threshold) == "slower"
+    # Late beyond the noise: the whole interval above the floor the clocks can tell; worth naming: its median
+    # lateness above a share of the step (a property of the workload, so the bar stays put).
+    floor = max(MIN_LATE_MS, 3e3 * max(comm.clock_error_s or [0.0]))
+    threshold = max(floor, STEP_SHARE * found.step_ms)
+    named = share >= STRAGGLER_SHARE and noise.call(late, null=floor, min_effect=threshold - floor) == "slower"
     verdict = Straggler(
         rank=worst if named else None, late_ms=late.estimate, share=share, wait_ms=[_median(w) for w in found.waits],
         transfer_ms=_median(found.transfer), transfer_per_bucket_ms=[_median(t) for t in found.transfer_per_bucket],
@@ -162,8 +165,8 @@ def verdict_line(found: Straggler) -> str:
     """One line: the straggler, where it loses the time and who waits, or that there is none and why."""
     late = f"{found.late_ms:.1f} ms late at {found.share:.0%} of all-reduces"
     if found.rank is None:
-        bar = (f"a straggler must be last at {STRAGGLER_SHARE:.0%} of them, with its median lateness beyond the "
-               f"noise above {found.threshold_ms:.1f} ms")  # fmt: skip
+        bar = (f"a straggler is last at {STRAGGLER_SHARE:.0%} of them, late beyond the noise, by a median above "
+               f"{found.threshold_ms:.1f} ms")  # fmt: skip
         if math.isinf(found.late_low_ms):
             why = f"{found.steps} step(s) are too few to tell"
         else:

@@ -2,6 +2,7 @@
 
     nice -n 10 python benchmarks/noise.py                 # 5 runs of 3 workloads, then the slowed runs (~8 min)
     nice -n 10 python benchmarks/noise.py --repeats 3 --delays 10 --out /tmp/noise
+    python benchmarks/noise.py --reuse --out /tmp/noise      # the tables again from the runs already made
 
 Every run is ``python -m lit_ddp.fit`` with PhaseTimer and CommMonitor, 40 steps (``--steps``), in a fresh process,
 one workload after the other in each round (so that the machine's drift falls on all alike). Three tables:
@@ -58,8 +59,11 @@ WORKLOADS = (
 )
 
 
-def fit(out: Path, name: str, steps: int, *args: str) -> Path:
-    """One run of ``python -m lit_ddp.fit``, logged under ``out/name``; its run directory."""
+def fit(out: Path, name: str, steps: int, *args: str, reuse: bool = False) -> Path:
+    """One run of ``python -m lit_ddp.fit``, logged under ``out/name``; its run directory (``reuse``: the one
+    already there, if it holds a record)."""
+    if reuse and (out / name / "version_0" / "phases.json").is_file():
+        return out / name / "version_0"
     command = [sys.executable, "-m", "lit_ddp.fit", "--trainer.accelerator", "cpu", "--model",
                "tests.slow_ranks.SlowRegression", "--model.delay_ms", "0", "--trainer.max_steps", str(steps),
                "--loss_monitor.every_n_steps", "0", "--trainer.callbacks+=lit_ddp.callbacks.PhaseTimer",
@@ -79,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delays", default="2,5,10", help="forward slowdowns to detect, ms (2,5,10)")
     parser.add_argument("--delayed-runs", type=int, default=2, help="runs of each slowdown (2)")
     parser.add_argument("--out", type=Path, default=Path("noise_runs"), help="where the runs go (./noise_runs)")
+    parser.add_argument("--reuse", action="store_true", help="read the runs already in --out instead of rerunning")
     args = parser.parse_args(argv)
     delays = [float(d) for d in args.delays.split(",") if d]
     start = time.perf_counter()
@@ -86,12 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     delayed: dict[float, list[Path]] = {d: [] for d in delays}
     for i in range(args.repeats):  # interleaved: one run of each workload per round
         for k, w in enumerate(WORKLOADS):
-            runs[w.name].append(fit(args.out, f"w{k}_r{i}", args.steps, *w.args))
+            runs[w.name].append(fit(args.out, f"w{k}_r{i}", args.steps, *w.args, reuse=args.reuse))
         if i < args.delayed_runs:
             for d in delays:
                 slowed = (*WORKLOADS[0].args, "--model.slow_rank", "null", "--model.phase", "forward",
                           "--model.delay_ms", f"{d:g}")  # fmt: skip
-                delayed[d].append(fit(args.out, f"d{d:g}_r{i}", args.steps, *slowed))
+                delayed[d].append(fit(args.out, f"d{d:g}_r{i}", args.steps, *slowed, reuse=args.reuse))
     records = {path: load_run(path) for path in [*itertools.chain(*runs.values()), *itertools.chain(*delayed.values())]}
 
     rows = []

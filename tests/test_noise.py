@@ -83,3 +83,16 @@ def test_a_family_of_comparisons_asks_more_of_each_and_bad_input_is_refused():
         noise.median_interval([1.0] * 10, confidence=1.5)
     with pytest.raises(ValueError, match="min_effect=-1"):
         noise.call(narrow, min_effect=-1)
+
+
+def test_two_runs_made_apart_allow_for_the_drift_each_shows_within_itself():
+    rng = np.random.default_rng(5)
+    steady = rng.normal(10, 0.2, 40)
+    drifting = np.concatenate([rng.normal(10, 0.2, 20), rng.normal(13, 0.2, 20)])  # the load rose mid-run
+    assert noise.drift(steady, drifting) == pytest.approx(3.0, abs=0.3)
+    within = noise.difference_interval(steady, drifting)
+    apart = noise.difference_interval(steady, drifting, between_runs=True)
+    assert apart.estimate == within.estimate and apart.low == pytest.approx(within.low - noise.drift(steady, drifting))
+    later = rng.normal(12, 0.2, 40)  # a third run, made when the load was up: the same job
+    assert noise.call(noise.difference_interval(steady, later, between_runs=True)) == "slower"  # no run drifted
+    assert noise.call(noise.difference_interval(drifting, later, between_runs=True)) == "same"

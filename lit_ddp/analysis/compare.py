@@ -54,7 +54,7 @@ def compare(samples: Sequence[Samples], confidence: float = CONFIDENCE) -> list[
     level = noise.family_confidence(confidence, max(1, len(kept)))
     rows = []
     for s in kept:
-        d = noise.difference_interval(s.a, s.b, confidence=level)
+        d = noise.difference_interval(s.a, s.b, confidence=level, between_runs=True)
         rows.append(Row(s.name, s.unit, statistics.median(s.a), statistics.median(s.b), d, noise.call(d),
                         (len(s.a), len(s.b))))  # fmt: skip
     return rows

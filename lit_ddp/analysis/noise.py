@@ -88,9 +88,12 @@ def median_interval(samples: Sequence[float], *, confidence: float = 0.95, seed:
     return _interval(estimate, _medians(x, np.random.default_rng(seed)), confidence)
 
 
-def difference_interval(a: Sequence[float], b: Sequence[float], *, confidence: float = 0.95, seed: int = 0) -> Interval:
+def difference_interval(
+    a: Sequence[float], b: Sequence[float], *, confidence: float = 0.95, seed: int = 0, between_runs: bool = False
+) -> Interval:
     """``median(b) - median(a)`` with its ``confidence`` interval; ``a`` and ``b`` resampled independently (two
-    runs, or two ranks, each per-step in time order)."""
+    runs, or two ranks, each per-step in time order). ``between_runs``: ``a`` and ``b`` are two runs made apart, so
+    the machine may have drifted between them: the interval is widened on both sides by ``drift(a, b)``."""
     _check(confidence)
     x, y = _clean(a), _clean(b)
     if len(x) == 0 or len(y) == 0:
@@ -99,7 +102,23 @@ def difference_interval(a: Sequence[float], b: Sequence[float], *, confidence: f
     if min(len(x), len(y)) < MIN_SAMPLES:
         return _unknown(estimate)
     rng = np.random.default_rng(seed)
-    return _interval(estimate, _medians(y, rng) - _medians(x, rng), confidence)
+    found = _interval(estimate, _medians(y, rng) - _medians(x, rng), confidence)
+    if not between_runs:
+        return found
+    allowance = drift(x, y)
+    return Interval(estimate, found.low - allowance, found.high + allowance)
+
+
+def drift(a: Sequence[float], b: Sequence[float]) -> float:
+    """How far the machine may move a run's median between two runs: the larger of the two runs' own drift, the
+    median of its second half less that of its first (a shared machine's load comes and goes over seconds, as
+    long as a short run: two 40-step runs of one job were seen 5.6x apart here)."""
+
+    def own(x: np.ndarray) -> float:
+        half = len(x) // 2
+        return abs(float(np.median(x[half:]) - np.median(x[:half]))) if half else 0.0
+
+    return max(own(_clean(a)), own(_clean(b)))
 
 
 def ratio_interval(a: Sequence[float], b: Sequence[float], *, confidence: float = 0.95, seed: int = 0) -> Interval:

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         said = []
         for path in runs[w.name]:
             phases, comm = records[path]
-            line = verdict(phases, comm).removeprefix("Verdict: a CPU run (no device to idle): ")
+            line = verdict(phases, comm).removeprefix("Verdict: ").removeprefix("a CPU run (no device to idle): ")
             found = stragglers.find_straggler(comm, phases)
             said.append((line.split(":")[0].split(",")[0], found.rank if found else None))
         for (what, rank), count in Counter(said).most_common():

@@ -127,3 +127,13 @@ def test_on_real_runs_two_of_one_job_call_nothing_and_a_10_ms_longer_forward_is_
     (forward,) = [r for r in compare.compare([compare.Samples("forward", "ms", *(
         compare.run_samples(*run)["forward"][1] for run in (a, b)))])]  # fmt: skip
     assert 8.0 < forward.difference.estimate < 14.0, text  # the sleep, and no more than the machine adds to it
+
+
+def test_a_row_that_moves_by_less_than_a_twentieth_of_the_step_is_the_same():
+    rng = random.Random(4)
+    steady = [compare.Samples("update", "ms", [rng.gauss(0.5, 0.01) for _ in range(40)],
+                              [rng.gauss(0.7, 0.01) for _ in range(40)])]  # fmt: skip
+    (beyond,) = compare.compare(steady)
+    assert beyond.word == "slower"  # 0.2 ms, far beyond these steps' noise...
+    (floored,) = compare.compare(steady, floor_ms=compare.STEP_SHARE * 10.0)
+    assert floored.word == "same"  # ... but a 10 ms step moves by 2% at most

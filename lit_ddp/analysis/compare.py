@@ -24,6 +24,9 @@ from lit_ddp.errors import RecordError
 from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, is_steady, load_run
 
 CONFIDENCE = 0.95  # for the family of all the rows: the chance that any row is called by noise alone is <= 5%
+# A time row that moves by less than this share of A's step is the same: it cannot move the step by more (A/A
+# pairs of real runs here differed beyond the noise by 0.2 ms in a 0.5 ms update, 2% of the step).
+STEP_SHARE = 0.05
 
 
 @dataclass(frozen=True)
@@ -47,15 +50,17 @@ class Row:
     steps: tuple[int, int]
 
 
-def compare(samples: Sequence[Samples], confidence: float = CONFIDENCE) -> list[Row]:
-    """Each row's difference at the level that holds for the family of rows (Bonferroni); rows without a sample
-    in either run are left out."""
+def compare(samples: Sequence[Samples], confidence: float = CONFIDENCE, floor_ms: float = 0.0) -> list[Row]:
+    """Each row's difference at the level that holds for the family of rows (Bonferroni), two runs made apart
+    (``noise.difference_interval(between_runs=True)``); a time row that moves by ``floor_ms`` or less is ``same``.
+    Rows without a sample in either run are left out."""
     kept = [s for s in samples if s.a and s.b]
     level = noise.family_confidence(confidence, max(1, len(kept)))
     rows = []
     for s in kept:
         d = noise.difference_interval(s.a, s.b, confidence=level, between_runs=True)
-        rows.append(Row(s.name, s.unit, statistics.median(s.a), statistics.median(s.b), d, noise.call(d),
+        word = noise.call(d, min_effect=floor_ms if s.unit == "ms" else 0.0)
+        rows.append(Row(s.name, s.unit, statistics.median(s.a), statistics.median(s.b), d, word,
                         (len(s.a), len(s.b))))  # fmt: skip
     return rows
 
@@ -177,7 +182,8 @@ def run_rows(a: tuple[Optional[PhaseRecord], Optional[CommRecord]],
     sa, sb = run_samples(*a), run_samples(*b)
     same_layout = a[1] is None or b[1] is None or a[1].layout == b[1].layout
     names = [n for n in sa if n in sb and (same_layout or not n.startswith("bucket"))]
-    return compare([Samples(n, sa[n][0], sa[n][1], sb[n][1]) for n in names])
+    floor = STEP_SHARE * statistics.median(sa["step"][1]) if sa.get("step", (0, []))[1] else 0.0
+    return compare([Samples(n, sa[n][0], sa[n][1], sb[n][1]) for n in names], floor_ms=floor)
 
 
 def compare_dirs(run_a: Path, run_b: Path) -> str:

@@ -96,10 +96,12 @@ def render(title: str, notes: Sequence[str], rows: Sequence[Row]) -> str:
     """The notes (what makes the runs hard to compare) first, then the table and the summary."""
     head = [f"{note}" for note in notes]
     level = noise.family_confidence(CONFIDENCE, max(1, len(rows)))
+    small = {r.name for r in rows if r.word == "same" and r.difference.excludes(0.0)}
     cells = [(r.name, _fmt(r.a, r.unit), _fmt(r.b, r.unit), _signed(r.difference.estimate, r.unit), _interval(r),
-              r.word) for r in rows]  # fmt: skip
+              r.word + ("*" if r.name in small else "")) for r in rows]  # fmt: skip
     text = table(("row", "A (median)", "B (median)", "B - A", f"interval ({level:.2%} each)", "word"), cells)
-    return "\n".join([*head, f"{title}:", text, summary(rows)])
+    note = [f"same*: beyond the noise, but under {STEP_SHARE:.0%} of A's step"] if small else []
+    return "\n".join([*head, f"{title}:", text, *note, summary(rows)])
 
 
 def incompatibilities(a: tuple[Optional[PhaseRecord], Optional[CommRecord]],

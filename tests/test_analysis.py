@@ -6,13 +6,15 @@ import re
 import torch
 from lightning.pytorch import LightningModule, Trainer
 
+from lit_ddp import report
 from lit_ddp.analysis.comm import comm_table
 from lit_ddp.analysis.phases import MEASURE, verdict
 from lit_ddp.callbacks import CommMonitor, LossMonitor, PhaseTimer, StepSync, SyncCheck
-from lit_ddp.records.schema import CommRecord, RankComm, RunMeta, StepBuckets, save
+from lit_ddp.records.schema import CommRecord, RankComm, RunMeta, StepBuckets, load_run, save
 from lit_ddp.scaling.advice import wire_savings
 from tests import records
 from tests.records import phase_record
+from tests.runner import ROOT
 
 
 def comm_record(world_size: int, nbytes: int, ms: list[float]) -> CommRecord:
@@ -79,8 +81,8 @@ def test_the_verdict_names_a_phase_beyond_the_noise_and_else_says_it_cannot_tell
     level = phase_record([noisy_steps(rng, 40, (4.0, 4.1, 1.0, 0.5), sd=1.0)])
     line = verdict(level)
     assert re.search(r"can't tell what bounds the step, because (forward|backward) \([34]\.\d\d ms, [34]\d%\) and "
-                     r"(forward|backward) \([34]\.\d\d ms, [34]\d%\), the largest parts, differ by .* per step \(.*, 95%, "
-                     r"39 steps\): within the noise; ", line), line  # fmt: skip
+                     r"(forward|backward) \([34]\.\d\d ms, [34]\d%\), the largest parts, differ by .* per step "
+                     r"\(.*, 95%, 39 steps\): within the noise; ", line), line  # fmt: skip
     # Beyond the noise but by little: a lead of 0.4 ms in a 9.6 ms step (4%) bounds nothing.
     close = phase_record([noisy_steps(rng, 40, (4.0, 4.4, 1.0, 0.2), sd=0.05)])
     assert "the largest parts, differ by 0.4" in verdict(close) and ": under 10% of the step; " in verdict(close)
@@ -123,3 +125,21 @@ def test_a_communication_bound_step_is_called_so_with_the_figure_of_the_change_t
     assert wire_savings(run_dir, None) == {} and wire_savings(None, comm) == {}
     # Without CommMonitor's record the same steps are backward's: the model's compute and the all-reduce's.
     assert "backward bounds the step" in verdict(phases)
+
+
+def test_the_measured_two_node_run_is_communication_bound_with_the_fp16_figure(capsys):
+    """The record of a real run over a 100 Mbit/s link (tests/data/two_nodes_100mbit): the all-reduce's exposed
+    transfer, 377 ms of a 746 ms step, is what bounds it, and halving the bytes is forecast to save ~190 ms."""
+    run_dir = ROOT / "tests" / "data" / "two_nodes_100mbit"
+    phases, comm = load_run(run_dir)
+    (saving,) = wire_savings(run_dir, comm).values()
+    assert 150 < saving < 230  # about half the transfer: the rest of the step is compute
+    line = verdict(phases, comm, {"fp16 compression": saving})
+    assert re.search(r"communication-bound: the gradient all-reduce's exposed transfer is 377\.17 ms of the "
+                     r"746\.24 ms step \(51%\), .*; fp16 compression: step 746\.24 ms -> ~5\d\d\.\d\d ms, forecast$",
+                     line), line  # fmt: skip
+    assert report.main([str(run_dir), "--no-plot"]) == 0
+    assert (
+        "fp16 compression (CommMonitor(compression=fp16): half the bytes): step 746.24 ms -> ~"
+        in capsys.readouterr().out
+    )

@@ -148,7 +148,8 @@ def test_under_the_cli_the_verdict_names_it(tmp_path):
                      "--trainer.callbacks+=tests.slow_ranks.SleepInHook", "--trainer.callbacks.delay_ms=30",
                      cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
-    assert re.search(r"^Verdict: straggler: rank 1 arrives \d+\.\d ms late at \d+% of all-reduces; its update phase "
+    assert re.search(r"^Verdict: straggler: rank 1 arrives \d+\.\d ms late at \d+% of all-reduces \(median within "
+                     r"-?\d+\.\d to \d+\.\d ms\); its update phase "
                      r"is \+\d+\.\d ms over the other ranks' median; rank\(s\) 0 wait \d+\.\d ms per step; the "
                      r"all-reduce itself takes \d+\.\d ms$", result.stdout, re.M), result.stdout[-3000:]  # fmt: skip
     assert "smaller buckets" not in result.stdout  # no bucket advice when a straggler is the cause

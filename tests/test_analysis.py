@@ -85,7 +85,9 @@ def test_the_verdict_names_a_phase_beyond_the_noise_and_else_says_it_cannot_tell
                      r"\(.*, 95%, 39 steps\): within the noise; ", line), line  # fmt: skip
     # Beyond the noise but by little: a lead of 0.4 ms in a 9.6 ms step (4%) bounds nothing.
     close = phase_record([noisy_steps(rng, 40, (4.0, 4.4, 1.0, 0.2), sd=0.05)])
-    assert "the largest parts, differ by 0.4" in verdict(close) and ": under 10% of the step; " in verdict(close)
+    assert "the largest parts, differ by 0.4" in verdict(
+        close
+    ) and ": not beyond the noise above 10% of the step; " in verdict(close)
     two_ranks = phase_record([noisy_steps(rng, 40, (1.0, 6.0, 1.0, 0.5))] * 2)  # no CommMonitor record to split it
     assert "backward bounds the step, " in verdict(two_ranks)
     assert "the model's compute, and the gradient all-reduce where backward does not hide it" in verdict(two_ranks)

@@ -35,9 +35,9 @@ WHAT_IT_IS = {
 # The parts of a step the verdict weighs (step_parts): the phases, backward split by CommMonitor's record.
 PART_NAMES = {"forward": "forward", "backward": "backward", "update": "update", "data": "data", "other": "other",
               "exposed": "the all-reduce's exposed transfer", "wait": "the wait for a later rank"}  # fmt: skip
-# A part bounds the step when it leads the next by this share of the step at least: a lead of a few percent, even
-# beyond the noise, bounds nothing (a 1024-wide linear on 2 CPU ranks: the all-reduce led forward by 4% of the step
-# in one of five runs).
+# A part bounds the step when it leads the next by this share of the step at least, beyond the noise (the lead's
+# interval above it): a lead of a few percent bounds nothing (a 1024-wide linear on 2 CPU ranks: the all-reduce
+# led forward by 4% of the step in one of five runs, and by 11% (4% to 17%) in one of five on a quiet machine).
 LEAD_SHARE = 0.1
 MEASURE = "python -m lit_ddp.tune measures what DDP's knobs and the optimizer's fused step change on this model"
 
@@ -176,8 +176,10 @@ def _cpu_verdict(record: PhaseRecord, comm: Optional[CommRecord], step_ms: float
     share = {p: medians[p] / step_ms if step_ms else 0.0 for p in parts}
     by = f"{fmt_ms(gap.estimate)} per step ({fmt_ms(gap.low)} to {fmt_ms(gap.high)}, 95%, {n} steps)"
     level = f"{by} over {PART_NAMES[second]} ({fmt_ms(medians[second])}), the next"
-    if noise.call(gap, min_effect=LEAD_SHARE * step_ms) == "same":
-        why = "within the noise" if not gap.excludes(0.0) else f"under {LEAD_SHARE:.0%} of the step"
+    if noise.call(gap, null=LEAD_SHARE * step_ms) != "slower":  # the lead beyond the noise above the floor
+        why = (
+            "within the noise" if not gap.excludes(0.0) else f"not beyond the noise above {LEAD_SHARE:.0%} of the step"
+        )
         return (f"can't tell what bounds the step, because {PART_NAMES[first]} ({fmt_ms(medians[first])}, "
                 f"{share[first]:.0%}) and {PART_NAMES[second]} ({fmt_ms(medians[second])}, {share[second]:.0%}), "
                 f"the largest parts, differ by {by}: {why}; {MEASURE}")  # fmt: skip

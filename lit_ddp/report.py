@@ -3,6 +3,7 @@
     python -m lit_ddp.report runs/mini_train_profile/version_0
     python -m lit_ddp.report runs/mini_train_profile/version_0 --forecast 8,64,512 --link nvlink+ib400
     python -m lit_ddp.report --trace DIR --json trace.json
+    python -m lit_ddp.report RUN_A --compare RUN_B                  # row by row, beyond the noise
 
 Reads ``phases.json`` (PhaseTimer) and ``comm.json`` (CommMonitor) from a run directory (``lit_ddp.records.schema``),
 prints the same tables the callbacks print at the end of training (``lit_ddp.analysis.phases``), and writes
@@ -19,16 +20,20 @@ from pathlib import Path
 from lit_ddp import forecast, trace_report
 from lit_ddp.analysis import plots
 from lit_ddp.analysis.comm import comm_table
+from lit_ddp.analysis.compare import compare_dirs
 from lit_ddp.analysis.memory import oom_line
 from lit_ddp.analysis.phases import phase_table
 from lit_ddp.errors import RecordError
 from lit_ddp.records.schema import load_oom, load_run
+from lit_ddp.scaling.advice import wire_savings
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lit_ddp.report", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, nargs="?", help="a run's log directory (phases.json / comm.json)")
     parser.add_argument("--no-plot", action="store_true", help="tables only")
+    parser.add_argument("--compare", type=Path, metavar="RUN_B", help="this run (or --trace) against another's, "
+                        "row by row, beyond the noise")  # fmt: skip
     group = parser.add_argument_group("profiler traces")
     group.add_argument("--trace", type=Path, metavar="DIR", help="read the per-rank torch.profiler traces under DIR")
     group.add_argument("--json", type=Path, metavar="OUT", help="with --trace: write every figure as JSON (us)")
@@ -37,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.trace is not None:
         if args.run_dir is not None or args.forecast:
             parser.error("--trace DIR reads traces alone: give no run directory or --forecast with it")
+        if args.compare is not None:
+            return trace_report.compare(args.trace, args.compare)
         return trace_report.run(args.trace, args.json, picture=not args.no_plot)
     if args.json is not None:
         parser.error("--json goes with --trace")
@@ -44,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give a run directory, or --trace DIR")
     if not args.run_dir.is_dir():
         parser.error(f"{args.run_dir} is not a directory")
+    if args.compare is not None:
+        try:
+            print(compare_dirs(args.run_dir, args.compare))
+        except RecordError as err:
+            parser.error(str(err))
+        return 0
     try:
         phases, comm = load_run(args.run_dir)
         out_of_memory = load_oom(args.run_dir)
@@ -56,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if phases is None and comm is None:
         parser.error(f"{args.run_dir} holds neither phases.json nor comm.json: was PhaseTimer or CommMonitor on?")
     if phases is not None:
-        print(phase_table(phases, comm))
+        print(phase_table(phases, comm, wire_savings(args.run_dir, comm)))
     if comm is not None:
         print(comm_table(comm, phases))
     code = 0

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from lit_ddp.analysis import plots
+from lit_ddp.analysis.compare import compare_traces
 from lit_ddp.analysis.trace import (
     NoGpuEvents,
     RankAnalysis,
@@ -86,6 +87,18 @@ def run(path: Path, json_out: Optional[Path] = None, picture: bool = True) -> in
     if picture:
         out = (path if Path(path).is_dir() else Path(path).parent) / PICTURE
         return plots.write(lambda: plots.trace_figure(analyses), out)
+    return 0
+
+
+def compare(path_a: Path, path_b: Path) -> int:
+    """Two profiles of one job, row by row (``lit_ddp.analysis.compare``): what ``python -m lit_ddp.report --trace
+    A --compare B`` calls; the exit code as ``run``'s."""
+    try:
+        a, b = (load_ranks(find_traces(Path(p))) for p in (path_a, path_b))
+    except TraceError as err:
+        print(f"{TRACE_REPORT_PROG}: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"A: {path_a}\nB: {path_b}\n{compare_traces(a, b)}")
     return 0
 
 

@@ -2,6 +2,7 @@
 ``ddp_spawn`` can pickle them and ``python -m lit_ddp.fit --trainer.callbacks+=...`` can name them."""
 
 import time
+from typing import Optional
 
 from lightning.pytorch import Callback
 
@@ -14,17 +15,18 @@ def _sleep(ms: float) -> None:
 
 
 class SlowRegression(LinearRegression):
-    """The notes' model; on ``slow_rank``, ``delay_ms`` more in ``phase``: ``forward`` (in its forward),
-    ``backward`` (in autograd, as the output's gradient arrives) or ``update`` (in the module's
+    """The notes' model; on ``slow_rank`` (every rank: None), ``delay_ms`` more in ``phase``: ``forward`` (in its
+    forward), ``backward`` (in autograd, as the output's gradient arrives) or ``update`` (in the module's
     ``on_before_optimizer_step``, which Lightning calls after the callbacks', so after the update's start)."""
 
-    def __init__(self, dim: int = 64, slow_rank: int = 1, phase: str = "forward", delay_ms: float = 30.0) -> None:
-        super().__init__(dim=dim)
+    def __init__(
+        self, dim: int = 64, slow_rank: Optional[int] = 1, phase: str = "forward", delay_ms: float = 30.0, **kwargs
+    ) -> None:
+        super().__init__(dim=dim, **kwargs)  # the CLI finds the notes' model's options (lr, ...) through kwargs
         self.slow_rank, self.phase, self.delay_ms = slow_rank, phase, delay_ms
-        self.save_hyperparameters(ignore=["slow_rank", "phase", "delay_ms"])
 
     def _slow(self, phase: str) -> bool:
-        return self.phase == phase and self.global_rank == self.slow_rank
+        return self.phase == phase and self.slow_rank in (None, self.global_rank)
 
     def forward(self, x):
         if self._slow("forward"):

@@ -8,10 +8,10 @@ in no command line, so collection (the callbacks) may import it; ``lit_ddp.repor
 
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Optional
 
-from lit_ddp.analysis import stragglers
+from lit_ddp.analysis import noise, stragglers
 from lit_ddp.analysis.memory import has_memory, memory_cells, memory_line
 from lit_ddp.analysis.tables import fmt_bandwidth, fmt_ms, fmt_si, table
 from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, Sketch, StepPhases, StepRow
@@ -32,6 +32,13 @@ WHAT_IT_IS = {
     "data": "the input pipeline, outside DDP",
     "other": "Python between the phases (Lightning's loop, callbacks, logging)",
 }
+# The parts of a step the verdict weighs (step_parts): the phases, backward split by CommMonitor's record.
+PART_NAMES = {"forward": "forward", "backward": "backward", "update": "update", "data": "data", "other": "other",
+              "exposed": "the all-reduce's exposed transfer", "wait": "the wait for a later rank"}  # fmt: skip
+# A part bounds the step when it leads the next by this share of the step at least, beyond the noise (the lead's
+# interval above it): a lead of a few percent bounds nothing (a 1024-wide linear on 2 CPU ranks: the all-reduce
+# led forward by 4% of the step in one of five runs, and by 11% (4% to 17%) in one of five on a quiet machine).
+LEAD_SHARE = 0.1
 MEASURE = "python -m lit_ddp.tune measures what DDP's knobs and the optimizer's fused step change on this model"
 
 
@@ -58,7 +65,9 @@ def _busy_median(rows: list[StepRow], phase: str) -> float:
     return statistics.median(getattr(r.ms, phase) for r in rows)
 
 
-def phase_table(record: PhaseRecord, comm: Optional[CommRecord] = None) -> str:
+def phase_table(
+    record: PhaseRecord, comm: Optional[CommRecord] = None, savings: Optional[Mapping[str, float]] = None
+) -> str:
     """Per phase: warm-up (the fit's first step, rank 0), median/min/max over steady steps of all ranks, the slowest
     rank. A fit resumed from a checkpoint warms up at its resume point (``first_step``)."""
     n_ranks = len(record.ranks)
@@ -95,7 +104,7 @@ def phase_table(record: PhaseRecord, comm: Optional[CommRecord] = None) -> str:
     text += _outside_lines(record) + _skipped_line(record)
     if record.roofline:
         text += "\n" + roofline_table(record)
-    return text + "\n" + verdict(record, comm)
+    return text + "\n" + verdict(record, comm, savings)
 
 
 def _warmup(record: PhaseRecord) -> str:
@@ -134,9 +143,12 @@ def _skipped_line(record: PhaseRecord) -> str:
             f"gradients, no update; the scale was lowered): step(s) {steps}; left out of the medians")  # fmt: skip
 
 
-def verdict(record: PhaseRecord, comm: Optional[CommRecord] = None) -> str:
+def verdict(
+    record: PhaseRecord, comm: Optional[CommRecord] = None, savings: Optional[Mapping[str, float]] = None
+) -> str:
     """One line: what bounds the step, and what would help. A straggler (``comm`` of several ranks) comes
-    first: the others' time then goes to waiting for it, and no bucket size helps."""
+    first: the others' time then goes to waiting for it, and no bucket size helps. ``savings``: the forecast's
+    saving per step for each change that cuts the bytes on the wire (``lit_ddp.scaling.advice.wire_savings``)."""
     found = stragglers.find_straggler(comm, record) if comm is not None else None
     if found is not None and found.rank is not None:
         return f"Verdict: {stragglers.verdict_line(found)}"
@@ -152,26 +164,76 @@ def verdict(record: PhaseRecord, comm: Optional[CommRecord] = None) -> str:
     if record.meta.clock == "cuda_event":
         why = "no profiled step completed" if record.profiled_steps else "PhaseTimer(kernel_steps=0)"
         return f"Verdict: unknown: GPU-busy time was not measured ({why})"
-    return "Verdict: a CPU run (no device to idle): " + _cpu_verdict(record, comm, step_ms)
+    return "Verdict: a CPU run (no device to idle): " + _cpu_verdict(record, comm, step_ms, savings or {})
 
 
-def _cpu_verdict(record: PhaseRecord, comm: Optional[CommRecord], step_ms: float) -> str:
-    """The phase that takes most of rank 0's step, named only when it is beyond the steps' spread from the next
-    (its lower quartile above the next one's upper quartile); else the two are said to be level."""
-    sketches = {p: phase_summary(record, 0, p) for p in PHASES if p != "step"}
-    first, second = sorted(sketches, key=lambda p: sketches[p].median, reverse=True)[:2]
-    share = {p: sketches[p].median / step_ms for p in (first, second)}
-    if sketches[first].quantile(0.25) <= sketches[second].quantile(0.75):
-        text = (f"{first} ({share[first]:.0%}) and {second} ({share[second]:.0%}) take the step's largest shares, "
-                "level within the steps' spread: no one phase bounds it")  # fmt: skip
-    else:
-        what = "the model's compute" if first == "backward" and record.meta.world_size == 1 else WHAT_IT_IS[first]
-        text = f"{first} is {share[first]:.0%} of the step: {what}"
-    if comm is not None and record.meta.world_size > 1:
-        rows = [r for r in comm.ranks[0].rows if r.bytes == comm.layout]  # as comm_summary (which imports this)
-        exposed = sketch_or(comm.ranks[0].summaries, "exposed_ms", lambda: [r.exposed_ms for r in rows]).median
-        text += f"; the all-reduce shows {fmt_ms(exposed)} of the {fmt_ms(step_ms)} step (the all-reduce table)"
-    return text + f"; {MEASURE}"
+def _cpu_verdict(record: PhaseRecord, comm: Optional[CommRecord], step_ms: float, savings: Mapping[str, float]) -> str:
+    """What takes most of rank 0's step, named only when it leads the next beyond the noise (their per-step
+    difference's interval, ``lit_ddp.analysis.noise``, excludes 0) and by ``LEAD_SHARE`` of the step at least;
+    else "can't tell", and why. With CommMonitor's
+    record, backward is split: its compute, the all-reduce's exposed transfer, and the wait for a later rank."""
+    parts = step_parts(record, comm)
+    n = len(next(iter(parts.values())))
+    if n < noise.MIN_SAMPLES:
+        return f"can't tell what bounds the step, because only {n} steady step(s) were kept; {MEASURE}"
+    medians = {p: statistics.median(v) for p, v in parts.items()}
+    first, second = sorted(parts, key=medians.get, reverse=True)[:2]
+    gap = noise.median_interval([a - b for a, b in zip(parts[first], parts[second], strict=True)])
+    share = {p: medians[p] / step_ms if step_ms else 0.0 for p in parts}
+    by = f"{fmt_ms(gap.estimate)} per step ({fmt_ms(gap.low)} to {fmt_ms(gap.high)}, 95%, {n} steps)"
+    level = f"{by} over {PART_NAMES[second]} ({fmt_ms(medians[second])}), the next"
+    if noise.call(gap, null=LEAD_SHARE * step_ms) != "slower":  # the lead beyond the noise above the floor
+        why = (
+            "within the noise" if not gap.excludes(0.0) else f"not beyond the noise above {LEAD_SHARE:.0%} of the step"
+        )
+        return (f"can't tell what bounds the step, because {PART_NAMES[first]} ({fmt_ms(medians[first])}, "
+                f"{share[first]:.0%}) and {PART_NAMES[second]} ({fmt_ms(medians[second])}, {share[second]:.0%}), "
+                f"the largest parts, differ by {by}: {why}; {MEASURE}")  # fmt: skip
+    if first == "exposed":
+        advice = _wire_advice(comm, step_ms, savings)
+        return (f"communication-bound: the gradient all-reduce's exposed transfer is {fmt_ms(medians[first])} of the "
+                f"{fmt_ms(step_ms)} step ({share[first]:.0%}), {level}; {advice}")  # fmt: skip
+    if first == "wait":
+        return (f"load imbalance: rank 0 waits {fmt_ms(medians[first])} per step ({share[first]:.0%}) for a later "
+                f"rank's gradients, {level}, though no rank is late often and steadily enough to be named a "
+                f"straggler (the all-reduce table's last line)")  # fmt: skip
+    split = "exposed" in parts or record.meta.world_size == 1  # backward is compute only
+    what = "the model's compute" if first == "backward" and split else WHAT_IT_IS[first]
+    return (f"{PART_NAMES[first]} bounds the step, {fmt_ms(medians[first])} ({share[first]:.0%}): {what}, "
+            f"{level}; {MEASURE}")  # fmt: skip
+
+
+def step_parts(record: PhaseRecord, comm: Optional[CommRecord]) -> dict[str, list[float]]:
+    """Rank 0's steady steps as the parts of its step, one sample per step in step order: the phases, with
+    backward split where CommMonitor's record has the step (its compute, the exposed transfer, the wait for the
+    last rank's arrival at the all-reduce)."""
+    rows = record.steady_rows(0) or record.ranks[0].rows
+    names = [p for p in PHASES if p != "step"]
+    if comm is None or record.meta.world_size < 2:
+        return {p: [getattr(r.ms, p) for r in rows] for p in names}
+    buckets = {r.step: r for r in comm.ranks[0].rows if r.bytes == comm.layout}
+    found = stragglers.arrivals(comm)
+    waits = dict(zip(found.steps, found.waits[0], strict=True)) if found else {}
+    rows = [r for r in rows if r.step in buckets]
+    parts = {p: [getattr(r.ms, p) for r in rows] for p in names if p != "backward"}
+    exposed = [buckets[r.step].exposed_ms for r in rows]
+    wait = [min(waits.get(r.step, 0.0), e) for r, e in zip(rows, exposed, strict=True)]
+    parts["backward"] = [r.ms.backward - e for r, e in zip(rows, exposed, strict=True)]
+    parts["exposed"] = [e - w for e, w in zip(exposed, wait, strict=True)]
+    parts["wait"] = wait
+    return parts
+
+
+def _wire_advice(comm: Optional[CommRecord], step_ms: float, savings: Mapping[str, float]) -> str:
+    """The change that cuts the bytes on the wire, with the forecast's figure when the caller had one."""
+    if savings:
+        return "; ".join(
+            f"{label}: step {fmt_ms(step_ms)} -> ~{fmt_ms(step_ms - ms)}, forecast" for label, ms in savings.items()
+        )
+    if comm is not None and comm.compression:
+        return (f"the buckets are {comm.compression} already: python -m lit_ddp.forecast RUN --forecast "
+                f"{comm.meta.world_size} --link ... forecasts other links")  # fmt: skip
+    return f"python -m lit_ddp.forecast RUN --forecast {comm.meta.world_size if comm else 2} forecasts fp16 compression"
 
 
 def roofline_table(record: PhaseRecord) -> str:

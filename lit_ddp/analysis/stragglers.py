@@ -4,15 +4,17 @@ it loses the time, how long each rank waits, and what the all-reduce itself cost
     python -m lit_ddp.fit --config configs/mini_train_profile.yaml --devices 2   # the verdict names it, if any
 
 From CommMonitor's record (``comm.json``) alone, with PhaseTimer's (``phases.json``) for the cause. The
-definitions (arrival, lateness, wait, transfer) and the bar a straggler must pass (``STRAGGLER_SHARE``,
-``MIN_LATE_MS``, the run's noise): docs/stragglers.md.
+definitions (arrival, lateness, wait, transfer) and the bar a straggler must pass (``STRAGGLER_SHARE``, the
+floor, and the noise model's interval, ``lit_ddp.analysis.noise``): docs/stragglers.md.
 """
 
 import itertools
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Optional
 
+from lit_ddp.analysis import noise
 from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, is_steady
 
 STRAGGLER_SHARE = 0.75
@@ -24,11 +26,26 @@ MIN_LATE_MS = 5.0
 # identical CPU ranks sharing two cores were seen one always 12 ms late in a 117 ms step (10%): a fifth of the step
 # is what a straggler worth fixing costs the others.
 STEP_SHARE = 0.2
+CONFIDENCE = 0.95  # for the family of every rank's lateness (lit_ddp.analysis.noise.family_confidence)
+
+
+@dataclass
+class Arrivals:
+    """Who arrived when at each all-reduce of the steady steps every rank kept, on rank 0's clock (ms)."""
+
+    steps: list[int]
+    lateness: list[list[float]]  # per rank, per all-reduce in time order: its arrival minus the others' latest
+    waits: list[list[float]]  # per rank, per step: the last arrival minus its own, the longest over the buckets
+    caused: list[float]  # per rank: the waits it caused, summed
+    transfer: list[float]  # per step: the all-reduces' transfer (shortest duration across ranks), summed
+    transfer_per_bucket: list[list[float]]  # per bucket, per step
+    wait_per_bucket: list[list[float]]  # per bucket, per step: the last arrival minus the first
+    step_ms: float  # the median time from one step's first all-reduce to the next step's, on rank 0
 
 
 @dataclass
 class Straggler:
-    """What the arrivals say. ``rank`` is None when no rank is late beyond ``threshold_ms``."""
+    """What the arrivals say. ``rank`` is None when no rank is late beyond the bar."""
 
     rank: Optional[int]
     late_ms: float  # the straggler's (or the rank others wait for most's) median lateness
@@ -43,6 +60,8 @@ class Straggler:
     cause_extra_ms: float = 0.0
     steps: int = 0
     extra_ms: dict[str, float] = field(default_factory=dict)  # the straggler's excess per phase
+    late_low_ms: float = -math.inf  # the median lateness's interval (CONFIDENCE over the ranks)
+    late_high_ms: float = math.inf
 
 
 def _common_steps(comm: CommRecord) -> list[int]:
@@ -54,86 +73,112 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def find_straggler(comm: CommRecord, phases: Optional[PhaseRecord] = None) -> Optional[Straggler]:
-    """The straggler verdict of a run of two or more ranks; None with one rank or no common steady step."""
+def arrivals(comm: CommRecord) -> Optional[Arrivals]:
+    """The arrivals of a run of two or more ranks; None with one rank or no common steady step."""
     n = len(comm.ranks)
     steps = _common_steps(comm) if n > 1 else []
     if not steps:
         return None
     rows = [{r.step: r for r in rank.rows} for rank in comm.ranks]
     offsets = comm.clock_offset_s if len(comm.clock_offset_s) == n else [0.0] * n
-    lateness, caused = [[] for _ in range(n)], [0.0] * n
-    waits = [[] for _ in range(n)]  # per step
-    transfer_steps, transfer_b, wait_b, spreads = [], [[] for _ in comm.layout], [[] for _ in comm.layout], []
+    buckets = range(len(comm.layout))
+    found = Arrivals(steps, [[] for _ in range(n)], [[] for _ in range(n)], [0.0] * n, [],
+                     [[] for _ in buckets], [[] for _ in buckets], 0.0)  # fmt: skip
     for step in steps:
         step_wait, step_transfer = [0.0] * n, 0.0
-        for b in range(len(comm.layout)):
+        for b in buckets:
             arrival = [(rows[r][step].arrival_s[b] - offsets[r]) * 1e3 for r in range(n)]
             last = max(range(n), key=arrival.__getitem__)
             for r in range(n):
-                lateness[r].append(arrival[r] - max(a for other, a in enumerate(arrival) if other != r))
-            spreads.append(arrival[last] - min(arrival))
-            for r in range(n):
+                found.lateness[r].append(arrival[r] - max(a for other, a in enumerate(arrival) if other != r))
                 step_wait[r] = max(step_wait[r], arrival[last] - arrival[r])
-                caused[last] += arrival[last] - arrival[r]
+                found.caused[last] += arrival[last] - arrival[r]
             transfer = min(rows[r][step].ms[b] for r in range(n))
-            transfer_b[b].append(transfer)
-            wait_b[b].append(arrival[last] - min(arrival))
+            found.transfer_per_bucket[b].append(transfer)
+            found.wait_per_bucket[b].append(arrival[last] - min(arrival))
             step_transfer += transfer
-        transfer_steps.append(step_transfer)
+        found.transfer.append(step_transfer)
         for r in range(n):
-            waits[r].append(step_wait[r])
-    worst = max(range(n), key=caused.__getitem__)
-    late = _median(lateness[worst])
-    share = sum(d > 0 for d in lateness[worst]) / len(lateness[worst])
-    transfer_ms, wait_ms = _median(transfer_steps), [_median(w) for w in waits]
-    error_ms = 1e3 * max(comm.clock_error_s or [0.0])
-    threshold = max(MIN_LATE_MS, 3 * error_ms, STEP_SHARE * _step_ms(rows, steps, offsets))
-    named = share >= STRAGGLER_SHARE and late > threshold
+            found.waits[r].append(step_wait[r])
+    gaps = [(rows[0][b].arrival_s[0] - rows[0][a].arrival_s[0]) * 1e3 / (b - a) for a, b in itertools.pairwise(steps)]
+    found.step_ms = _median([g for g in gaps if g > 0])
+    return found
+
+
+def find_straggler(comm: CommRecord, phases: Optional[PhaseRecord] = None) -> Optional[Straggler]:
+    """The straggler verdict of a run of two or more ranks; None with one rank or no common steady step.
+
+    The rank the others wait for most is named when it arrives last at ``STRAGGLER_SHARE`` of the all-reduces,
+    its median lateness is beyond the noise (the whole interval of the median, per all-reduce in time order, so
+    that lateness coming and going in spells widens it, lies above the floor the clocks can tell, ``MIN_LATE_MS``
+    or 3 clock errors) and the median is above ``threshold_ms`` (``STEP_SHARE`` of the step, or that floor)."""
+    found = arrivals(comm)
+    if found is None:
+        return None
+    n = len(comm.ranks)
+    worst = max(range(n), key=found.caused.__getitem__)
+    lateness = found.lateness[worst]
+    late = noise.median_interval(lateness, confidence=noise.family_confidence(CONFIDENCE, n))
+    share = sum(d > 0 for d in lateness) / len(lateness)
+    # Late beyond the noise: the whole interval above the floor the clocks can tell; worth naming: its median
+    # lateness above a share of the step (a property of the workload, so the bar stays put).
+    floor = max(MIN_LATE_MS, 3e3 * max(comm.clock_error_s or [0.0]))
+    threshold = max(floor, STEP_SHARE * found.step_ms)
+    named = share >= STRAGGLER_SHARE and noise.call(late, null=floor, min_effect=threshold - floor) == "slower"
     verdict = Straggler(
-        rank=worst if named else None, late_ms=late, share=share, wait_ms=wait_ms, transfer_ms=transfer_ms,
-        transfer_per_bucket_ms=[_median(t) for t in transfer_b], wait_per_bucket_ms=[_median(w) for w in wait_b],
-        threshold_ms=threshold, spread_ms=_median(spreads), steps=len(steps),
+        rank=worst if named else None, late_ms=late.estimate, share=share, wait_ms=[_median(w) for w in found.waits],
+        transfer_ms=_median(found.transfer), transfer_per_bucket_ms=[_median(t) for t in found.transfer_per_bucket],
+        wait_per_bucket_ms=[_median(w) for w in found.wait_per_bucket], threshold_ms=threshold,
+        spread_ms=_median([w for per_bucket in found.wait_per_bucket for w in per_bucket]),
+        steps=len(found.steps), late_low_ms=late.low, late_high_ms=late.high,
     )  # fmt: skip
     if named and phases is not None and len(phases.ranks) == n:
-        verdict.extra_ms = _excess(phases, worst, {step: [w[i] for w in waits] for i, step in enumerate(steps)})
-        if verdict.extra_ms:
-            verdict.cause = max(verdict.extra_ms, key=verdict.extra_ms.get)
-            verdict.cause_extra_ms = verdict.extra_ms[verdict.cause]
+        waits = {step: [w[i] for w in found.waits] for i, step in enumerate(found.steps)}
+        verdict.extra_ms, cause = _excess(phases, worst, waits)
+        if cause is not None:
+            verdict.cause, verdict.cause_extra_ms = cause, verdict.extra_ms[cause]
     return verdict
 
 
-def _step_ms(rows: list[dict], steps: list[int], offsets: list[float]) -> float:
-    """The median time from one step's first all-reduce to the next step's, on rank 0: the step's length."""
-    gaps = [(rows[0][b].arrival_s[0] - rows[0][a].arrival_s[0]) * 1e3 / (b - a) for a, b in itertools.pairwise(steps)]
-    return _median([g for g in gaps if g > 0])
-
-
-def _excess(phases: PhaseRecord, rank: int, waits: dict[int, list[float]]) -> dict[str, float]:
+def _excess(phases: PhaseRecord, rank: int, waits: dict[int, list[float]]) -> tuple[dict[str, float], Optional[str]]:
     """Per phase (not ``step``): ``rank``'s median minus the median of the other ranks' medians, over the steps
-    both records kept; backward without each rank's wait in that step."""
-    medians = []
+    both records kept, backward without each rank's wait in that step; and the phase of the largest excess when
+    it is beyond the noise (``rank``'s per-step samples against the others' per-step median), else None."""
+    samples = []  # per rank, per phase: the per-step samples
     for r, kept in enumerate(phases.ranks):
         rows = [row for row in kept.rows if row.step in waits]
         if not rows:
-            return {}
-        per_phase = {p: _median([getattr(row.ms, p) for row in rows]) for p in PHASES if p != "step"}
-        per_phase["backward"] = _median([row.ms.backward - waits[row.step][r] for row in rows])
-        medians.append(per_phase)
-    others = [m for r, m in enumerate(medians) if r != rank]
-    return {p: medians[rank][p] - _median([m[p] for m in others]) for p in medians[rank]}
+            return {}, None
+        per_phase = {p: [getattr(row.ms, p) for row in rows] for p in PHASES if p != "step"}
+        per_phase["backward"] = [row.ms.backward - waits[row.step][r] for row in rows]
+        samples.append(per_phase)
+    others = [s for r, s in enumerate(samples) if r != rank]
+    extra = {p: _median(samples[rank][p]) - _median([_median(s[p]) for s in others]) for p in samples[rank]}
+    top = max(extra, key=extra.get)
+    # The others' per-step median: one sample per step, as many as the straggler's.
+    theirs = [statistics.median(values) for values in zip(*(s[top] for s in others), strict=True)]
+    beyond = noise.call(noise.difference_interval(theirs, samples[rank][top], confidence=CONFIDENCE)) == "slower"
+    return extra, top if beyond else None
 
 
 def verdict_line(found: Straggler) -> str:
-    """One line: the straggler, where it loses the time and who waits, or that there is none."""
+    """One line: the straggler, where it loses the time and who waits, or that there is none and why."""
+    late = f"{found.late_ms:.1f} ms late at {found.share:.0%} of all-reduces"
     if found.rank is None:
-        return (f"no straggler (the last rank to arrive at an all-reduce is {found.spread_ms:.1f} ms behind the "
-                f"first, median; a straggler must be {found.threshold_ms:.1f} ms late at "
-                f"{STRAGGLER_SHARE:.0%} of them)")  # fmt: skip
+        bar = (f"a straggler is last at {STRAGGLER_SHARE:.0%} of them, late beyond the noise, by a median above "
+               f"{found.threshold_ms:.1f} ms")  # fmt: skip
+        if math.isinf(found.late_low_ms):
+            why = f"{found.steps} step(s) are too few to tell"
+        else:
+            why = f"{late}, median within {found.late_low_ms:.1f} to {found.late_high_ms:.1f} ms"
+        return f"no straggler (the rank the others wait for most is {why}; {bar})"
     waiting = [r for r in range(len(found.wait_ms)) if r != found.rank]
     waits = ", ".join(f"{found.wait_ms[r]:.1f}" for r in waiting)
-    cause = f"; its {found.cause} phase is {found.cause_extra_ms:+.1f} ms over the other ranks' median" \
-        if found.cause else ""  # fmt: skip
-    return (f"straggler: rank {found.rank} arrives {found.late_ms:.1f} ms late at {found.share:.0%} of all-reduces"
-            f"{cause}; rank(s) {', '.join(map(str, waiting))} wait {waits} ms per step; the all-reduce itself takes "
-            f"{found.transfer_ms:.1f} ms")  # fmt: skip
+    cause = ""
+    if found.cause:
+        cause = f"; its {found.cause} phase is {found.cause_extra_ms:+.1f} ms over the other ranks' median"
+    elif found.extra_ms:
+        cause = "; none of its phases is slower than the other ranks' beyond the noise"
+    return (f"straggler: rank {found.rank} arrives {late} (median within {found.late_low_ms:.1f} to "
+            f"{found.late_high_ms:.1f} ms){cause}; rank(s) {', '.join(map(str, waiting))} wait {waits} ms per step; "
+            f"the all-reduce itself takes {found.transfer_ms:.1f} ms")  # fmt: skip

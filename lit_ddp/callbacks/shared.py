@@ -23,6 +23,7 @@ from lit_ddp.analysis.comm import comm_table
 from lit_ddp.analysis.phases import phase_table
 from lit_ddp.records.schema import CommRecord, PhaseRecord, RunMeta, as_json, save
 from lit_ddp.run import console, lifecycle
+from lit_ddp.scaling.advice import wire_savings
 
 T = TypeVar("T")
 
@@ -172,8 +173,8 @@ def report_timers(trainer: Trainer, caller: Callback) -> None:
     written = [keeper for keeper in keepers if keeper.record is not None and keeper.log_dir is not None]
     for keeper in written:
         save(keeper.record, Path(keeper.log_dir) / keeper.filename)
-    if phases is not None:
-        say(trainer, phase_table(phases, comm))
+    if phases is not None:  # the verdict's forecast reads the records just written
+        say(trainer, phase_table(phases, comm, wire_savings(written[0].log_dir if written else None, comm)))
     if comm is not None:
         say(trainer, comm_table(comm, phases, console.advice(trainer)))
     if written:  # where it went, and the command that reads it, ready to paste (a script prints no other path)

@@ -1,0 +1,139 @@
+"""``python -m lit_ddp.report RUN_A --compare RUN_B`` (``lit_ddp.analysis.compare``): on seeded samples and hand-made
+records a known change is found in its row and nowhere else, identical runs call no row, the set-ups' differences
+come first; on real runs, two of one job call nothing, and every rank's forward 10 ms longer is found as that."""
+
+import random
+import re
+import shutil
+
+import pytest
+from lightning.pytorch.loggers import CSVLogger
+
+from lit_ddp import FixedBatchDataModule, report
+from lit_ddp.analysis import compare
+from lit_ddp.callbacks import CommMonitor, PhaseTimer
+from lit_ddp.records.schema import StepBuckets, load_run, save
+from tests import records
+from tests.slow_ranks import SlowRegression
+from tests.test_trace import A100
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def a_run(seed: int, forward: float = 2.0, ranks: int = 2, steps: int = 40, param_bytes: int = 263_168):
+    """Hand-made records of ``ranks`` ranks: phases around (forward, 6, 1, 0.5) ms with seeded noise, one bucket
+    handed over together on every rank."""
+    rng = random.Random(seed)
+    per_rank = [[tuple(rng.gauss(m, 0.3) for m in (forward, 6.0, 1.0, 0.5)) for _ in range(steps)]
+                for _ in range(ranks)]  # fmt: skip
+
+    def bucket(s: int) -> StepBuckets:
+        arrival = (100.0 * s + rng.gauss(0, 0.1)) / 1e3
+        return StepBuckets(s, [param_bytes], [rng.gauss(2.0, 0.1)], [5.0], 2.0, rng.gauss(1.0, 0.1), [arrival])
+
+    buckets = [[bucket(s) for s in range(steps)] for _ in range(ranks)]
+    phases = records.phase_record(per_rank)
+    return phases, records.comm_record(buckets, param_bytes=param_bytes)
+
+
+def words(text: str) -> dict[str, str]:
+    """``{row: word}`` of a printed comparison."""
+    table = text.split("per step after warm-up:\n")[1].split("\nSummary: ")[0].splitlines()[1:]
+    return {re.split(r"\s{2,}", line)[0]: line.split()[-1] for line in table}
+
+
+def test_seeded_a_a_samples_are_same_and_a_shift_is_found_with_its_size():
+    rng = random.Random(0)
+    rows = compare.compare([compare.Samples(f"row {i}", "ms", [rng.gauss(5, 1) for _ in range(40)],
+                                            [rng.gauss(5, 1) for _ in range(40)]) for i in range(10)])  # fmt: skip
+    assert [r.word for r in rows] == ["same"] * 10
+    (shifted,) = compare.compare([compare.Samples("forward", "ms", [rng.gauss(2, 0.3) for _ in range(40)],
+                                                  [rng.gauss(12, 0.3) for _ in range(40)])])  # fmt: skip
+    assert shifted.word == "slower" and shifted.difference.low < 10 < shifted.difference.high
+    assert re.match(r"Summary: forward changed most, \+(9|10)\.\d\d ms \(\+\d+%\), slower in B; 1 of 1 rows",
+                    compare.summary([shifted]))  # fmt: skip
+
+
+def test_a_longer_forward_is_found_in_the_forward_row_and_nowhere_else():
+    text = compare.compare_runs(a_run(1), a_run(2, forward=12.0))
+    found = words(text)
+    assert found["forward"] == "slower" and found["step"] == "slower", text
+    assert all(found[row] == "same" for row in ("backward", "update", "exposed comm", "bucket 0 transfer")), text
+    assert re.search(r"^forward\s+2\.\d\d ms\s+1[12]\.\d\d ms\s+\+(9|10)\.\d\d ms", text, re.M), text
+    assert text.splitlines()[-1].startswith("Summary: forward changed most, +")
+    assert not text.startswith("A and B differ")  # the same set-up: nothing to name first
+    same = compare.compare_runs(a_run(1), a_run(3))
+    assert set(words(same).values()) == {"same"}, same
+    assert same.splitlines()[-1].startswith("Summary: no row differs beyond the noise (")
+
+
+def test_what_makes_two_runs_hard_to_compare_is_named_first():
+    text = compare.compare_runs(a_run(1), a_run(2, ranks=3, param_bytes=4_198_400))
+    assert text.splitlines()[:3] == [
+        "A and B differ in rank count: 2 against 3 (each rank's share of the work differs)",
+        "A and B differ in the model (gradient bytes): 263,168 against 4,198,400 (another model)",
+        "A and B differ in DDP's bucket layout: 1 bucket(s) of 263,168 bytes against 1 bucket(s) of 4,198,400 "
+        "bytes (the per-bucket rows are left out)",
+    ]
+    assert "bucket 0" not in text
+
+
+def test_the_report_compares_two_run_directories_and_refuses_one_without_a_record(tmp_path, capsys):
+    for name, run in (("a", a_run(1)), ("b", a_run(2, forward=12.0))):
+        save(run[0], tmp_path / name / "phases.json"), save(run[1], tmp_path / name / "comm.json")
+    assert report.main([str(tmp_path / "a"), "--compare", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"A: {tmp_path / 'a'}\nB: {tmp_path / 'b'}\n") and words(out)["forward"] == "slower"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as exit_:
+        report.main([str(tmp_path / "a"), "--compare", str(tmp_path / "empty")])
+    assert exit_.value.code == 2
+    assert "empty holds neither phases.json nor comm.json" in capsys.readouterr().err
+
+
+def test_two_profiles_of_one_job_compare_row_by_row_and_say_when_they_are_too_short(tmp_path, capsys):
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        shutil.copy(A100, tmp_path / name / A100.name)
+    assert report.main(["--trace", str(tmp_path / "a"), "--compare", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "A profile holds few steps (2): rows of fewer than 5 can't tell a change from the noise" in out
+    assert re.search(r"^backward \(span\)\s+.*can't tell \(2 steps\)\s+same$", out, re.M), out
+    assert out.splitlines()[-1].startswith("Summary: no row differs beyond the noise")
+
+
+STEPS, DIM = 40, 256
+
+
+def real_run(make_trainer, tmp_path, name: str, forward_ms: float = 0.0):
+    """A 2-rank CPU run of 40 steps; ``forward_ms`` more in every rank's forward."""
+    logger = CSVLogger(tmp_path, name=name, version=0)
+    trainer = make_trainer(devices=2, max_steps=STEPS, logger=logger, callbacks=[PhaseTimer(print_steps=0),
+                                                                                 CommMonitor()])  # fmt: skip
+    model = SlowRegression(DIM, slow_rank=None, phase="forward", delay_ms=forward_ms)
+    trainer.fit(model, FixedBatchDataModule(dim=DIM, batch_size=8))
+    return load_run(tmp_path / name / "version_0")
+
+
+@pytest.mark.slow
+@pytest.mark.timing
+def test_on_real_runs_two_of_one_job_call_nothing_and_a_10_ms_longer_forward_is_found(make_trainer, tmp_path):
+    a, again, b = (real_run(make_trainer, tmp_path, n, ms) for n, ms in (("a", 0.0), ("again", 0.0), ("b", 10.0)))
+    same = compare.compare_runs(a, again)
+    assert set(words(same).values()) == {"same"}, same
+    text = compare.compare_runs(a, b)
+    found = words(text)
+    assert (found["forward"], found["backward"], found["update"]) == ("slower", "same", "same"), text
+    (forward,) = [r for r in compare.compare([compare.Samples("forward", "ms", *(
+        compare.run_samples(*run)["forward"][1] for run in (a, b)))])]  # fmt: skip
+    assert 8.0 < forward.difference.estimate < 14.0, text  # the sleep, and no more than the machine adds to it
+
+
+def test_a_row_that_moves_by_less_than_a_twentieth_of_the_step_is_the_same():
+    rng = random.Random(4)
+    steady = [compare.Samples("update", "ms", [rng.gauss(0.5, 0.01) for _ in range(40)],
+                              [rng.gauss(0.7, 0.01) for _ in range(40)])]  # fmt: skip
+    (beyond,) = compare.compare(steady)
+    assert beyond.word == "slower"  # 0.2 ms, far beyond these steps' noise...
+    (floored,) = compare.compare(steady, floor_ms=compare.STEP_SHARE * 10.0)
+    assert floored.word == "same"  # ... but a 10 ms step moves by 2% at most

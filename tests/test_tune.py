@@ -14,23 +14,12 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from lit_ddp.callbacks.tuner import report, script_lines, strategy_line
 from lit_ddp.fit import build_cli
 from lit_ddp.measure.memory import bucket_layout
-from lit_ddp.scaling.tuning import (
-    Knobs,
-    Model,
-    Trial,
-    bucket_caps,
-    faster,
-    grid,
-    head_to_head,
-    layout,
-    search,
-    speedup,
-    to_record,
-)
-from lit_ddp.tune import TuneCLI, tuned_config
+from lit_ddp.tuner.cli import TuneCLI, tuned_config
+from lit_ddp.tuner.knobs import Knobs, Model, bucket_caps, layout
+from lit_ddp.tuner.search import Trial, faster, grid, head_to_head, search, speedup, to_record
+from lit_ddp.tuner.verdict import report, script_lines, strategy_line
 from tests.runner import free_port, run_fit, run_main, run_module
 
 BASE = Knobs()
@@ -359,7 +348,7 @@ def test_the_tuned_config_carries_every_knob_into_a_fit_that_parses_it(tmp_path)
 
 
 def test_another_ddp_strategys_options_are_carried_where_ours_takes_them_and_the_rest_named(tmp_path):
-    from lit_ddp.tune import strategy_args
+    from lit_ddp.tuner.cli import strategy_args
 
     def given(*options: str) -> tuple:
         args = ["--trainer.accelerator", "cpu", "--devices", "2", "--trainer.strategy", "DDPStrategy", *options]
@@ -379,8 +368,8 @@ def test_another_ddp_strategys_options_are_carried_where_ours_takes_them_and_the
 def test_powersgd_goes_from_the_tuner_into_a_fit_config_and_a_script_line(tmp_path, monkeypatch):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-    from lit_ddp.callbacks.tuner import knobs_of
     from lit_ddp.run.strategy import LitDDPStrategy
+    from lit_ddp.tuner.callback import knobs_of
 
     monkeypatch.chdir(tmp_path)
     cli = build_cli(["--trainer.accelerator", "cpu", "--devices", "2"], cli_class=TuneCLI)
@@ -417,7 +406,7 @@ def test_in_a_script_the_tuner_steps_on_the_loaders_given_to_fit(make_trainer):
     from torch.utils.data import DataLoader, TensorDataset
 
     from lit_ddp import LinearRegression
-    from lit_ddp.callbacks import DDPTuner
+    from lit_ddp.tuner import DDPTuner
 
     compare = [{"gradient_as_bucket_view": True}, {"comm_hook": "powersgd1"}]
     tuner = DDPTuner(budget_s=5, steps=1, warmup=2, rounds=2, compare=compare)
@@ -434,13 +423,23 @@ def test_in_a_script_the_tuner_steps_on_the_loaders_given_to_fit(make_trainer):
 
 
 def test_the_users_knobs_are_read_from_the_strategy_on_every_torch():
-    from lit_ddp.callbacks.tuner import knobs_of
     from lit_ddp.run.strategy import LitDDPStrategy
+    from lit_ddp.tuner.callback import knobs_of
 
     strategy = LitDDPStrategy(broadcast_buffers=False, gradient_as_bucket_view=True, bucket_cap_mb=2.0,
                               ddp_comm_hook=default_hooks.fp16_compress_hook)  # fmt: skip
     assert knobs_of(strategy) == Knobs(bucket_cap_mb=2.0, gradient_as_bucket_view=True, broadcast_buffers=False,
                                         comm_hook="fp16")  # fmt: skip
+
+
+def test_the_users_knobs_come_through_the_register_and_a_missing_name_is_loud():
+    from lit_ddp.run.strategy import LitDDPStrategy
+    from lit_ddp.tuner.callback import knobs_of
+
+    strategy = LitDDPStrategy(static_graph=True)
+    del strategy._ddp_kwargs  # as if Lightning stopped keeping it: no silent "your configuration is torch's"
+    with pytest.raises(RuntimeError, match="lightning changed: DDPStrategy keeps no _ddp_kwargs"):
+        knobs_of(strategy)
 
 
 def test_a_hook_the_tuner_cannot_measure_is_refused_in_one_line_before_any_rank_starts(monkeypatch, capsys):

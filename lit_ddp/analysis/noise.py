@@ -1,0 +1,139 @@
+"""The noise model every conclusion rests on: an interval for a median, and for the difference or ratio of two
+medians, from per-step samples in time order; and the one word ("slower", "faster", "same") an interval allows.
+
+    from lit_ddp.analysis import noise
+    noise.call(noise.difference_interval(run_a_forward_ms, run_b_forward_ms))   # "slower", "faster" or "same"
+
+A bootstrap of the median whose spread is widened by the samples' correlation time: steps next to each other
+are alike (a busy core slows a run of them), so n correlated steps tell as much as n / tau independent ones.
+Seeded: the same samples give the same interval, so the same record gives the same words. The method, its
+assumptions, its measured false-call rate and what "same" means: docs/noise.md.
+"""
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+RESAMPLES = 2000
+MIN_SAMPLES = 5  # below this no interval is drawn: it is (-inf, inf), and every call is "same"
+
+
+@dataclass(frozen=True)
+class Interval:
+    """An estimate with its two-sided interval (``low <= estimate <= high``, or infinite bounds: can't tell)."""
+
+    estimate: float
+    low: float
+    high: float
+
+    def excludes(self, value: float) -> bool:
+        return value < self.low or value > self.high
+
+
+def correlation_time(samples: Sequence[float]) -> float:
+    """How many steps' worth of samples count as one independent one: the integrated autocorrelation time of an
+    AR(1) fit, ``(1 + r) / (1 - r)``, with ``r`` the lag-1 autocorrelation plus Kendall's bias correction, kept
+    within [0, 0.9] (1 for uncorrelated steps, at most 19)."""
+    x = np.asarray(samples, dtype=float)
+    n = len(x)
+    if n < 4:
+        return 1.0
+    centred = x - x.mean()
+    variance = float(centred @ centred)
+    r = float(centred[:-1] @ centred[1:]) / variance if variance else 0.0
+    r = min(max(r + (1 + 3 * r) / n, 0.0), 0.9)
+    return (1 + r) / (1 - r)
+
+
+def _medians(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """``RESAMPLES`` bootstrap medians of ``x``, spread about the median by the square root of the samples'
+    correlation time: as many as ``n / tau`` independent samples would spread them."""
+    estimate = float(np.median(x))
+    replicates = np.median(x[rng.integers(0, len(x), size=(RESAMPLES, len(x)))], axis=1)
+    return estimate + math.sqrt(correlation_time(x)) * (replicates - estimate)
+
+
+def _clean(samples: Sequence[float]) -> np.ndarray:
+    x = np.asarray(samples, dtype=float)
+    return x[~np.isnan(x)]
+
+
+def _interval(estimate: float, replicates: np.ndarray, confidence: float) -> Interval:
+    _check(confidence)
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(replicates, [tail, 1 - tail])
+    return Interval(estimate, min(float(low), estimate), max(float(high), estimate))
+
+
+def _check(confidence: float) -> None:
+    if not 0 < confidence < 1:
+        raise ValueError(f"`confidence={confidence!r}` must be between 0 and 1")
+
+
+def _unknown(estimate: float) -> Interval:
+    return Interval(estimate, -math.inf, math.inf)
+
+
+def median_interval(samples: Sequence[float], *, confidence: float = 0.95, seed: int = 0) -> Interval:
+    """The median of ``samples`` (per-step, in time order) with its ``confidence`` interval."""
+    _check(confidence)
+    x = _clean(samples)
+    if len(x) == 0:
+        return _unknown(math.nan)
+    estimate = float(np.median(x))
+    if len(x) < MIN_SAMPLES:
+        return _unknown(estimate)
+    return _interval(estimate, _medians(x, np.random.default_rng(seed)), confidence)
+
+
+def difference_interval(a: Sequence[float], b: Sequence[float], *, confidence: float = 0.95, seed: int = 0) -> Interval:
+    """``median(b) - median(a)`` with its ``confidence`` interval; ``a`` and ``b`` resampled independently (two
+    runs, or two ranks, each per-step in time order)."""
+    _check(confidence)
+    x, y = _clean(a), _clean(b)
+    if len(x) == 0 or len(y) == 0:
+        return _unknown(math.nan)
+    estimate = float(np.median(y) - np.median(x))
+    if min(len(x), len(y)) < MIN_SAMPLES:
+        return _unknown(estimate)
+    rng = np.random.default_rng(seed)
+    return _interval(estimate, _medians(y, rng) - _medians(x, rng), confidence)
+
+
+def ratio_interval(a: Sequence[float], b: Sequence[float], *, confidence: float = 0.95, seed: int = 0) -> Interval:
+    """``median(b) / median(a)`` with its ``confidence`` interval (times: > 1 is b slower); can't tell (infinite
+    bounds) where a resampled median of ``a`` is not positive."""
+    _check(confidence)
+    x, y = _clean(a), _clean(b)
+    if len(x) == 0 or len(y) == 0 or np.median(x) <= 0:
+        return _unknown(math.nan)
+    estimate = float(np.median(y) / np.median(x))
+    if min(len(x), len(y)) < MIN_SAMPLES:
+        return _unknown(estimate)
+    rng = np.random.default_rng(seed)
+    mb, ma = _medians(y, rng), _medians(x, rng)
+    if (ma <= 0).any():
+        return _unknown(estimate)
+    return _interval(estimate, mb / ma, confidence)
+
+
+def family_confidence(confidence: float, comparisons: int) -> float:
+    """The confidence each of ``comparisons`` intervals needs for all of them to hold together at ``confidence``
+    (Bonferroni: the chance of any false call is at most the sum of each one's)."""
+    _check(confidence)
+    if comparisons < 1:
+        raise ValueError(f"`comparisons={comparisons!r}` must be >= 1")
+    return 1 - (1 - confidence) / comparisons
+
+
+def call(interval: Interval, *, null: float = 0.0, min_effect: float = 0.0) -> str:
+    """``"slower"`` (above ``null``) or ``"faster"`` (below it) when the interval excludes ``null`` and the
+    estimate is more than ``min_effect`` from it; ``"same"`` otherwise: within the noise, or too small to matter."""
+    if min_effect < 0:
+        raise ValueError(f"`min_effect={min_effect!r}` must be >= 0")
+    effect = interval.estimate - null
+    if not interval.excludes(null) or not abs(effect) > min_effect:
+        return "same"
+    return "slower" if effect > 0 else "faster"

@@ -9,6 +9,7 @@ the fit before any training step. ``outcome`` holds the result (carried back to 
 """
 
 import dataclasses
+import inspect
 from functools import partial
 from typing import Any, Optional, get_args
 
@@ -22,9 +23,9 @@ from typing_extensions import override
 
 from lit_ddp import _lightning
 from lit_ddp.callbacks.shared import say
+from lit_ddp.tuner.bench import TrialBench, no_logging, optimizer_impls
 from lit_ddp.tuner.knobs import Hook, Knobs, Model, OptimizerImpl
 from lit_ddp.tuner.search import Outcome, grid, head_to_head, search, to_record
-from lit_ddp.tuner.trials import TrialBench, no_logging, optimizer_impls
 from lit_ddp.tuner.verdict import report
 
 # The user's communication hook (by its function's name; PowerSGD's as powersgd<rank>) -> a trial's comm_hook
@@ -39,7 +40,8 @@ class DDPTuner(Callback):
         steps: Timed steps per round of a trial.
         warmup: Untimed steps before them (DDP rebuilds its buckets in the first; PowerSGD all-reduces plainly in
             them, at least 2, and compresses from the first timed step).
-        rounds: Rounds per configuration: its figure is the median round, the rounds' range its noise.
+        rounds: Interleaved rounds per configuration (one round of each in turn; a close call gets up to as many
+            again): its figure is the median step over them, "faster" the noise model's word (docs/noise.md).
         allow_lossy: Also try fp16/bf16 compression and PowerSGD at matrix rank 1 and 4 (they change the numbers:
             reported with the loss and max |Δw| against your configuration after the same steps).
         grid: Measure every combination of the knobs instead (no budget; the reference benchmarks/tune_grid.py
@@ -86,6 +88,7 @@ class DDPTuner(Callback):
         bench = TrialBench(pl_module, batch, trainer.optimizers[0], strategy.root_device, self.steps, self.warmup,
                            self.rounds, step_context=strategy.precision_plugin.train_step_context)  # fmt: skip
         base = knobs_of(strategy)
+        one_round = partial(bench.measure, rounds=1)  # the search interleaves the rounds itself
         model = Model(
             grad_bytes=_grad_bytes(pl_module),
             has_buffers=any(True for _ in pl_module.buffers()),
@@ -103,14 +106,21 @@ class DDPTuner(Callback):
                 if knobs.optimizer not in ("as_configured", *model.optimizer_impls):
                     raise ValueError(f"DDPTuner: compare asks for optimizer={knobs.optimizer}, which "
                                      f"{type(trainer.optimizers[0]).__name__} does not take")  # fmt: skip
-            self.outcome = head_to_head(partial(bench.measure, rounds=1), base, configs, self.rounds)
+            self.outcome = head_to_head(one_round, base, configs, self.rounds)
         elif self.grid:
-            self.outcome = grid(bench.measure, model, base, self.allow_lossy)
+            self.outcome = grid(one_round, model, base, self.rounds, self.allow_lossy)
         else:
-            self.outcome = search(bench.measure, model, base, self.budget_s, self.allow_lossy)
+            self.outcome = search(one_round, model, base, self.budget_s, self.rounds, self.allow_lossy,
+                                  optimizer_in_config=takes_optimizer_impl(pl_module))  # fmt: skip
         self.record = to_record(self.outcome, self.rows)
         say(trainer, report(self.outcome, self.rows))
         trainer.should_stop = True  # the fit ends before its first step: this was a tuning run
+
+
+def takes_optimizer_impl(model: object) -> bool:
+    """The model takes ``foreach`` and ``fused`` as options (the lab's does): a config can carry the choice, where
+    otherwise it is a change to the user's ``configure_optimizers``."""
+    return {"foreach", "fused"} <= set(inspect.signature(type(model)).parameters)
 
 
 def _changes(config: dict[str, Any]) -> dict[str, Any]:

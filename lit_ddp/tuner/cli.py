@@ -29,7 +29,7 @@ from lit_ddp.errors import Ending, UsageError
 from lit_ddp.fit import LitDDPCLI, build_cli
 from lit_ddp.run import console, lifecycle
 from lit_ddp.run.strategy import LitDDPStrategy
-from lit_ddp.tuner.callback import DDPTuner, knobs_of
+from lit_ddp.tuner.callback import DDPTuner, knobs_of, takes_optimizer_impl
 from lit_ddp.tuner.knobs import Knobs
 from lit_ddp.tuner.verdict import script_lines
 
@@ -88,11 +88,6 @@ class TuneCLI(LitDDPCLI):
             trainer.accelerator, CUDAAccelerator
         ):
             raise UsageError("--tune.compare asks for bf16 compression, which only NCCL (CUDA) runs")
-
-
-def takes_optimizer_impl(model: object) -> bool:
-    """The model takes ``foreach`` and ``fused`` as options (the lab's does): the config can carry the choice."""
-    return {"foreach", "fused"} <= set(inspect.signature(type(model)).parameters)
 
 
 def strategy_args(strategy: object) -> tuple[dict, list[str]]:
@@ -155,10 +150,6 @@ def write(cli: TuneCLI, record: dict, out: Path) -> str:
         start = carried.get("powersgd_start_step", 1000)
         lines.append(f"PowerSGD compresses from step {start} of a fit (all-reduces plainly before it, as its "
                      "authors advise; the trials measured it compressing): powersgd_start_step sets it")  # fmt: skip
-    if best.optimizer != "as_configured" and not takes_optimizer_impl(cli.model):
-        lines.append(
-            f"and in configure_optimizers, the optimizer with {best.optimizer}=True (the config cannot say it)"
-        )
     return "\n".join(lines)
 
 

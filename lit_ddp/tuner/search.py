@@ -1,74 +1,39 @@
-"""The tuner's search: which DDP configurations to try, in what order, and when a difference is real.
+"""The tuner's search: which DDP configurations to try, in what order, and which one is kept.
 
     python -m lit_ddp.tune --devices 2 --tune.budget_s 120     # lit_ddp.tuner.DDPTuner runs this search
 
-Pure logic over measured trials (``Trial``: each round's median step, the slowest rank's), so that it is tested on
-hand-made ones. A difference is real only when the rounds do not overlap: the faster configuration's slowest round
-beats the other's fastest. The search is greedy, one knob at a time from the user's configuration, and keeps a
-change only when it is real; which knobs it tries follows from the first measurement (docs/tuning.md).
+Pure logic over measured trials, so that it is tested on hand-made ones. Configurations are measured in
+interleaved rounds, and "faster" is the noise model's word (``trial.compare``) at a level that holds for the whole
+search (Bonferroni). The step without any all-reduce is a floor: a step measured below it, or a floor above the
+user's step, is noise, measured again and never a win. How it goes: docs/tuning.md.
 """
 
 import dataclasses
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
+from lit_ddp.analysis import noise
 from lit_ddp.tuner.knobs import Knobs, Model, bucket_caps
+from lit_ddp.tuner.trial import MIN_GAIN, Comparison, Rounds, Trial, compare
 
-
-@dataclass
-class Trial:
-    """What one configuration measured: the median step of each round (ms, slowest rank), and what it holds."""
-
-    knobs: Knobs
-    rounds_ms: list[float] = field(default_factory=list)
-    ddp_bytes: Optional[int] = None  # DDP's own memory from the live objects (parameters, gradients, buckets, state)
-    peak_bytes: Optional[int] = None  # the caching allocator's peak over the trial (CUDA only)
-    loss: Optional[float] = None  # the loss of the trial's last step
-    max_dw: Optional[float] = None  # max |w - w_yours| after the same steps from the same start
-    in_sync: bool = True  # every rank holds rank 0's weights at the trial's end
-    seconds: float = 0.0  # wall time of all its rounds
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.rounds_ms)
-
-    @property
-    def low(self) -> float:
-        return min(self.rounds_ms)
-
-    @property
-    def high(self) -> float:
-        return max(self.rounds_ms)
-
-    @property
-    def spread(self) -> float:
-        """Half the range of the rounds, as a fraction of the median: the noise this trial measured."""
-        return (self.high - self.low) / 2 / self.median if self.median else 0.0
-
-
-def faster(a: Trial, b: Trial) -> bool:
-    """``a`` is faster than ``b`` beyond the noise both measured: a's slowest round beats b's fastest."""
-    return a.high < b.low
-
-
-def _holds_less(a: Trial, b: Trial) -> bool:
-    return a.ddp_bytes is not None and b.ddp_bytes is not None and a.ddp_bytes < b.ddp_bytes
-
-
-def speedup(base: Trial, other: Trial) -> tuple[float, float, float]:
-    """``base`` over ``other``: the medians' ratio, and the lowest and highest ratio the rounds allow."""
-    return base.median / other.median, base.low / other.high, base.high / other.low
+CONFIDENCE = 0.95  # for the search as a whole: every comparison it makes together
+RETRIES = 1  # times a measurement that the floor shows to be noise is taken again
 
 
 @dataclass
 class Outcome:
-    base: Trial
-    no_comm: Optional[Trial]
-    best: Trial
-    trials: list[Trial]
+    base: Trial  # the user's configuration, every round of it (a row of the table)
+    no_comm: Optional[Trial]  # the same step without any all-reduce (the noop hook): the floor
+    best: Trial  # the pick, all a config can carry (``base`` when nothing beats it)
+    trials: list[Trial]  # every configuration measured, every round of each
     skipped: list[tuple[str, str]]  # candidates not tried or not kept, and why
+    notes: list[str] = field(default_factory=list)  # where the noise showed, and what was measured again
+    verdict: Optional[Comparison] = None  # the pick against yours, in fresh interleaved rounds (None: yours kept)
+    script: Optional[tuple[Knobs, Comparison]] = None  # a change no config can carry, against the pick
+    confidence: float = CONFIDENCE  # each comparison's level
+    comm_shows: bool = False  # the step is slower than the floor beyond the noise
+    extra_rounds: int = 0  # rounds added where a call was close
 
 
 def stages(model: Model, base: Knobs, comm_shows: bool, allow_lossy: bool) -> list[tuple[str, list[Knobs]]]:
@@ -96,90 +61,203 @@ def stages(model: Model, base: Knobs, comm_shows: bool, allow_lossy: bool) -> li
     return out
 
 
-def search(measure: Callable[[Knobs], Trial], model: Model, base: Knobs, budget_s: float,
-           allow_lossy: bool = False) -> Outcome:  # fmt: skip
-    """Measures ``base`` and the step without communication, then each stage's candidates on top of the best so
-    far; keeps a candidate only when it is ``faster`` than the best, or level with it within the noise and holding
-    less memory (``gradient_as_bucket_view``: DDP's own bytes, measured). Stops trying once the trials' wall time
-    would pass ``budget_s`` (a candidate is started only if a trial as long as the longest so far still fits).
-    ``measure`` must return the same numbers on every rank (the tuner all-reduces them): every rank then takes
-    the same path."""
-    trials = [measure(base)]
-    no_comm = measure(dataclasses.replace(base, comm_hook="noop")) if model.world_size > 1 else None  # type: ignore[arg-type]
-    spent = trials[0].seconds + (no_comm.seconds if no_comm else 0.0)
-    comm_shows = no_comm is not None and faster(no_comm, trials[0])
-    best = trials[0]
-    skipped: list[tuple[str, str]] = []
+def _floor_of(knobs: Knobs) -> Knobs:
+    return dataclasses.replace(knobs, comm_hook="noop")  # type: ignore[arg-type]
+
+
+def _below(trial: Trial, floor: Optional[Trial], base: Knobs) -> bool:
+    """``trial`` (the user's compute: their optimizer) measured a step under the floor's: impossible, so noise."""
+    return floor is not None and trial.knobs.optimizer == base.optimizer and trial.median < floor.median
+
+
+def _ms(trial: Trial) -> str:
+    return f"{trial.median:.2f} ms"
+
+
+def search(measure: Callable[[Knobs], Trial], model: Model, base: Knobs, budget_s: float, rounds: int = 3,
+           allow_lossy: bool = False, optimizer_in_config: bool = True) -> Outcome:  # fmt: skip
+    """Measures ``base`` and the floor, then each stage's candidates on top of the best so far, and confirms the
+    pick against ``base``; ``measure`` times one round of a configuration (the same numbers on every rank, so every
+    rank takes the same path). A candidate is kept when it is faster than the best beyond the noise, or level with
+    it and holding less memory; a close call gets more rounds while the budget allows. A stage starts only while
+    its rounds fit in ``budget_s`` (at the mean round so far), the confirmation's rounds kept aside.
+    With ``optimizer_in_config`` false (the user builds the optimizer), an optimizer change is confirmed apart, as a
+    script change with its own figure, and the pick is what a config carries."""
+    plan = stages(model, base, comm_shows=True, allow_lossy=allow_lossy)
+    comparisons = 2 + sum(len(c) for _, c in plan) + 2  # the floor twice, every candidate, the confirmation
+    level = noise.family_confidence(CONFIDENCE, comparisons)
+    bench, notes, skipped = Rounds(measure, budget_s), [], []
+    floor_knobs = _floor_of(base) if model.world_size > 1 else None
+    yours, floor = _yours_and_floor(bench, base, floor_knobs, rounds, level, notes)
+    comm_shows = floor is not None and compare(floor, yours, level).word == "slower"
+    reserve = (
+        3 if optimizer_in_config else 4
+    ) * rounds  # the confirmation: yours, the pick (its optimizer apart), the floor
+    best = base
     for _, candidates in stages(model, base, comm_shows, allow_lossy):
-        stage_best = best
-        for candidate in candidates:
-            knobs = dataclasses.replace(best.knobs, **candidate.changes(base))
-            if knobs in (t.knobs for t in trials):
-                continue
-            longest = max(t.seconds for t in trials)
-            if spent + longest > budget_s:
-                skipped.append((knobs.label(base), f"budget ({budget_s:g} s) spent"))
-                continue
-            trial = measure(knobs)
-            trials.append(trial)
-            spent += trial.seconds
-            if not trial.in_sync:
-                skipped.append((knobs.label(base), "ranks out of sync after it: not kept"))
-            elif faster(trial, stage_best) or (not faster(stage_best, trial) and _holds_less(trial, stage_best)):
-                stage_best = trial  # faster beyond the noise; or level within it, and holding less memory
-        best = stage_best
-    if no_comm is not None and not comm_shows:
+        knobs = [dataclasses.replace(best, **c.changes(base)) for c in candidates]
+        knobs = [k for k in dict.fromkeys(knobs) if k not in bench.rows]
+        fit = next((n for n in range(len(knobs), 0, -1) if bench.fit(1 + n, rounds, reserve)), 0)
+        skipped += [(k.label(base), f"budget ({budget_s:g} s) spent") for k in knobs[fit:]]
+        if fit:
+            best = _stage(bench, best, knobs[:fit], rounds, level, reserve, floor, base, notes, skipped)
+    outcome = Outcome(bench.rows[base], floor, bench.rows[base], [], skipped, notes, None, None, level, comm_shows)
+    _confirm(outcome, bench, best, floor_knobs, rounds, optimizer_in_config)
+    outcome.trials = [t for k, t in bench.rows.items() if k != floor_knobs]
+    outcome.extra_rounds = bench.extra
+    outcome.no_comm = bench.rows.get(floor_knobs) if floor_knobs else None
+    if floor is not None and not comm_shows:
         skipped.append(("bucket_cap_mb, comm_hook", "not tried: the step without any all-reduce is no faster "
                         "beyond the noise, so no bucket size or compression can shorten it"))  # fmt: skip
-    return Outcome(trials[0], no_comm, best, trials, skipped)
+    return outcome
 
 
-def grid(measure: Callable[[Knobs], Trial], model: Model, base: Knobs, allow_lossy: bool = False) -> Outcome:
-    """Every combination of the knobs ``search`` could try (as if communication showed): the reference a
-    benchmark holds the search against. The best is the fastest median among the trials that kept the ranks in
-    sync; slow, as it has no budget."""
-    trials = [measure(base)]
-    no_comm = measure(dataclasses.replace(base, comm_hook="noop")) if model.world_size > 1 else None  # type: ignore[arg-type]
+def _yours_and_floor(bench: Rounds, base: Knobs, floor_knobs: Optional[Knobs], rounds: int, level: float,
+                     notes: list[str]) -> tuple[Trial, Optional[Trial]]:  # fmt: skip
+    """The user's step and the floor, interleaved; a floor above the user's step beyond the noise (removing the
+    all-reduce cannot add time) is measured again, and where it stays above, no floor is used."""
+    for attempt in range(1 + RETRIES):
+        yours, *floor = bench.fresh([base, *([floor_knobs] if floor_knobs else [])], rounds)
+        if not floor or compare(yours, floor[0], level).word != "slower":
+            return yours, floor[0] if floor else None
+        again = "measured again" if attempt < RETRIES else "still, so the all-reduce cannot be told from the noise"
+        notes.append(f"the step without any all-reduce ({_ms(floor[0])}) measured slower than yours "
+                     f"({_ms(yours)}) beyond the noise, which it cannot be: noise; {again}")  # fmt: skip
+    return yours, None
+
+
+def _stage(bench: Rounds, best: Knobs, knobs: list[Knobs], rounds: int, level: float, reserve: int,
+           floor: Optional[Trial], base: Knobs, notes: list[str], skipped: list) -> Knobs:  # fmt: skip
+    """One knob's candidates against the best so far, interleaved; the best after it."""
+    ref, *trials = bench.fresh([best, *knobs], rounds)
+    words = {t.knobs: compare(ref, t, level) for t in trials}
+    for _ in range(rounds):  # a close call (can't tell yet, and a win worth having not ruled out): more rounds
+        close = [t for t in trials if _close(words[t.knobs])]
+        if not close or not bench.fit(1 + len(close), 1, reserve):
+            break
+        bench.more([ref, *close])
+        bench.extra += 1
+        words.update({t.knobs: compare(ref, t, level) for t in trials})
+    for t in trials:
+        if not t.in_sync:
+            skipped.append((t.knobs.label(base), "ranks out of sync after it: not kept"))
+    kept = [t for t in trials if t.in_sync]
+    faster = [t for t in kept if words[t.knobs].word == "faster"]
+    lighter = [t for t in kept if words[t.knobs].word == "same" and t.holds_less(ref)]  # level, less memory
+    pick = min(faster, key=lambda t: t.median) if faster else min(lighter, key=lambda t: t.ddp_bytes or 0, default=None)
+    if pick is None:
+        return best
+    if not _below(pick, floor, base):
+        return pick.knobs
+    said = f"{pick.knobs.label(base)} measured {_ms(pick)}, under the step without any all-reduce ({_ms(floor)}): noise"
+    if not bench.fit(3, rounds, reserve):
+        notes.append(f"{said}, not kept (no budget left to measure it again)")
+        return best
+    ref, again, floor = bench.fresh([ref.knobs, pick.knobs, floor.knobs], rounds)
+    word = compare(ref, again, level).word
+    kept = not _below(again, floor, base) and (word == "faster" or (word == "same" and again.holds_less(ref)))
+    notes.append(f"{said}; measured again: {_ms(again)} against {_ms(ref)}, the floor {_ms(floor)}: "
+                 + ("kept" if kept else "not kept"))  # fmt: skip
+    return pick.knobs if kept else best
+
+
+def _close(c: Comparison) -> bool:
+    """Not beyond the noise yet, leaning faster, and a gain over ``MIN_GAIN`` still inside the interval."""
+    return c.word == "same" and c.after_ms < c.before_ms and c.speedup.high > 1 + MIN_GAIN
+
+
+def _confirm(outcome: Outcome, bench: Rounds, pick: Knobs, floor_knobs: Optional[Knobs], rounds: int,
+             optimizer_in_config: bool) -> None:  # fmt: skip
+    """The pick against the user's configuration in fresh interleaved rounds, with the floor beside them: the
+    verdict's figures. A pick that is not faster (nor level and lighter) there, or that measures under the floor,
+    is not a win, and the user's configuration is kept."""
+    base = outcome.base.knobs
+    carried = pick if optimizer_in_config else dataclasses.replace(pick, optimizer=base.optimizer)
+    if pick == base:
+        return
+    for attempt in range(1 + RETRIES):
+        lineup = bench.fresh([base, carried, pick, *([floor_knobs] if floor_knobs else [])], rounds)
+        got = {t.knobs: t for t in lineup}
+        floor = got.get(floor_knobs) if floor_knobs else None
+        if not _below(got[carried], floor, base):
+            break
+        again = "measured again" if attempt < RETRIES else "not reported as a win"
+        outcome.notes.append(f"{carried.label(base)} measured {_ms(got[carried])} head to head with yours, under "
+                             f"the step without any all-reduce ({_ms(floor)}): noise; {again}")  # fmt: skip
+    else:
+        return
+    if carried != base:
+        verdict = compare(got[base], got[carried], outcome.confidence)
+        lighter = verdict.word == "same" and got[carried].holds_less(got[base])
+        if verdict.word == "faster" or lighter:
+            outcome.best, outcome.verdict = bench.rows[carried], verdict
+        else:
+            outcome.notes.append(f"{carried.label(base)} was kept in its stage, but head to head with yours it is "
+                                 f"{verdict.word} ({verdict.after_ms:.2f} against {verdict.before_ms:.2f} ms): "
+                                 "yours is kept")  # fmt: skip
+    if pick != carried:
+        script = compare(got[carried], got[pick], outcome.confidence)
+        change = f"optimizer={pick.optimizer}"
+        if script.word == "faster":
+            outcome.script = (pick, script)
+        else:
+            outcome.notes.append(f"{change} (a change to configure_optimizers, which a config cannot carry): "
+                                 f"{script.word} head to head, {script.after_ms:.2f} against {script.before_ms:.2f} "
+                                 "ms: not advised")  # fmt: skip
+
+
+def grid(measure: Callable[[Knobs], Trial], model: Model, base: Knobs, rounds: int = 3,
+         allow_lossy: bool = False) -> Outcome:  # fmt: skip
+    """Every combination of the knobs ``search`` could try (as if communication showed), in interleaved rounds:
+    the reference a benchmark holds the search against. The best is the fastest median among the trials that
+    kept the ranks in sync (the least of many noisy figures: a reference, not a verdict); slow, as it has no
+    budget."""
     combos: list[Knobs] = [base]
     for _, candidates in stages(model, base, comm_shows=True, allow_lossy=allow_lossy):
         combos += [dataclasses.replace(k, **c.changes(base)) for k in combos for c in candidates]
-    for knobs in combos[1:]:
-        trials.append(measure(knobs))
+    floor_knobs = _floor_of(base) if model.world_size > 1 else None
+    level = noise.family_confidence(CONFIDENCE, len(combos))
+    bench = Rounds(measure)
+    trials = bench.fresh([*combos, *([floor_knobs] if floor_knobs else [])], rounds)
+    floor = trials.pop() if floor_knobs else None
     best = min((t for t in trials if t.in_sync), key=lambda t: t.median)
-    return Outcome(trials[0], no_comm, best, trials, [])
+    verdict = compare(trials[0], best, level) if best is not trials[0] else None
+    return Outcome(trials[0], floor, best, trials, [], [], verdict, None, level)
 
 
 def head_to_head(measure: Callable[[Knobs], Trial], base: Knobs, configs: Sequence[Knobs], rounds: int) -> Outcome:
-    """``base`` and ``configs`` head to head: one round of each in turn (``measure`` times one), ``rounds``
-    times, so that the machine's drift over the run falls on every configuration alike. The best is the fastest
-    median among the trials ``faster`` than ``base`` beyond the noise that kept the ranks in sync; else ``base``."""
-    trials = {knobs: Trial(knobs) for knobs in (base, *configs)}  # the user's first: max |Δw|'s reference
-    for _ in range(rounds):
-        for knobs, trial in trials.items():
-            one = measure(knobs)
-            trial.rounds_ms += one.rounds_ms
-            trial.seconds += one.seconds
-            trial.loss, trial.ddp_bytes, trial.peak_bytes = one.loss, one.ddp_bytes, one.peak_bytes
-            trial.in_sync = trial.in_sync and one.in_sync
-            if one.max_dw is not None:
-                trial.max_dw = max(trial.max_dw or 0.0, one.max_dw)
-    measured = list(trials.values())
-    better = (t for t in measured[1:] if t.in_sync and faster(t, measured[0]))
-    return Outcome(measured[0], None, min(better, key=lambda t: t.median, default=measured[0]), measured, [])
+    """``base`` and ``configs`` head to head: one round of each in turn, ``rounds`` times, so that the machine's
+    drift over the run falls on every configuration alike. The best is the fastest median among those faster
+    than ``base`` beyond the noise (at a level that holds for all of them together) that kept the ranks in sync;
+    else ``base``."""
+    measured = Rounds(measure).fresh([base, *configs], rounds)  # the user's first: max |Δw|'s reference
+    level = noise.family_confidence(CONFIDENCE, max(1, len(measured) - 1))
+    words = {t.knobs: compare(measured[0], t, level) for t in measured[1:]}
+    better = [t for t in measured[1:] if t.in_sync and words[t.knobs].word == "faster"]
+    best = min(better, key=lambda t: t.median, default=measured[0])
+    verdict = words.get(best.knobs) if best is not measured[0] else None
+    return Outcome(measured[0], None, best, measured, [], [], verdict, None, level)
 
 
 def to_record(outcome: Outcome, rows: int) -> dict:
     """The outcome as plain JSON-ready data (what ``--out``'s .json holds, and what a ``ddp_fork`` rank carries
-    back): every trial with its median and spread, the user's and the best knobs."""
+    back): every trial with every step it timed and its median's 95% interval, the user's and the best knobs (what
+    the config carries), the verdict's comparison, and the script change a config cannot carry."""
 
     def trial(t: Trial) -> dict:
-        return {**dataclasses.asdict(t), "median_ms": t.median, "spread": t.spread}
+        interval = t.interval()
+        return {**dataclasses.asdict(t), "median_ms": t.median, "low_ms": interval.low, "high_ms": interval.high}
 
+    script = outcome.script
     return {
         "base": dataclasses.asdict(outcome.base.knobs),
         "best": dataclasses.asdict(outcome.best.knobs),
         "samples_per_step": rows,
+        "confidence": outcome.confidence,
+        "verdict": outcome.verdict.as_dict() if outcome.verdict else None,
+        "script": {"knobs": dataclasses.asdict(script[0]), **script[1].as_dict()} if script else None,
         "no_comm": trial(outcome.no_comm) if outcome.no_comm else None,
         "trials": [trial(t) for t in outcome.trials],
         "skipped": [list(s) for s in outcome.skipped],
+        "notes": outcome.notes,
     }

@@ -5,74 +5,94 @@
 How to read the table and what the verdict rests on: docs/tuning.md.
 """
 
+from typing import Optional
+
 from lit_ddp.analysis.memory import fmt_bytes
+from lit_ddp.analysis.noise import Interval
 from lit_ddp.analysis.tables import fmt_ms, table
 from lit_ddp.tuner.knobs import Knobs
-from lit_ddp.tuner.search import Outcome, faster, speedup
+from lit_ddp.tuner.search import CONFIDENCE, Outcome
+from lit_ddp.tuner.trial import Trial, compare
 
 
 def report(outcome: Outcome, rows: int) -> str:
-    """Every trial, and the verdict: the fastest against the user's configuration, with the rounds' range."""
-    base, best = outcome.base, outcome.best
+    """Every trial, the floor, what was skipped and where the noise showed, and the verdict."""
+    base, no_comm = outcome.base, outcome.no_comm
     memory_title = "peak memory" if base.peak_bytes is not None else "DDP holds"
-    no_comm = outcome.no_comm.median if outcome.no_comm else None
     lines_rows = []
     for trial in outcome.trials:
-        # Against the step without all-reduce of the user's configuration: for the DDP knobs only (an optimizer
-        # of its own changes the compute too).
-        same_compute = trial.knobs.optimizer == base.knobs.optimizer
-        exposed = fmt_ms(max(0.0, trial.median - no_comm)) if no_comm is not None and same_compute else "-"
+        interval = trial.interval()
         memory = trial.peak_bytes if trial.peak_bytes is not None else trial.ddp_bytes
         lines_rows.append((
-            trial.knobs.label(base.knobs) + (" *" if trial is best else ""),
+            trial.knobs.label(base.knobs) + (" *" if trial is outcome.best else ""),
             fmt_ms(trial.median),
-            f"{fmt_ms(trial.low)}-{fmt_ms(trial.high)}",
-            exposed,
+            f"{fmt_ms(interval.low)}-{fmt_ms(interval.high)}",
+            str(len(trial.samples_ms)),
+            _exposed(trial, no_comm, base.knobs),
             f"{rows / trial.median * 1e3:,.0f}" if rows else "-",
             fmt_bytes(memory) if memory is not None else "-",
             f"{trial.loss:.6g}" if trial.loss is not None else "-",
             "0" if trial.max_dw == 0 else f"{trial.max_dw:.2g}" if trial.max_dw is not None else "-",
             "yes" if trial.in_sync else "NO",
         ))  # fmt: skip
+    header = ("configuration", "step", "95% interval", "steps", "exposed comm", "samples/s", memory_title, "loss",
+              "max |Δw|", "in sync")  # fmt: skip
+    extra = f" (+{outcome.extra_rounds} where a call was close)" if outcome.extra_rounds else ""
     lines = [
-        f"DDP tuning: {len(outcome.trials)} configuration(s), {len(base.rounds_ms)} rounds each; "
-        "step = median round (slowest rank), rounds = their range",
-        table(
-            (
-                "configuration",
-                "step",
-                "rounds",
-                "exposed comm",
-                "samples/s",
-                memory_title,
-                "loss",
-                "max |Δw|",
-                "in sync",
-            ),
-            lines_rows,
-        ),  # fmt: skip
+        f"DDP tuning: {len(outcome.trials)} configuration(s) in interleaved rounds{extra}; step = the median step "
+        f"(slowest rank); faster = beyond the noise at {CONFIDENCE:.0%} for all the calls together "
+        f"({outcome.confidence:.2%} each; docs/noise.md)",
+        table(header, lines_rows),
     ]
-    if outcome.no_comm is not None:
-        lines.append(f"without any all-reduce (noop hook, a reference): step {fmt_ms(outcome.no_comm.median)} "
-                     f"({fmt_ms(outcome.no_comm.low)}-{fmt_ms(outcome.no_comm.high)})")  # fmt: skip
-    for what, why in outcome.skipped:
-        lines.append(f"{what}: {why}")
+    if no_comm is not None:
+        floor = no_comm.interval()
+        lines.append(f"without any all-reduce (noop hook, the floor): step {fmt_ms(no_comm.median)} "
+                     f"({fmt_ms(floor.low)}-{fmt_ms(floor.high)})")  # fmt: skip
+    lines += [f"{what}: {why}" for what, why in outcome.skipped]
+    lines += [f"noise: {note}" for note in outcome.notes]
     lines.append(verdict(outcome))
     return "\n".join(lines)
 
 
+def _exposed(trial: Trial, no_comm: Optional[Trial], base: Knobs) -> str:
+    """What the all-reduce adds to the step over the floor, where that is beyond the noise; for the rows whose
+    optimizer is the user's (another one changes the compute too)."""
+    if no_comm is None or trial.knobs.optimizer != base.optimizer:
+        return "-"
+    if compare(no_comm, trial, CONFIDENCE).word != "slower":
+        return "none seen"
+    return fmt_ms(trial.median - no_comm.median)
+
+
+def _x(interval: Interval) -> str:
+    return f"{interval.estimate:.2f}x ({interval.low:.2f}x-{interval.high:.2f}x)"
+
+
 def verdict(outcome: Outcome) -> str:
-    base, best = outcome.base, outcome.best
-    if best is base:
-        noise = max(t.spread for t in outcome.trials)
-        return (f"Verdict: keep your configuration: no configuration tried beats it beyond the noise (rounds within "
-                f"±{noise:.0%})" + _compression_hint(outcome))  # fmt: skip
-    ratio, low, high = speedup(base, best)
-    saved = (base.ddp_bytes or 0) - (best.ddp_bytes or 0)
-    memory = f", {fmt_bytes(saved)} less held per rank" if saved > 0 else ""
-    return (f"Verdict: {best.knobs.label(base.knobs)}: step {fmt_ms(base.median)} -> {fmt_ms(best.median)}, "
-            f"{ratio:.2f}x ({low:.2f}x-{high:.2f}x over the rounds){memory}, measured by lit_ddp.tune"
-            + _compression_hint(outcome))  # fmt: skip
+    """The pick against the user's configuration, from the rounds that confirmed it, with its interval; the change
+    a config cannot carry, with its own figure; and what is left to cut where the all-reduce still shows."""
+    base, best, v = outcome.base, outcome.best, outcome.verdict
+    if v is None:
+        interval = base.interval()
+        noise = (interval.high - interval.low) / 2 / base.median if base.median else 0.0
+        said = ("Verdict: keep your configuration: no configuration tried is faster beyond the noise (your step "
+                f"{fmt_ms(base.median)}, its 95% interval ±{noise:.0%})")  # fmt: skip
+    else:
+        saved = (base.ddp_bytes or 0) - (best.ddp_bytes or 0)
+        memory = f", {fmt_bytes(saved)} less held per rank" if saved > 0 else ""
+        steps = f"step {fmt_ms(v.before_ms)} -> {fmt_ms(v.after_ms)}, {_x(v.speedup)} head to head with yours"
+        label = best.knobs.label(base.knobs)
+        if v.word == "faster":
+            said = f"Verdict: {label}: {steps}{memory}, measured by lit_ddp.tune"
+        else:
+            said = (f"Verdict: {label}: level with yours within the noise ({steps}){memory}: a memory win, not a "
+                    "speedup, measured by lit_ddp.tune")  # fmt: skip
+    if outcome.script is not None:
+        knobs, c = outcome.script
+        said += (f". In configure_optimizers, {knobs.optimizer}=True for the optimizer (a change to your script, which "
+                 f"the config cannot carry): step {fmt_ms(c.before_ms)} -> {fmt_ms(c.after_ms)}, {_x(c.speedup)} "
+                 "more, measured")  # fmt: skip
+    return said + _compression_hint(outcome)
 
 
 def _compression_hint(outcome: Outcome) -> str:
@@ -80,7 +100,9 @@ def _compression_hint(outcome: Outcome) -> str:
     the wire are what is left to cut: fp16/bf16 compression halves them (lossy, so only measured when allowed)."""
     best, no_comm = outcome.best, outcome.no_comm
     tried = any(t.knobs.lossy for t in outcome.trials)
-    if no_comm is None or tried or best.knobs.optimizer != outcome.base.knobs.optimizer or not faster(no_comm, best):
+    if no_comm is None or tried or best.knobs.optimizer != outcome.base.knobs.optimizer:
+        return ""
+    if compare(no_comm, best, CONFIDENCE).word != "slower":
         return ""
     exposed = best.median - no_comm.median
     if exposed < best.median / 5:

@@ -9,6 +9,7 @@ end, which a tuner may do). Every rank's step times are all-reduced (max: a step
 rank), so every rank sees the same numbers and takes the same path through the search.
 """
 
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -23,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lit_ddp.measure.memory import ddp_memory
 from lit_ddp.run.ddp_options import buffer_sync, powersgd
 from lit_ddp.tuner.knobs import Knobs
-from lit_ddp.tuner.search import Trial
+from lit_ddp.tuner.trial import Trial
 
 HOOKS = {
     "fp16": default_hooks.fp16_compress_hook,
@@ -83,7 +84,7 @@ class TrialBench:
 
     Args:
         steps: Timed steps per round, after ``warmup`` untimed ones (DDP rebuilds its buckets in the first).
-        rounds: Rounds per trial; the trial's figure is the median of the rounds' medians, their range its noise.
+        rounds: Rounds per ``measure`` when it is not told (the search asks for one at a time, interleaved).
     """
 
     def __init__(self, module: nn.Module, batch: Any, optimizer: torch.optim.Optimizer, device: torch.device,
@@ -102,7 +103,8 @@ class TrialBench:
         began = time.perf_counter()
         for _ in range(self.rounds if rounds is None else rounds):
             times, loss, memory, peak = self._round(knobs)
-            trial.rounds_ms.append(sorted(times)[len(times) // 2])
+            trial.samples_ms += times
+            trial.rounds_ms.append(statistics.median(times))
             trial.loss, trial.ddp_bytes, trial.peak_bytes = loss, memory, peak
         weights = [p.detach().clone() for p in self.module.parameters()]
         trial.in_sync = _in_sync(weights)

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lit_ddp.fit import build_cli
 from lit_ddp.measure.memory import bucket_layout
+from lit_ddp.tuner.callback import knobs_of
 from lit_ddp.tuner.cli import TuneCLI, tuned_config
 from lit_ddp.tuner.knobs import Knobs, bucket_caps, layout
 from lit_ddp.tuner.verdict import script_lines
@@ -74,7 +75,7 @@ MODULE = """
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_a_short_tune_of_a_users_module_writes_a_config_that_fit_runs(tmp_path):
+def test_a_short_tune_of_a_users_module_writes_a_config_that_fit_runs(tmp_path, monkeypatch):
     (tmp_path / "my_module.py").write_text(textwrap.dedent(MODULE))
     tune = run_module("lit_ddp.tune", "--trainer.accelerator", "cpu", "--devices", "2", "--model", "my_module.MLP",
                       "--model.width", "32", "--data", "my_module.Data", "--tune.budget_s", "20", "--tune.steps",
@@ -88,7 +89,17 @@ def test_a_short_tune_of_a_users_module_writes_a_config_that_fit_runs(tmp_path):
     assert script + "    strategy = LitDDPStrategy(" in out
     record = json.loads((tmp_path / "out" / "tuned.json").read_text())
     assert record["trials"][0]["knobs"] == record["base"] and all(t["in_sync"] for t in record["trials"])
-    assert all(len(t["rounds_ms"]) == 3 for t in record["trials"])
+    assert all(len(t["rounds_ms"]) >= 3 and len(t["samples_ms"]) == 3 * len(t["rounds_ms"]) for t in record["trials"])
+    # No reported win is faster than the step without any all-reduce.
+    if record["verdict"] is not None and record["best"]["optimizer"] == record["base"]["optimizer"]:
+        assert record["verdict"]["after_ms"] >= record["verdict"]["floor_ms"], record  # in the same rounds
+    # The config carries every knob the verdict names: the module builds its own Adam, so an optimizer change is
+    # never in it (it would be the verdict's script change, with its own figure).
+    assert record["best"]["optimizer"] == "as_configured"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    written = build_cli(["--config", "out/tuned.yaml"]).trainer.strategy
+    assert knobs_of(written) == Knobs(**record["best"])
     fit = run_fit("--config", "out/tuned.yaml", "--trainer.max_steps", "2", cwd=tmp_path, timeout=120)
     assert fit.returncode == 0, fit.stderr[-3000:]
     assert "Done: 2 steps on 2 ranks" in fit.stdout
@@ -199,7 +210,6 @@ def test_powersgd_goes_from_the_tuner_into_a_fit_config_and_a_script_line(tmp_pa
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
     from lit_ddp.run.strategy import LitDDPStrategy
-    from lit_ddp.tuner.callback import knobs_of
 
     monkeypatch.chdir(tmp_path)
     cli = build_cli(["--trainer.accelerator", "cpu", "--devices", "2"], cli_class=TuneCLI)
@@ -254,7 +264,6 @@ def test_in_a_script_the_tuner_steps_on_the_loaders_given_to_fit(make_trainer):
 
 def test_the_users_knobs_are_read_from_the_strategy_on_every_torch():
     from lit_ddp.run.strategy import LitDDPStrategy
-    from lit_ddp.tuner.callback import knobs_of
 
     strategy = LitDDPStrategy(broadcast_buffers=False, gradient_as_bucket_view=True, bucket_cap_mb=2.0,
                               ddp_comm_hook=default_hooks.fp16_compress_hook)  # fmt: skip
@@ -264,7 +273,6 @@ def test_the_users_knobs_are_read_from_the_strategy_on_every_torch():
 
 def test_the_users_knobs_come_through_the_register_and_a_missing_name_is_loud():
     from lit_ddp.run.strategy import LitDDPStrategy
-    from lit_ddp.tuner.callback import knobs_of
 
     strategy = LitDDPStrategy(static_graph=True)
     del strategy._ddp_kwargs  # as if Lightning stopped keeping it: no silent "your configuration is torch's"

@@ -107,8 +107,8 @@ def search(measure: Callable[[Knobs], Trial], model: Model, base: Knobs, budget_
     outcome.extra_rounds = bench.extra
     outcome.no_comm = bench.rows.get(floor_knobs) if floor_knobs else None
     if floor is not None and not comm_shows:
-        skipped.append(("bucket_cap_mb, comm_hook", "not tried: the step without any all-reduce is no faster "
-                        "beyond the noise, so no bucket size or compression can shorten it"))  # fmt: skip
+        skipped.append(("bucket_cap_mb, comm_hook", "not tried: in the first rounds the step without any all-reduce "
+                        "was no faster beyond the noise, so no bucket size or compression can shorten it"))  # fmt: skip
     return outcome
 
 
@@ -188,6 +188,7 @@ def _confirm(outcome: Outcome, bench: Rounds, pick: Knobs, floor_knobs: Optional
         return
     if carried != base:
         verdict = compare(got[base], got[carried], outcome.confidence)
+        verdict = dataclasses.replace(verdict, floor_ms=floor.median if floor is not None else None)
         lighter = verdict.word == "same" and got[carried].holds_less(got[base])
         if verdict.word == "faster" or lighter:
             outcome.best, outcome.verdict = bench.rows[carried], verdict

@@ -66,6 +66,7 @@ class Comparison:
     after_ms: float
     speedup: noise.Interval
     word: str
+    floor_ms: Optional[float] = None  # the step without any all-reduce, in the same rounds (where measured)
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "speedup": dataclasses.asdict(self.speedup)}

@@ -28,7 +28,7 @@ def report(outcome: Outcome, rows: int) -> str:
             fmt_ms(trial.median),
             f"{fmt_ms(interval.low)}-{fmt_ms(interval.high)}",
             str(len(trial.samples_ms)),
-            _exposed(trial, no_comm, base.knobs),
+            _exposed(trial, no_comm, base.knobs, outcome.confidence),
             f"{rows / trial.median * 1e3:,.0f}" if rows else "-",
             fmt_bytes(memory) if memory is not None else "-",
             f"{trial.loss:.6g}" if trial.loss is not None else "-",
@@ -54,12 +54,12 @@ def report(outcome: Outcome, rows: int) -> str:
     return "\n".join(lines)
 
 
-def _exposed(trial: Trial, no_comm: Optional[Trial], base: Knobs) -> str:
-    """What the all-reduce adds to the step over the floor, where that is beyond the noise; for the rows whose
-    optimizer is the user's (another one changes the compute too)."""
+def _exposed(trial: Trial, no_comm: Optional[Trial], base: Knobs, level: float) -> str:
+    """What the all-reduce adds to the step over the floor, where that is beyond the noise (at the search's level,
+    over every round of both); for the rows whose optimizer is the user's (another one changes the compute too)."""
     if no_comm is None or trial.knobs.optimizer != base.optimizer:
         return "-"
-    if compare(no_comm, trial, CONFIDENCE).word != "slower":
+    if compare(no_comm, trial, level).word != "slower":
         return "none seen"
     return fmt_ms(trial.median - no_comm.median)
 
@@ -80,7 +80,8 @@ def verdict(outcome: Outcome) -> str:
     else:
         saved = (base.ddp_bytes or 0) - (best.ddp_bytes or 0)
         memory = f", {fmt_bytes(saved)} less held per rank" if saved > 0 else ""
-        steps = f"step {fmt_ms(v.before_ms)} -> {fmt_ms(v.after_ms)}, {_x(v.speedup)} head to head with yours"
+        floor = f", no all-reduce at all {fmt_ms(v.floor_ms)}" if v.floor_ms is not None else ""
+        steps = f"step {fmt_ms(v.before_ms)} -> {fmt_ms(v.after_ms)}, {_x(v.speedup)} head to head with yours{floor}"
         label = best.knobs.label(base.knobs)
         if v.word == "faster":
             said = f"Verdict: {label}: {steps}{memory}, measured by lit_ddp.tune"
@@ -100,9 +101,9 @@ def _compression_hint(outcome: Outcome) -> str:
     the wire are what is left to cut: fp16/bf16 compression halves them (lossy, so only measured when allowed)."""
     best, no_comm = outcome.best, outcome.no_comm
     tried = any(t.knobs.lossy for t in outcome.trials)
-    if no_comm is None or tried or best.knobs.optimizer != outcome.base.knobs.optimizer:
+    if no_comm is None or not outcome.comm_shows or tried or best.knobs.optimizer != outcome.base.knobs.optimizer:
         return ""
-    if compare(no_comm, best, CONFIDENCE).word != "slower":
+    if compare(no_comm, best, outcome.confidence).word != "slower":
         return ""
     exposed = best.median - no_comm.median
     if exposed < best.median / 5:

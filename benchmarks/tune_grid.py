@@ -152,11 +152,12 @@ def main() -> None:
     parser.add_argument("--allow-lossy", action="store_true")
     parser.add_argument("--rate", default="100mbit", help="the nodes case's link rate")
     parser.add_argument("--repeat", type=int, default=0, help="N default tunes of each of 2 models instead")
+    parser.add_argument("--keep", help="with --repeat: where the tunes' configs and records are kept")
     args = parser.parse_args()
     print(f"load average {os.getloadavg()[0]:.2f}; torch {__import__('torch').__version__}", flush=True)
     if args.repeat:
         with tempfile.TemporaryDirectory(prefix="tune_grid.") as work:
-            rows = repeat(args.repeat, Path(work))
+            rows = repeat(args.repeat, Path(args.keep) if args.keep else Path(work))
         header = ("model", "tune", "pick (the config's; + the script's)", "verdict: word, yours -> pick, speedup",
                   "floor ms", "pick >= floor", "noise notes", "wall s")  # fmt: skip
         print(table(header, rows))

@@ -65,9 +65,16 @@ def _floor_of(knobs: Knobs) -> Knobs:
     return dataclasses.replace(knobs, comm_hook="noop")  # type: ignore[arg-type]
 
 
-def _below(trial: Trial, floor: Optional[Trial], base: Knobs) -> bool:
-    """``trial`` (the user's compute: their optimizer) measured a step under the floor's: impossible, so noise."""
-    return floor is not None and trial.knobs.optimizer == base.optimizer and trial.median < floor.median
+def _below(trial: Trial, floor: Optional[Trial], base: Knobs, word: str, level: float) -> bool:
+    """``trial`` (the user's compute: their optimizer) measured under the floor, which it cannot be: noise. A speed
+    win ("faster") must not be under the floor's median at all, so that no reported win is faster than the step
+    without any all-reduce; a level pick (kept for its memory) only not beyond the noise, as it sits at the floor
+    wherever the all-reduce hides."""
+    if floor is None or trial.knobs.optimizer != base.optimizer:
+        return False
+    if word == "faster":
+        return trial.median < floor.median
+    return compare(floor, trial, level).word == "faster"
 
 
 def _ms(trial: Trial) -> str:
@@ -147,7 +154,7 @@ def _stage(bench: Rounds, best: Knobs, knobs: list[Knobs], rounds: int, level: f
     pick = min(faster, key=lambda t: t.median) if faster else min(lighter, key=lambda t: t.ddp_bytes or 0, default=None)
     if pick is None:
         return best
-    if not _below(pick, floor, base):
+    if not _below(pick, floor, base, words[pick.knobs].word, level):
         return pick.knobs
     said = f"{pick.knobs.label(base)} measured {_ms(pick)}, under the step without any all-reduce ({_ms(floor)}): noise"
     if not bench.fit(3, rounds, reserve):
@@ -155,7 +162,9 @@ def _stage(bench: Rounds, best: Knobs, knobs: list[Knobs], rounds: int, level: f
         return best
     ref, again, floor = bench.fresh([ref.knobs, pick.knobs, floor.knobs], rounds)
     word = compare(ref, again, level).word
-    kept = not _below(again, floor, base) and (word == "faster" or (word == "same" and again.holds_less(ref)))
+    kept = not _below(again, floor, base, word, level) and (
+        word == "faster" or (word == "same" and again.holds_less(ref))
+    )
     notes.append(f"{said}; measured again: {_ms(again)} against {_ms(ref)}, the floor {_ms(floor)}: "
                  + ("kept" if kept else "not kept"))  # fmt: skip
     return pick.knobs if kept else best
@@ -179,7 +188,8 @@ def _confirm(outcome: Outcome, bench: Rounds, pick: Knobs, floor_knobs: Optional
         lineup = bench.fresh([base, carried, pick, *([floor_knobs] if floor_knobs else [])], rounds)
         got = {t.knobs: t for t in lineup}
         floor = got.get(floor_knobs) if floor_knobs else None
-        if not _below(got[carried], floor, base):
+        verdict = compare(got[base], got[carried], outcome.confidence)
+        if carried == base or not _below(got[carried], floor, base, verdict.word, outcome.confidence):
             break
         again = "measured again" if attempt < RETRIES else "not reported as a win"
         outcome.notes.append(f"{carried.label(base)} measured {_ms(got[carried])} head to head with yours, under "
@@ -187,7 +197,6 @@ def _confirm(outcome: Outcome, bench: Rounds, pick: Knobs, floor_knobs: Optional
     else:
         return
     if carried != base:
-        verdict = compare(got[base], got[carried], outcome.confidence)
         verdict = dataclasses.replace(verdict, floor_ms=floor.median if floor is not None else None)
         lighter = verdict.word == "same" and got[carried].holds_less(got[base])
         if verdict.word == "faster" or lighter:
@@ -198,13 +207,12 @@ def _confirm(outcome: Outcome, bench: Rounds, pick: Knobs, floor_knobs: Optional
                                  "yours is kept")  # fmt: skip
     if pick != carried:
         script = compare(got[carried], got[pick], outcome.confidence)
-        change = f"optimizer={pick.optimizer}"
         if script.word == "faster":
             outcome.script = (pick, script)
         else:
-            outcome.notes.append(f"{change} (a change to configure_optimizers, which a config cannot carry): "
-                                 f"{script.word} head to head, {script.after_ms:.2f} against {script.before_ms:.2f} "
-                                 "ms: not advised")  # fmt: skip
+            outcome.notes.append(f"optimizer={pick.optimizer} (a change to configure_optimizers, which a config "
+                                 f"cannot carry): {script.word} head to head, {script.after_ms:.2f} against "
+                                 f"{script.before_ms:.2f} ms: not advised")  # fmt: skip
 
 
 def grid(measure: Callable[[Knobs], Trial], model: Model, base: Knobs, rounds: int = 3,

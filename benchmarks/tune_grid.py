@@ -41,12 +41,16 @@ MODEL = ("--model", "examples.own_module.RandomTokens", "--model.vocab_size", "1
          "--data", "examples.own_module.RandomTokenData")  # fmt: skip
 
 
-def tune_loopback(out: Path, extra: list[str], model: tuple[str, ...] = MODEL) -> float:
-    """``lit_ddp.tune`` on 2 CPU ranks of this machine; its wall time (s)."""
+def tune_loopback(out: Path, extra: list[str], model: tuple[str, ...] = MODEL, keep_output: bool = False) -> float:
+    """``lit_ddp.tune`` on 2 CPU ranks of this machine (its printout kept beside ``out`` as tune.out when
+    asked); its wall time (s)."""
     command = [sys.executable, "-m", "lit_ddp.tune", "--trainer.accelerator", "cpu", "--devices", "2", *model,
                "--out", str(out), *extra]  # fmt: skip
     began = time.perf_counter()
-    subprocess.run(command, cwd=ROOT, env=child_env(OMP_NUM_THREADS="1"), check=True, stdout=subprocess.DEVNULL)
+    done = subprocess.run(command, cwd=ROOT, env=child_env(OMP_NUM_THREADS="1"), check=True,
+                          stdout=subprocess.PIPE if keep_output else subprocess.DEVNULL, text=True)  # fmt: skip
+    if keep_output:
+        (out.parent / "tune.out").write_text(done.stdout)
     return time.perf_counter() - began
 
 
@@ -126,7 +130,7 @@ def repeat(tunes: int, work: Path) -> list[tuple]:
         answers = []
         for k in range(tunes):
             out = work / f"repeat{len(rows)}" / "tuned.yaml"
-            wall = tune_loopback(out, [], model)
+            wall = tune_loopback(out, [], model, keep_output=True)
             record = json.loads(out.with_suffix(".json").read_text())
             base, v, script = record["base"], record["verdict"], record["script"]
             answer = label(record["best"], base) + (f" + script {label(script['knobs'], base)}" if script else "")
@@ -134,7 +138,10 @@ def repeat(tunes: int, work: Path) -> list[tuple]:
             figure = (f"{v['word']}: {v['before_ms']:.2f} -> {v['after_ms']:.2f} ms, {v['speedup']['estimate']:.2f}x "
                       f"({v['speedup']['low']:.2f}x-{v['speedup']['high']:.2f}x)") if v else "-"  # fmt: skip
             floor = v.get("floor_ms") if v else (record["no_comm"] or {}).get("median_ms")
-            above = "-" if not v or floor is None else "yes" if v["after_ms"] >= floor else "NO"
+            # A speed win must not be under the floor measured beside it; a level pick (memory) claims no speed.
+            above = (
+                "-" if not v or v["word"] != "faster" or floor is None else "yes" if v["after_ms"] >= floor else "NO"
+            )
             rows.append((name, str(k + 1), answer, figure, f"{floor:.2f}" if floor is not None else "-", above,
                          str(len(record["notes"])), f"{wall:.0f}"))  # fmt: skip
             print(f"{name}: tune {k + 1} done in {wall:.0f} s: {answer}", file=sys.stderr, flush=True)
@@ -159,7 +166,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="tune_grid.") as work:
             rows = repeat(args.repeat, Path(args.keep) if args.keep else Path(work))
         header = ("model", "tune", "pick (the config's; + the script's)", "verdict: word, yours -> pick, speedup",
-                  "floor ms", "pick >= floor", "noise notes", "wall s")  # fmt: skip
+                  "floor ms", "a win >= floor", "noise notes", "wall s")  # fmt: skip
         print(table(header, rows))
         print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
         return

@@ -103,8 +103,8 @@ def test_a_close_call_gets_more_rounds_within_the_budget():
     assert asked.count(Knobs(gradient_as_bucket_view=True)) > 3  # its 3 rounds, and more
     assert "interleaved rounds (+" in report(outcome, rows=8)
     asked, measure = measuring(means, sd=0.08)
-    # 1 s a round: 6 for yours and the floor, 6 for the stage, 9 kept aside for the confirmation; no more
-    search(measure, model(optimizer_impls=()), BASE, budget_s=22)
+    # 1 s a round: 6 for yours and the floor, 6 for the stage; no more (the confirmation comes after the budget)
+    search(measure, model(optimizer_impls=()), BASE, budget_s=13)
     assert asked.count(Knobs(gradient_as_bucket_view=True)) == 3
 
 
@@ -142,9 +142,15 @@ def test_a_floor_above_your_step_is_noise_measured_again_and_then_no_floor_is_us
 
 def test_the_budget_stops_new_stages_and_says_which_were_left():
     _, measure = measuring({"yours": 11, "comm_hook=noop": 2})
-    outcome = search(measure, model(), BASE, budget_s=10)  # 6 s for yours and the floor, 9 s kept aside
+    outcome = search(measure, model(), BASE, budget_s=10)  # 6 s for yours and the floor; a stage takes 6 or more
     assert {t.knobs for t in outcome.trials} == {BASE}
     assert len(outcome.skipped) == 8 and all(why == "budget (10 s) spent" for _, why in outcome.skipped)
+    _, measure = measuring({"yours": 11, "comm_hook=noop": 2, "bucket_cap_mb=32": 8})
+    found = search(measure, model(), BASE, budget_s=19)  # yours and the floor, then 4 caps: 6 + 15 > 19, so 3
+    assert [t.knobs.label(BASE) for t in found.trials] == ["yours", "bucket_cap_mb=32", "bucket_cap_mb=16",
+                                                          "bucket_cap_mb=8"]  # fmt: skip
+    assert ("bucket_cap_mb=4", "budget (19 s) spent") in found.skipped
+    assert found.best.knobs == Knobs(bucket_cap_mb=32.0) and found.verdict.word == "faster"  # confirmed after it
 
 
 def test_a_configuration_that_leaves_ranks_out_of_sync_is_never_kept():

@@ -36,7 +36,8 @@ class DDPTuner(Callback):
     """Tries DDP configurations on the Trainer's own model and prints which is fastest, beyond the noise.
 
     Args:
-        budget_s: Seconds of trials (every rank's slowest) after which no new configuration is started.
+        budget_s: Seconds of trials (every rank's slowest) after which no new configuration is started (the
+            pick's confirmation, head to head with yours, comes after it).
         steps: Timed steps per round of a trial.
         warmup: Untimed steps before them (DDP rebuilds its buckets in the first; PowerSGD all-reduces plainly in
             them, at least 2, and compresses from the first timed step).

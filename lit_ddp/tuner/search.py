@@ -87,7 +87,8 @@ def search(measure: Callable[[Knobs], Trial], model: Model, base: Knobs, budget_
     pick against ``base``; ``measure`` times one round of a configuration (the same numbers on every rank, so every
     rank takes the same path). A candidate is kept when it is faster than the best beyond the noise, or level with
     it and holding less memory; a close call gets more rounds while the budget allows. A stage starts only while
-    its rounds fit in ``budget_s`` (at the mean round so far), the confirmation's rounds kept aside.
+    its rounds fit in ``budget_s`` (at the mean round so far); the confirmation (at most 4 configurations'
+    rounds) comes after it, so that a slow machine still confirms what it found.
     With ``optimizer_in_config`` false (the user builds the optimizer), an optimizer change is confirmed apart, as a
     script change with its own figure, and the pick is what a config carries."""
     plan = stages(model, base, comm_shows=True, allow_lossy=allow_lossy)
@@ -97,17 +98,14 @@ def search(measure: Callable[[Knobs], Trial], model: Model, base: Knobs, budget_
     floor_knobs = _floor_of(base) if model.world_size > 1 else None
     yours, floor = _yours_and_floor(bench, base, floor_knobs, rounds, level, notes)
     comm_shows = floor is not None and compare(floor, yours, level).word == "slower"
-    reserve = (
-        3 if optimizer_in_config else 4
-    ) * rounds  # the confirmation: yours, the pick (its optimizer apart), the floor
     best = base
     for _, candidates in stages(model, base, comm_shows, allow_lossy):
         knobs = [dataclasses.replace(best, **c.changes(base)) for c in candidates]
         knobs = [k for k in dict.fromkeys(knobs) if k not in bench.rows]
-        fit = next((n for n in range(len(knobs), 0, -1) if bench.fit(1 + n, rounds, reserve)), 0)
+        fit = next((n for n in range(len(knobs), 0, -1) if bench.fit(1 + n, rounds)), 0)
         skipped += [(k.label(base), f"budget ({budget_s:g} s) spent") for k in knobs[fit:]]
         if fit:
-            best = _stage(bench, best, knobs[:fit], rounds, level, reserve, floor, base, notes, skipped)
+            best = _stage(bench, best, knobs[:fit], rounds, level, floor, base, notes, skipped)
     outcome = Outcome(bench.rows[base], floor, bench.rows[base], [], skipped, notes, None, None, level, comm_shows)
     _confirm(outcome, bench, best, floor_knobs, rounds, optimizer_in_config)
     outcome.trials = [t for k, t in bench.rows.items() if k != floor_knobs]
@@ -133,14 +131,14 @@ def _yours_and_floor(bench: Rounds, base: Knobs, floor_knobs: Optional[Knobs], r
     return yours, None
 
 
-def _stage(bench: Rounds, best: Knobs, knobs: list[Knobs], rounds: int, level: float, reserve: int,
-           floor: Optional[Trial], base: Knobs, notes: list[str], skipped: list) -> Knobs:  # fmt: skip
+def _stage(bench: Rounds, best: Knobs, knobs: list[Knobs], rounds: int, level: float, floor: Optional[Trial],
+           base: Knobs, notes: list[str], skipped: list) -> Knobs:  # fmt: skip
     """One knob's candidates against the best so far, interleaved; the best after it."""
     ref, *trials = bench.fresh([best, *knobs], rounds)
     words = {t.knobs: compare(ref, t, level) for t in trials}
     for _ in range(rounds):  # a close call (can't tell yet, and a win worth having not ruled out): more rounds
         close = [t for t in trials if _close(words[t.knobs])]
-        if not close or not bench.fit(1 + len(close), 1, reserve):
+        if not close or not bench.fit(1 + len(close), 1):
             break
         bench.more([ref, *close])
         bench.extra += 1
@@ -157,7 +155,7 @@ def _stage(bench: Rounds, best: Knobs, knobs: list[Knobs], rounds: int, level: f
     if not _below(pick, floor, base, words[pick.knobs].word, level):
         return pick.knobs
     said = f"{pick.knobs.label(base)} measured {_ms(pick)}, under the step without any all-reduce ({_ms(floor)}): noise"
-    if not bench.fit(3, rounds, reserve):
+    if not bench.fit(3, rounds):
         notes.append(f"{said}, not kept (no budget left to measure it again)")
         return best
     ref, again, floor = bench.fresh([ref.knobs, pick.knobs, floor.knobs], rounds)

@@ -107,8 +107,8 @@ class Rounds:
             self.spent += one.seconds
             self.measured += 1
 
-    def fit(self, configurations: int, rounds: int, reserve: int = 0) -> bool:
-        """``rounds`` rounds of ``configurations`` still fit in the budget with ``reserve`` rounds kept aside, a
-        round taking as long as the rounds so far did on average."""
+    def fit(self, configurations: int, rounds: int) -> bool:
+        """``rounds`` rounds of ``configurations`` still fit in the budget, a round taking as long as the rounds so
+        far did on average."""
         mean = self.spent / self.measured if self.measured else 0.0
-        return self.spent + (configurations * rounds + reserve) * mean <= self.budget_s
+        return self.spent + configurations * rounds * mean <= self.budget_s

@@ -5,6 +5,7 @@
 How to read the table and what the verdict rests on: docs/tuning.md.
 """
 
+import math
 from typing import Optional
 
 from lit_ddp.analysis.memory import fmt_bytes
@@ -65,6 +66,8 @@ def _exposed(trial: Trial, no_comm: Optional[Trial], base: Knobs, level: float) 
 
 
 def _x(interval: Interval) -> str:
+    if math.isinf(interval.low) or math.isinf(interval.high):  # the noise model could not bound it
+        return f"{interval.estimate:.2f}x (its interval cannot be told from these steps)"
     return f"{interval.estimate:.2f}x ({interval.low:.2f}x-{interval.high:.2f}x)"
 
 

@@ -103,7 +103,7 @@ def run_case(case: str, work: Path, tune_args: list[str], confirm_rounds: int) -
         return h2h[json.dumps(knobs, sort_keys=True)]["median_ms"]
 
     pick = tuner["best"]
-    claimed = ms(tuner, base) / ms(tuner, pick)
+    claimed = tuner["verdict"]["speedup"]["estimate"] if tuner["verdict"] else 1.0  # the verdict's own rounds
     fresh = head(base) / head(pick)
     seconds = {name: sum(t["seconds"] for t in r["trials"]) + (r["no_comm"] or {}).get("seconds", 0)
                for name, r in records.items()}  # fmt: skip

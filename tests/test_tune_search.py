@@ -187,6 +187,19 @@ def test_less_memory_is_kept_only_when_level_within_the_noise():
     assert search(measure, plan, BASE, budget_s=1000).best.knobs == BASE  # lighter, but slower beyond the noise
 
 
+def test_a_speed_change_not_faster_head_to_head_is_dropped_and_the_memory_change_alone_stands():
+    # fused was faster in its stage, on top of gradient_as_bucket_view (kept for its memory), but level with yours
+    # head to head: the verdict is gradient_as_bucket_view alone, a memory win, and the output says why.
+    means = {"yours": 11, "comm_hook=noop": 10.9, "gradient_as_bucket_view=true, optimizer=fused": [8, 11]}
+    _, measure = measuring(means, held=lambda k: 600 if k.gradient_as_bucket_view else 1000)
+    outcome = search(measure, model(grad_bytes=(1000,), optimizer_impls=("fused",)), BASE, budget_s=1000)
+    assert outcome.best.knobs == Knobs(gradient_as_bucket_view=True) and outcome.verdict.word == "same"
+    assert len(outcome.notes) == 1
+    assert outcome.notes[0].startswith("gradient_as_bucket_view=true, optimizer=fused was kept in the stages, but "
+                                       "head to head with yours it is same (")  # fmt: skip
+    assert outcome.notes[0].endswith("ms): gradient_as_bucket_view=true is kept, for its memory")
+
+
 def test_where_the_all_reduce_hides_a_level_lighter_pick_sits_at_the_floor_and_is_kept_every_time():
     # Yours, the floor and gradient_as_bucket_view all take 11 ms: the pick is under the floor's median about half
     # the time, within the noise. That is no speed claim (the verdict says level), so it is kept every time.

@@ -98,16 +98,18 @@ def search(measure: Callable[[Knobs], Trial], model: Model, base: Knobs, budget_
     floor_knobs = _floor_of(base) if model.world_size > 1 else None
     yours, floor = _yours_and_floor(bench, base, floor_knobs, rounds, level, notes)
     comm_shows = floor is not None and compare(floor, yours, level).word == "slower"
-    best = base
+    best = lean = base  # lean: only the changes kept for their memory (level, lighter)
     for _, candidates in stages(model, base, comm_shows, allow_lossy):
         knobs = [dataclasses.replace(best, **c.changes(base)) for c in candidates]
         knobs = [k for k in dict.fromkeys(knobs) if k not in bench.rows]
         fit = next((n for n in range(len(knobs), 0, -1) if bench.fit(1 + n, rounds)), 0)
         skipped += [(k.label(base), f"budget ({budget_s:g} s) spent") for k in knobs[fit:]]
         if fit:
-            best = _stage(bench, best, knobs[:fit], rounds, level, floor, base, notes, skipped)
+            kept, lighter = _stage(bench, best, knobs[:fit], rounds, level, floor, base, notes, skipped)
+            lean = dataclasses.replace(lean, **kept.changes(best)) if lighter else lean
+            best = kept
     outcome = Outcome(bench.rows[base], floor, bench.rows[base], [], skipped, notes, None, None, level, comm_shows)
-    _confirm(outcome, bench, best, floor_knobs, rounds, optimizer_in_config)
+    _confirm(outcome, bench, best, lean, floor_knobs, rounds, optimizer_in_config)
     outcome.trials = [t for k, t in bench.rows.items() if k != floor_knobs]
     outcome.extra_rounds = bench.extra
     outcome.no_comm = bench.rows.get(floor_knobs) if floor_knobs else None
@@ -132,8 +134,9 @@ def _yours_and_floor(bench: Rounds, base: Knobs, floor_knobs: Optional[Knobs], r
 
 
 def _stage(bench: Rounds, best: Knobs, knobs: list[Knobs], rounds: int, level: float, floor: Optional[Trial],
-           base: Knobs, notes: list[str], skipped: list) -> Knobs:  # fmt: skip
-    """One knob's candidates against the best so far, interleaved; the best after it."""
+           base: Knobs, notes: list[str], skipped: list) -> tuple[Knobs, bool]:  # fmt: skip
+    """One knob's candidates against the best so far, interleaved; the best after it, and whether it was kept for
+    its memory (level with the best so far, and lighter)."""
     ref, *trials = bench.fresh([best, *knobs], rounds)
     words = {t.knobs: compare(ref, t, level) for t in trials}
     for _ in range(rounds):  # a close call (can't tell yet, and a win worth having not ruled out): more rounds
@@ -151,13 +154,13 @@ def _stage(bench: Rounds, best: Knobs, knobs: list[Knobs], rounds: int, level: f
     lighter = [t for t in kept if words[t.knobs].word == "same" and t.holds_less(ref)]  # level, less memory
     pick = min(faster, key=lambda t: t.median) if faster else min(lighter, key=lambda t: t.ddp_bytes or 0, default=None)
     if pick is None:
-        return best
+        return best, False
     if not _below(pick, floor, base, words[pick.knobs].word, level):
-        return pick.knobs
+        return pick.knobs, not faster
     said = f"{pick.knobs.label(base)} measured {_ms(pick)}, under the step without any all-reduce ({_ms(floor)}): noise"
     if not bench.fit(3, rounds):
         notes.append(f"{said}, not kept (no budget left to measure it again)")
-        return best
+        return best, False
     ref, again, floor = bench.fresh([ref.knobs, pick.knobs, floor.knobs], rounds)
     word = compare(ref, again, level).word
     kept = not _below(again, floor, base, word, level) and (
@@ -165,7 +168,7 @@ def _stage(bench: Rounds, best: Knobs, knobs: list[Knobs], rounds: int, level: f
     )
     notes.append(f"{said}; measured again: {_ms(again)} against {_ms(ref)}, the floor {_ms(floor)}: "
                  + ("kept" if kept else "not kept"))  # fmt: skip
-    return pick.knobs if kept else best
+    return (pick.knobs, word != "faster") if kept else (best, False)
 
 
 def _close(c: Comparison) -> bool:
@@ -173,37 +176,39 @@ def _close(c: Comparison) -> bool:
     return c.word == "same" and c.after_ms < c.before_ms and c.speedup.high > 1 + MIN_GAIN
 
 
-def _confirm(outcome: Outcome, bench: Rounds, pick: Knobs, floor_knobs: Optional[Knobs], rounds: int,
+def _confirm(outcome: Outcome, bench: Rounds, pick: Knobs, lean: Knobs, floor_knobs: Optional[Knobs], rounds: int,
              optimizer_in_config: bool) -> None:  # fmt: skip
     """The pick against the user's configuration in fresh interleaved rounds, with the floor beside them: the
-    verdict's figures. A pick that is not faster (nor level and lighter) there, or that measures under the floor,
-    is not a win, and the user's configuration is kept."""
+    verdict's figures. Faster there, it is the verdict; level, only the changes kept for their memory (``lean``)
+    stand, if they hold less: a speed change that is not faster head to head is not kept. A pick under the floor
+    is noise, measured again, and never a win."""
     base = outcome.base.knobs
-    carried = pick if optimizer_in_config else dataclasses.replace(pick, optimizer=base.optimizer)
     if pick == base:
         return
+    carried, lean = (pick, lean) if optimizer_in_config else (_no_optimizer(pick, base), _no_optimizer(lean, base))
     for attempt in range(1 + RETRIES):
-        lineup = bench.fresh([base, carried, pick, *([floor_knobs] if floor_knobs else [])], rounds)
+        lineup = bench.fresh([base, carried, lean, pick, *([floor_knobs] if floor_knobs else [])], rounds)
         got = {t.knobs: t for t in lineup}
         floor = got.get(floor_knobs) if floor_knobs else None
-        verdict = compare(got[base], got[carried], outcome.confidence)
-        if carried == base or not _below(got[carried], floor, base, verdict.word, outcome.confidence):
+        choice, verdict = _choose(got, base, carried, lean, outcome.confidence)
+        if choice is None or not _below(got[choice], floor, base, verdict.word, outcome.confidence):
             break
         again = "measured again" if attempt < RETRIES else "not reported as a win"
-        outcome.notes.append(f"{carried.label(base)} measured {_ms(got[carried])} head to head with yours, under "
+        outcome.notes.append(f"{choice.label(base)} measured {_ms(got[choice])} head to head with yours, under "
                              f"the step without any all-reduce ({_ms(floor)}): noise; {again}")  # fmt: skip
     else:
         return
-    if carried != base:
-        verdict = dataclasses.replace(verdict, floor_ms=floor.median if floor is not None else None)
-        lighter = verdict.word == "same" and got[carried].holds_less(got[base])
-        if verdict.word == "faster" or lighter:
-            outcome.best, outcome.verdict = bench.rows[carried], verdict
-        else:
-            outcome.notes.append(f"{carried.label(base)} was kept in its stage, but head to head with yours it is "
-                                 f"{verdict.word} ({verdict.after_ms:.2f} against {verdict.before_ms:.2f} ms): "
-                                 "yours is kept")  # fmt: skip
-    if pick != carried:
+    if choice is not None:
+        outcome.best = bench.rows[choice]
+        outcome.verdict = dataclasses.replace(verdict, floor_ms=floor.median if floor is not None else None)
+    if choice != carried and carried != base:
+        v = compare(got[base], got[carried], outcome.confidence)
+        outcome.notes.append(
+            f"{carried.label(base)} was kept in the stages, but head to head with yours it is "
+            f"{v.word} ({v.after_ms:.2f} against {v.before_ms:.2f} ms): "
+            + (f"{choice.label(base)} is kept, for its memory" if choice else "yours is kept")
+        )
+    if pick != carried and choice == carried:
         script = compare(got[carried], got[pick], outcome.confidence)
         if script.word == "faster":
             outcome.script = (pick, script)
@@ -211,6 +216,25 @@ def _confirm(outcome: Outcome, bench: Rounds, pick: Knobs, floor_knobs: Optional
             outcome.notes.append(f"optimizer={pick.optimizer} (a change to configure_optimizers, which a config "
                                  f"cannot carry): {script.word} head to head, {script.after_ms:.2f} against "
                                  f"{script.before_ms:.2f} ms: not advised")  # fmt: skip
+
+
+def _no_optimizer(knobs: Knobs, base: Knobs) -> Knobs:
+    return dataclasses.replace(knobs, optimizer=base.optimizer)
+
+
+def _choose(got: dict[Knobs, Trial], base: Knobs, carried: Knobs, lean: Knobs,
+            level: float) -> tuple[Optional[Knobs], Optional[Comparison]]:  # fmt: skip
+    """What the confirmation's rounds back: the pick if it is faster than yours; else the changes kept for their
+    memory alone, if level with yours (or faster) and lighter; else nothing."""
+    verdict = compare(got[base], got[carried], level) if carried != base else None
+    if verdict is not None and verdict.word == "faster":
+        return carried, verdict
+    if lean == base:
+        return None, None
+    v = verdict if lean == carried else compare(got[base], got[lean], level)
+    if v.word == "faster" or (v.word == "same" and got[lean].holds_less(got[base])):
+        return lean, v
+    return None, None
 
 
 def grid(measure: Callable[[Knobs], Trial], model: Model, base: Knobs, rounds: int = 3,

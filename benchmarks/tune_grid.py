@@ -4,6 +4,7 @@ the grid's time, and does a fresh measurement confirm the speedup it claims?
     python benchmarks/tune_grid.py                     # (a) loopback, 2 CPU ranks, Lightning's demo Transformer
     python benchmarks/tune_grid.py --case nodes        # (b) 2 nodes x 1 rank over a 100 Mbit/s link (as root)
     python benchmarks/tune_grid.py --case all --allow-lossy
+    nice -n 10 python benchmarks/tune_grid.py --repeat 3      # 3 default tunes of each of 2 models: one answer?
 
 Per case, four runs of ``python -m lit_ddp.tune`` on the same model: the tuner (its greedy search with
 ``--tune.budget_s``), the grid (``--tune.grid true``: every combination of the knobs the tuner may try), the
@@ -12,6 +13,10 @@ and the user's configuration, one round of each in turn). Printed per case: the 
 best in the grid's own pass and head to head, the wall times (whole commands, and the trials' own seconds), the
 speedup the tune claimed and the one measured head to head. Targets (issue 28): the pick within 5% of the grid's
 best, at most a third of the grid's wall time, the speedup confirmed within 10%.
+
+``--repeat N`` instead runs N default tunes (``python -m lit_ddp.tune --devices 2``, no ``--tune.*`` option) of
+each of two models, the notes' and Lightning's demo Transformer, and prints each tune's pick, its verdict's word
+and figure against the floor, and how many answers each model got.
 
 The nodes case makes its two namespaces with ``nodes/cluster.sh`` (prefix ``litddp-bench-``) and removes them
 afterwards, whatever happens; other work on the machine skews everything, so the load average is printed first.
@@ -36,12 +41,16 @@ MODEL = ("--model", "examples.own_module.RandomTokens", "--model.vocab_size", "1
          "--data", "examples.own_module.RandomTokenData")  # fmt: skip
 
 
-def tune_loopback(out: Path, extra: list[str]) -> float:
-    """``lit_ddp.tune`` on 2 CPU ranks of this machine; its wall time (s)."""
-    command = [sys.executable, "-m", "lit_ddp.tune", "--trainer.accelerator", "cpu", "--devices", "2", *MODEL,
+def tune_loopback(out: Path, extra: list[str], model: tuple[str, ...] = MODEL, keep_output: bool = False) -> float:
+    """``lit_ddp.tune`` on 2 CPU ranks of this machine (its printout kept beside ``out`` as tune.out when
+    asked); its wall time (s)."""
+    command = [sys.executable, "-m", "lit_ddp.tune", "--trainer.accelerator", "cpu", "--devices", "2", *model,
                "--out", str(out), *extra]  # fmt: skip
     began = time.perf_counter()
-    subprocess.run(command, cwd=ROOT, env=child_env(OMP_NUM_THREADS="1"), check=True, stdout=subprocess.DEVNULL)
+    done = subprocess.run(command, cwd=ROOT, env=child_env(OMP_NUM_THREADS="1"), check=True,
+                          stdout=subprocess.PIPE if keep_output else subprocess.DEVNULL, text=True)  # fmt: skip
+    if keep_output:
+        (out.parent / "tune.out").write_text(done.stdout)
     return time.perf_counter() - began
 
 
@@ -94,7 +103,7 @@ def run_case(case: str, work: Path, tune_args: list[str], confirm_rounds: int) -
         return h2h[json.dumps(knobs, sort_keys=True)]["median_ms"]
 
     pick = tuner["best"]
-    claimed = ms(tuner, base) / ms(tuner, pick)
+    claimed = tuner["verdict"]["speedup"]["estimate"] if tuner["verdict"] else 1.0  # the verdict's own rounds
     fresh = head(base) / head(pick)
     seconds = {name: sum(t["seconds"] for t in r["trials"]) + (r["no_comm"] or {}).get("seconds", 0)
                for name, r in records.items()}  # fmt: skip
@@ -111,6 +120,35 @@ def run_case(case: str, work: Path, tune_args: list[str], confirm_rounds: int) -
     )
 
 
+REPEATED = {"the notes' model": (), "demo Transformer": MODEL}
+
+
+def repeat(tunes: int, work: Path) -> list[tuple]:
+    """``tunes`` default tunes of each model in ``REPEATED``: a row per tune, and one per model with its answers."""
+    rows = []
+    for name, model in REPEATED.items():
+        answers = []
+        for k in range(tunes):
+            out = work / f"repeat{len(rows)}" / "tuned.yaml"
+            wall = tune_loopback(out, [], model, keep_output=True)
+            record = json.loads(out.with_suffix(".json").read_text())
+            base, v, script = record["base"], record["verdict"], record["script"]
+            answer = label(record["best"], base) + (f" + script {label(script['knobs'], base)}" if script else "")
+            answers.append(answer)
+            figure = (f"{v['word']}: {v['before_ms']:.2f} -> {v['after_ms']:.2f} ms, {v['speedup']['estimate']:.2f}x "
+                      f"({v['speedup']['low']:.2f}x-{v['speedup']['high']:.2f}x)") if v else "-"  # fmt: skip
+            floor = v.get("floor_ms") if v else (record["no_comm"] or {}).get("median_ms")
+            # A speed win must not be under the floor measured beside it; a level pick (memory) claims no speed.
+            above = (
+                "-" if not v or v["word"] != "faster" or floor is None else "yes" if v["after_ms"] >= floor else "NO"
+            )
+            rows.append((name, str(k + 1), answer, figure, f"{floor:.2f}" if floor is not None else "-", above,
+                         str(len(record["notes"])), f"{wall:.0f}"))  # fmt: skip
+            print(f"{name}: tune {k + 1} done in {wall:.0f} s: {answer}", file=sys.stderr, flush=True)
+        rows.append((name, "answers", f"{len(set(answers))}: " + " | ".join(sorted(set(answers))), "", "", "", "", ""))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", choices=("loopback", "nodes", "all"), default="loopback")
@@ -120,8 +158,18 @@ def main() -> None:
     parser.add_argument("--confirm-rounds", type=int, default=10, help="rounds of each pick, head to head")
     parser.add_argument("--allow-lossy", action="store_true")
     parser.add_argument("--rate", default="100mbit", help="the nodes case's link rate")
+    parser.add_argument("--repeat", type=int, default=0, help="N default tunes of each of 2 models instead")
+    parser.add_argument("--keep", help="with --repeat: where the tunes' configs and records are kept")
     args = parser.parse_args()
     print(f"load average {os.getloadavg()[0]:.2f}; torch {__import__('torch').__version__}", flush=True)
+    if args.repeat:
+        with tempfile.TemporaryDirectory(prefix="tune_grid.") as work:
+            rows = repeat(args.repeat, Path(args.keep) if args.keep else Path(work))
+        header = ("model", "tune", "pick (the config's; + the script's)", "verdict: word, yours -> pick, speedup",
+                  "floor ms", "a win >= floor", "noise notes", "wall s")  # fmt: skip
+        print(table(header, rows))
+        print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
+        return
     tune_args = ["--tune.budget_s", str(args.budget), "--tune.steps", str(args.steps), "--tune.rounds",
                  str(args.rounds), "--tune.allow_lossy", str(args.allow_lossy).lower()]  # fmt: skip
     cases = ("loopback", "nodes") if args.case == "all" else (args.case,)

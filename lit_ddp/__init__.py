@@ -17,14 +17,14 @@ STARTED = time.perf_counter()
 
 # The public names and the module each comes from, imported on first use: the commands that only read records
 # (report, forecast, the probe) start without Lightning (seconds of its import). The callbacks come from their
-# package, which says once where each lives.
+# package, the tuner from its room.
 _PUBLIC = {
     "PhaseTimer": "lit_ddp.callbacks",
     "CommMonitor": "lit_ddp.callbacks",
     "SyncCheck": "lit_ddp.callbacks",
     "DeviceMap": "lit_ddp.callbacks",
     "LossMonitor": "lit_ddp.callbacks",
-    "DDPTuner": "lit_ddp.callbacks",
+    "DDPTuner": "lit_ddp.tuner",
     "LitDDPStrategy": "lit_ddp.run.strategy",
     "load_run": "lit_ddp.records.schema",
     "quiet_lightning": "lit_ddp.run.console",

@@ -34,6 +34,7 @@ PRIVATE_NAMES = [
     PrivateName(DDPStrategy, "_ddp_comm_hook", "the hook, wrapper and state given to DDPStrategy(...)"),
     PrivateName(DDPStrategy, "_ddp_comm_wrapper", "see _ddp_comm_hook"),
     PrivateName(DDPStrategy, "_ddp_comm_state", "see _ddp_comm_hook"),
+    PrivateName(DDPStrategy, "_ddp_kwargs", "the DDP options given to DDPStrategy(...): the tuner's starting point"),
     PrivateName(DDPStrategy, "_launcher", "the launcher the strategy configured (None in launched ranks)"),
     PrivateName(DDPStrategy, "_start_method", "the start method the launcher is configured with"),
     PrivateName(_SubprocessScriptLauncher, "procs", "the `ddp` launcher's Popen list of ranks 1..N-1"),
@@ -86,6 +87,13 @@ class CommHook(NamedTuple):
 def configured_comm_hook(strategy: DDPStrategy) -> CommHook:
     """The comm hook, wrapper and state given to ``DDPStrategy(ddp_comm_hook=..., ...)``."""
     return CommHook(strategy._ddp_comm_hook, strategy._ddp_comm_wrapper, strategy._ddp_comm_state)
+
+
+def ddp_kwargs(strategy: DDPStrategy) -> dict[str, Any]:
+    """The ``DistributedDataParallel`` options given to ``DDPStrategy(**kwargs)`` (any DDPStrategy, ours or not)."""
+    if not hasattr(strategy, "_ddp_kwargs"):
+        raise RuntimeError("lightning changed: DDPStrategy keeps no _ddp_kwargs (the DDP options it was given)")
+    return dict(strategy._ddp_kwargs)
 
 
 def set_comm_hook(strategy: DDPStrategy, hook: Optional[Callable], wrapper: Optional[Callable] = None) -> None:

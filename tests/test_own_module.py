@@ -144,8 +144,8 @@ changed = [name for name, kept in before[2].items() if after[2][name] != kept]
 assert not changed, changed
 import lit_ddp.callbacks.phase_timer, lit_ddp.run.strategy, lit_ddp.records.schema
 assert PhaseTimer is lit_ddp.callbacks.phase_timer.PhaseTimer and LitDDPStrategy is lit_ddp.run.strategy.LitDDPStrategy
-# DDPTuner by the callbacks' package, the one place that says which module holds it.
-assert load_run is lit_ddp.records.schema.load_run and DDPTuner is lit_ddp.callbacks.DDPTuner
+# DDPTuner from the tuner's room.
+assert load_run is lit_ddp.records.schema.load_run and DDPTuner is lit_ddp.tuner.DDPTuner
 lit_ddp.quiet_lightning()  # the opt-in
 assert state()[0] != before[0]
 print("unchanged")

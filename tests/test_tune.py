@@ -1,7 +1,7 @@
-"""The DDP tuner: its search on hand-made trials (deterministic), DDP's bucket layout as the search predicts it, and
-one real short tune of a user's module on 2 CPU ranks whose YAML ``lit_ddp.fit --config`` runs."""
+"""The DDP tuner's command and callback: DDP's bucket layout as the search predicts it, the config it writes and the
+script lines it prints, its one-line refusals, and real short tunes on 2 CPU ranks whose YAML ``lit_ddp.fit
+--config`` runs. The search on hand-made trials: tests/test_tune_search.py."""
 
-import dataclasses
 import json
 import textwrap
 from datetime import timedelta
@@ -14,137 +14,13 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from lit_ddp.callbacks.tuner import report, script_lines, strategy_line
 from lit_ddp.fit import build_cli
 from lit_ddp.measure.memory import bucket_layout
-from lit_ddp.scaling.tuning import (
-    Knobs,
-    Model,
-    Trial,
-    bucket_caps,
-    faster,
-    grid,
-    head_to_head,
-    layout,
-    search,
-    speedup,
-    to_record,
-)
-from lit_ddp.tune import TuneCLI, tuned_config
+from lit_ddp.tuner.callback import knobs_of
+from lit_ddp.tuner.cli import TuneCLI, tuned_config
+from lit_ddp.tuner.knobs import Knobs, bucket_caps, layout
+from lit_ddp.tuner.verdict import script_lines
 from tests.runner import free_port, run_fit, run_main, run_module
-
-BASE = Knobs()
-
-
-def trial(knobs: Knobs, *rounds_ms: float, **fields) -> Trial:
-    return Trial(knobs, list(rounds_ms), ddp_bytes=1000, seconds=1.0, **fields)
-
-
-def model(grad_bytes=(4 << 20,) * 8, **fields) -> Model:
-    defaults = dict(grad_bytes=tuple(grad_bytes), has_buffers=False, unused_parameters=False,
-                    optimizer_impls=("foreach", "fused"), world_size=2, bf16=False)  # fmt: skip
-    return Model(**{**defaults, **fields})
-
-
-def measuring(times: dict) -> tuple[list[Knobs], callable]:
-    """A ``measure`` that returns hand-made rounds by label (the change from BASE), and the knobs it was asked."""
-    asked = []
-
-    def measure(knobs: Knobs) -> Trial:
-        asked.append(knobs)
-        label = knobs.label(BASE)
-        rounds = times.get(label, times["yours"])
-        return trial(knobs, *rounds, in_sync=label not in times.get("out_of_sync", ()))
-
-    return asked, measure
-
-
-def test_a_difference_is_real_only_when_the_rounds_do_not_overlap():
-    a, b = trial(BASE, 10, 11, 12), trial(BASE, 12.5, 13, 14)
-    assert faster(a, b) and not faster(b, a)
-    assert not faster(trial(BASE, 10, 11, 13), b)  # a's slowest round (13) is not below b's fastest (12.5)
-    assert speedup(b, a) == pytest.approx((13 / 11, 12.5 / 12, 14 / 10))
-    assert trial(BASE, 9, 10, 11).spread == pytest.approx(0.1)
-
-
-def test_when_the_step_shows_no_communication_no_bucket_size_or_compression_is_tried_or_advised():
-    # The noop hook's step (no all-reduce) overlaps the user's: the all-reduce is hidden or noise.
-    asked, measure = measuring({"yours": (10, 11, 12), "comm_hook=noop": (9.5, 10.5, 11.5)})
-    outcome = search(measure, model(), BASE, budget_s=100, allow_lossy=True)
-    assert not any(k.bucket_cap_mb or k.comm_hook in ("fp16", "bf16") for k in asked)
-    assert outcome.best is outcome.base
-    text = report(outcome, rows=64)
-    assert "smaller buckets" not in text and "fp16/bf16 compression halves" not in text
-    assert "Verdict: keep your configuration: no configuration tried beats it beyond the noise" in text
-    assert "bucket_cap_mb, comm_hook: not tried: the step without any all-reduce is no faster" in text
-
-
-def test_a_change_is_kept_only_beyond_the_noise_and_the_next_knob_builds_on_it():
-    times = {
-        "yours": (20, 21, 22),
-        "comm_hook=noop": (5, 5.5, 6),  # communication shows: 15 ms of a 21 ms step
-        "bucket_cap_mb=32": (14, 15, 16),  # one bucket: beyond the noise
-        "bucket_cap_mb=16": (15, 16, 21),  # overlaps the best so far: not kept
-        "bucket_cap_mb=32, gradient_as_bucket_view=true": (13.5, 14.5, 15.5),  # overlaps 14-16: not kept
-        "bucket_cap_mb=32, static_graph=true": (11, 12, 13),  # beyond: kept
-    }
-    asked, measure = measuring(times)
-    outcome = search(measure, model(), BASE, budget_s=100)
-    assert [k.label(BASE) for k in asked[:3]] == ["yours", "comm_hook=noop", "bucket_cap_mb=32"]
-    assert outcome.best.knobs == Knobs(bucket_cap_mb=32.0, static_graph=True)
-    assert not any(k.comm_hook in ("fp16", "bf16") for k in asked)  # lossy only when allowed
-    verdict = report(outcome, rows=64).splitlines()[-1]
-    assert verdict.startswith("Verdict: bucket_cap_mb=32, static_graph=true: step 21.00 ms -> 12.00 ms, 1.75x "
-                              "(1.54x-2.00x over the rounds), measured by lit_ddp.tune. ")  # fmt: skip
-    # What is left to cut is the bytes on the wire, with its figure (from the best configuration's step).
-    hint = ("The all-reduce shows 6.50 ms of the 12.00 ms step: fp16/bf16 compression halves the bytes on the wire, "
-            "at most ~3.25 ms less (an estimate; --tune.allow_lossy measures it)")  # fmt: skip
-    assert verdict.endswith(hint)
-    assert strategy_line(outcome.best.knobs) == "LitDDPStrategy(bucket_cap_mb=32.0, static_graph=True)"
-
-
-def test_over_a_slow_link_the_output_names_compression_with_its_figure_and_measures_it_when_allowed():
-    times = {"yours": (186, 187, 188), "comm_hook=noop": (18, 19, 20), "comm_hook=fp16": (100, 103, 105),
-             "comm_hook=powersgd4": (60, 61, 62)}  # fmt: skip
-    _, measure = measuring(times)
-    lossless = search(measure, model(grad_bytes=(4 << 20,)), BASE, budget_s=100)
-    assert "fp16/bf16 compression halves the bytes on the wire, at most ~84.00 ms less (an estimate" in report(
-        lossless, rows=64
-    )
-    asked, measure = measuring(times)
-    lossy = search(measure, model(grad_bytes=(4 << 20,)), BASE, budget_s=100, allow_lossy=True)
-    assert "bf16" not in {k.comm_hook for k in asked}  # gloo: no bf16
-    assert [k.comm_hook for k in asked[-3:]] == ["fp16", "powersgd1", "powersgd4"]  # PowerSGD at small ranks
-    assert lossy.best.knobs.comm_hook == "powersgd4" and "comm_hook=powersgd4" in report(lossy, 64).splitlines()[-1]
-    assert strategy_line(lossy.best.knobs) == "LitDDPStrategy(powersgd_rank=4)"
-
-
-def test_the_budget_stops_new_trials_and_says_which_were_left():
-    _, measure = measuring({"yours": (10, 11, 12), "comm_hook=noop": (1, 2, 3)})
-    outcome = search(measure, model(), BASE, budget_s=3.5)  # 1 s per trial: the user's, noop, one more
-    assert len(outcome.trials) == 2 and outcome.no_comm is not None
-    assert len(outcome.trials) + 1 + len([s for s in outcome.skipped if "budget" in s[1]]) >= 5
-    assert all(why == "budget (3.5 s) spent" for _, why in outcome.skipped)
-
-
-def test_a_configuration_that_leaves_ranks_out_of_sync_is_never_kept():
-    times = {"yours": (10, 11, 12), "comm_hook=noop": (1, 2, 3), "static_graph=true": (4, 5, 6)}
-    times["out_of_sync"] = ("static_graph=true",)
-    _, measure = measuring(times)
-    outcome = search(measure, model(grad_bytes=(1000,)), BASE, budget_s=100)
-    assert outcome.best.knobs.static_graph is False
-    assert ("static_graph=true", "ranks out of sync after it: not kept") in outcome.skipped
-
-
-def test_knobs_follow_the_model():
-    _, measure = measuring({"yours": (10, 11, 12), "comm_hook=noop": (9, 10, 11)})
-    unused = search(measure, model(unused_parameters=True), Knobs(find_unused_parameters=True), budget_s=100)
-    tried = {k for t in unused.trials for k in t.knobs.changes(Knobs(find_unused_parameters=True))}
-    assert "static_graph" not in tried and "find_unused_parameters" not in tried  # needed: kept
-    buffers = search(measure, model(has_buffers=True, optimizer_impls=()), BASE, budget_s=100)
-    labels = {t.knobs.label(BASE) for t in buffers.trials}
-    assert labels == {"yours", "gradient_as_bucket_view=true", "static_graph=true", "broadcast_buffers=false"}
-    assert json.loads(json.dumps(to_record(buffers, rows=8)))["best"] == dataclasses.asdict(BASE)
 
 
 def test_a_model_under_one_mib_of_gradients_is_one_bucket_whatever_the_cap():
@@ -199,7 +75,7 @@ MODULE = """
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_a_short_tune_of_a_users_module_writes_a_config_that_fit_runs(tmp_path):
+def test_a_short_tune_of_a_users_module_writes_a_config_that_fit_runs(tmp_path, monkeypatch):
     (tmp_path / "my_module.py").write_text(textwrap.dedent(MODULE))
     tune = run_module("lit_ddp.tune", "--trainer.accelerator", "cpu", "--devices", "2", "--model", "my_module.MLP",
                       "--model.width", "32", "--data", "my_module.Data", "--tune.budget_s", "20", "--tune.steps",
@@ -213,7 +89,17 @@ def test_a_short_tune_of_a_users_module_writes_a_config_that_fit_runs(tmp_path):
     assert script + "    strategy = LitDDPStrategy(" in out
     record = json.loads((tmp_path / "out" / "tuned.json").read_text())
     assert record["trials"][0]["knobs"] == record["base"] and all(t["in_sync"] for t in record["trials"])
-    assert all(len(t["rounds_ms"]) == 3 for t in record["trials"])
+    assert all(len(t["rounds_ms"]) >= 3 and len(t["samples_ms"]) == 3 * len(t["rounds_ms"]) for t in record["trials"])
+    # No reported win is faster than the step without any all-reduce.
+    if record["verdict"] is not None and record["best"]["optimizer"] == record["base"]["optimizer"]:
+        assert record["verdict"]["after_ms"] >= record["verdict"]["floor_ms"], record  # in the same rounds
+    # The config carries every knob the verdict names: the module builds its own Adam, so an optimizer change is
+    # never in it (it would be the verdict's script change, with its own figure).
+    assert record["best"]["optimizer"] == "as_configured"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    written = build_cli(["--config", "out/tuned.yaml"]).trainer.strategy
+    assert knobs_of(written) == Knobs(**record["best"])
     fit = run_fit("--config", "out/tuned.yaml", "--trainer.max_steps", "2", cwd=tmp_path, timeout=120)
     assert fit.returncode == 0, fit.stderr[-3000:]
     assert "Done: 2 steps on 2 ranks" in fit.stdout
@@ -232,38 +118,6 @@ def test_tune_help_explains_itself_and_bad_options_are_one_line(monkeypatch, cap
     assert code == 2 and err.count("\n") == 1 and err.startswith("lit-ddp-tune: error: "), err
     assert "rounds >= 2" in err
     assert not torch.distributed.is_initialized()
-
-
-def test_the_grid_measures_every_combination_and_picks_the_fastest_in_sync():
-    times = {
-        "yours": (10, 11, 12),
-        "comm_hook=noop": (1, 2, 3),
-        "gradient_as_bucket_view=true, static_graph=true": (5, 6, 7),
-    }
-    asked, measure = measuring(times)
-    outcome = grid(measure, model(grad_bytes=(1000,), optimizer_impls=("fused",)), BASE)
-    # gradient_as_bucket_view x static_graph x optimizer: 8 combinations (no bucket caps for one gradient)
-    assert len(outcome.trials) == 8 and len({t.knobs for t in outcome.trials}) == 8
-    assert outcome.best.knobs == Knobs(gradient_as_bucket_view=True, static_graph=True)
-
-
-def test_head_to_head_takes_one_round_of_each_in_turn_and_picks_the_fastest_in_sync():
-    view, fused, static = Knobs(gradient_as_bucket_view=True), Knobs(optimizer="fused"), Knobs(static_graph=True)
-    rounds = {BASE: iter([10, 12, 11]), view: iter([9, 8, 10]), fused: iter([5, 5, 5]), static: iter([9.5, 9, 9])}
-    asked = []
-
-    def measure(knobs: Knobs) -> Trial:
-        asked.append(knobs)
-        return trial(knobs, next(rounds[knobs]), in_sync=knobs != fused, max_dw=0.0 if knobs == BASE else 1e-3)
-
-    outcome = head_to_head(measure, BASE, [view, BASE, fused, static], rounds=3)  # yours given twice: measured once
-    assert asked == [BASE, view, fused, static] * 3  # in turn, so that a drift falls on every one alike
-    assert [t.rounds_ms for t in outcome.trials] == [[10, 12, 11], [9, 8, 10], [5, 5, 5], [9.5, 9, 9]]
-    assert outcome.base.knobs == BASE and outcome.trials[0] is outcome.base and outcome.no_comm is None
-    # fused is fastest but left the ranks out of sync; view's rounds reach yours (10): level; static's do not.
-    assert outcome.best.knobs == static
-    assert [t.seconds for t in outcome.trials] == [3.0] * 4 and not outcome.trials[2].in_sync
-    assert outcome.trials[1].max_dw == 1e-3 and outcome.base.max_dw == 0.0
 
 
 @pytest.mark.parametrize(
@@ -314,30 +168,6 @@ def test_a_users_classes_keep_their_own_defaults_not_the_labs(tmp_path, monkeypa
     assert type(lab.model).__name__ == "LinearRegression" and lab.datamodule.hparams.dim == 16
 
 
-def test_a_change_level_within_the_noise_is_kept_when_it_holds_less_memory():
-    def measure(knobs: Knobs) -> Trial:
-        held = 600 if knobs.gradient_as_bucket_view else 1000  # no second copy of the gradients
-        rounds = (
-            (1, 2, 3)
-            if knobs.comm_hook == "noop"
-            else (10, 11, 12)
-            if knobs.gradient_as_bucket_view
-            else (10.5, 11, 11.5)
-        )
-        return Trial(knobs, list(rounds), ddp_bytes=held, seconds=1.0)
-
-    outcome = search(measure, model(grad_bytes=(1000,), optimizer_impls=()), BASE, budget_s=100)
-    assert outcome.best.knobs == Knobs(gradient_as_bucket_view=True)
-    assert (
-        report(outcome, rows=8)
-        .splitlines()[-1]
-        .startswith(
-            "Verdict: gradient_as_bucket_view=true: step 11.00 ms -> 11.00 ms, 1.00x (0.88x-1.15x over the rounds), "
-            "400 B less held per rank"
-        )
-    )
-
-
 def test_the_tuned_config_carries_every_knob_into_a_fit_that_parses_it(tmp_path):
     cli = build_cli(["--trainer.accelerator", "cpu", "--devices", "2", "--model.dim", "32", "--out", "x.yaml"],
                     cli_class=TuneCLI, save_config_callback=None)  # fmt: skip
@@ -359,7 +189,7 @@ def test_the_tuned_config_carries_every_knob_into_a_fit_that_parses_it(tmp_path)
 
 
 def test_another_ddp_strategys_options_are_carried_where_ours_takes_them_and_the_rest_named(tmp_path):
-    from lit_ddp.tune import strategy_args
+    from lit_ddp.tuner.cli import strategy_args
 
     def given(*options: str) -> tuple:
         args = ["--trainer.accelerator", "cpu", "--devices", "2", "--trainer.strategy", "DDPStrategy", *options]
@@ -379,7 +209,6 @@ def test_another_ddp_strategys_options_are_carried_where_ours_takes_them_and_the
 def test_powersgd_goes_from_the_tuner_into_a_fit_config_and_a_script_line(tmp_path, monkeypatch):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-    from lit_ddp.callbacks.tuner import knobs_of
     from lit_ddp.run.strategy import LitDDPStrategy
 
     monkeypatch.chdir(tmp_path)
@@ -404,7 +233,7 @@ def test_without_a_ddp_strategy_the_tuner_says_so_in_one_line(tmp_path):
     from lightning.pytorch import Trainer
 
     from lit_ddp import FixedBatchDataModule, LinearRegression
-    from lit_ddp.callbacks import DDPTuner
+    from lit_ddp import DDPTuner
 
     trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                       enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
@@ -417,7 +246,7 @@ def test_in_a_script_the_tuner_steps_on_the_loaders_given_to_fit(make_trainer):
     from torch.utils.data import DataLoader, TensorDataset
 
     from lit_ddp import LinearRegression
-    from lit_ddp.callbacks import DDPTuner
+    from lit_ddp.tuner import DDPTuner
 
     compare = [{"gradient_as_bucket_view": True}, {"comm_hook": "powersgd1"}]
     tuner = DDPTuner(budget_s=5, steps=1, warmup=2, rounds=2, compare=compare)
@@ -434,13 +263,21 @@ def test_in_a_script_the_tuner_steps_on_the_loaders_given_to_fit(make_trainer):
 
 
 def test_the_users_knobs_are_read_from_the_strategy_on_every_torch():
-    from lit_ddp.callbacks.tuner import knobs_of
     from lit_ddp.run.strategy import LitDDPStrategy
 
     strategy = LitDDPStrategy(broadcast_buffers=False, gradient_as_bucket_view=True, bucket_cap_mb=2.0,
                               ddp_comm_hook=default_hooks.fp16_compress_hook)  # fmt: skip
     assert knobs_of(strategy) == Knobs(bucket_cap_mb=2.0, gradient_as_bucket_view=True, broadcast_buffers=False,
                                         comm_hook="fp16")  # fmt: skip
+
+
+def test_the_users_knobs_come_through_the_register_and_a_missing_name_is_loud():
+    from lit_ddp.run.strategy import LitDDPStrategy
+
+    strategy = LitDDPStrategy(static_graph=True)
+    del strategy._ddp_kwargs  # as if Lightning stopped keeping it: no silent "your configuration is torch's"
+    with pytest.raises(RuntimeError, match="lightning changed: DDPStrategy keeps no _ddp_kwargs"):
+        knobs_of(strategy)
 
 
 def test_a_hook_the_tuner_cannot_measure_is_refused_in_one_line_before_any_rank_starts(monkeypatch, capsys):

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from lit_ddp.analysis import noise, stragglers
-from lit_ddp.analysis.memory import fmt_bytes
+from lit_ddp.formatting import fmt_bytes
 from lit_ddp.analysis.tables import fmt_ms, table
 from lit_ddp.analysis.trace import TRACE_PHASES, RankAnalysis
 from lit_ddp.errors import RecordError

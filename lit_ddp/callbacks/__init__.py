@@ -8,7 +8,6 @@ from lit_ddp.callbacks.phase_timer import PhaseTimer
 from lit_ddp.callbacks.run_summary import RunSummary
 from lit_ddp.callbacks.step_sync import StepSync
 from lit_ddp.callbacks.sync_check import SyncCheck
-from lit_ddp.callbacks.tuner import DDPTuner
 from lit_ddp.errors import NonFiniteLossError, SyncError
 from lit_ddp.run import console
 
@@ -16,9 +15,9 @@ from lit_ddp.run import console
 # package to unpickle the callbacks, and quiets itself here as that script asked (its environment says so).
 console.quiet_if_asked()
 
+
 __all__ = [
     "CommMonitor",
-    "DDPTuner",
     "DeviceMap",
     "LossMonitor",
     "NonFiniteLossError",

@@ -23,9 +23,9 @@ from typing_extensions import override
 
 from lit_ddp import _lightning
 from lit_ddp.measure.gradients import check_all_used
-from lit_ddp.measure.trials import buffer_sync, powersgd
 from lit_ddp.run import console, lifecycle
 from lit_ddp.run.checkpointing import AtomicCheckpointIO
+from lit_ddp.run.ddp_options import buffer_sync, powersgd
 from lit_ddp.run.hangs import name_absent_ranks
 from lit_ddp.run.rendezvous import init_loopback_process_group
 from lit_ddp.run.roles import NamesPendingCollective, ReportsOutOfMemory

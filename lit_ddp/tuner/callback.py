@@ -3,12 +3,13 @@
     python -m lit_ddp.tune --devices 2 --tune.budget_s 120
     trainer = Trainer(strategy=LitDDPStrategy(), devices=2, callbacks=[DDPTuner()]); trainer.fit(model, data)
 
-At ``on_fit_start`` (the ranks started, the process group up) it runs the search of ``lit_ddp.scaling.tuning``
+At ``on_fit_start`` (the ranks started, the process group up) it runs the search of ``lit_ddp.tuner.search``
 with a ``TrialBench`` on the first batch of the training data, prints every trial and the verdict, and ends
 the fit before any training step. ``outcome`` holds the result (carried back to a ``ddp_fork`` parent).
 """
 
 import dataclasses
+import inspect
 from functools import partial
 from typing import Any, Optional, get_args
 
@@ -21,23 +22,11 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_ddp import _lightning
-from lit_ddp.analysis.tables import fmt_ms, table
 from lit_ddp.callbacks.shared import say
-from lit_ddp.formatting import fmt_bytes
-from lit_ddp.measure.trials import TrialBench, no_logging, optimizer_impls
-from lit_ddp.scaling.tuning import (
-    Hook,
-    Knobs,
-    Model,
-    OptimizerImpl,
-    Outcome,
-    faster,
-    grid,
-    head_to_head,
-    search,
-    speedup,
-    to_record,
-)
+from lit_ddp.tuner.bench import TrialBench, no_logging, optimizer_impls
+from lit_ddp.tuner.knobs import Hook, Knobs, Model, OptimizerImpl
+from lit_ddp.tuner.search import Outcome, grid, head_to_head, search, to_record
+from lit_ddp.tuner.verdict import report
 
 # The user's communication hook (by its function's name; PowerSGD's as powersgd<rank>) -> a trial's comm_hook
 KNOWN_HOOKS = {"fp16_compress_hook": "fp16", "bf16_compress_hook": "bf16", **{h: h for h in ("powersgd1", "powersgd4")}}
@@ -47,18 +36,20 @@ class DDPTuner(Callback):
     """Tries DDP configurations on the Trainer's own model and prints which is fastest, beyond the noise.
 
     Args:
-        budget_s: Seconds of trials (every rank's slowest) after which no new configuration is started.
+        budget_s: Seconds of trials (every rank's slowest) after which no new configuration is started (the
+            pick's confirmation, head to head with yours, comes after it).
         steps: Timed steps per round of a trial.
         warmup: Untimed steps before them (DDP rebuilds its buckets in the first; PowerSGD all-reduces plainly in
             them, at least 2, and compresses from the first timed step).
-        rounds: Rounds per configuration: its figure is the median round, the rounds' range its noise.
+        rounds: Interleaved rounds per configuration (one round of each in turn; a close call gets up to as many
+            again): its figure is the median step over them, "faster" the noise model's word (docs/noise.md).
         allow_lossy: Also try fp16/bf16 compression and PowerSGD at matrix rank 1 and 4 (they change the numbers:
             reported with the loss and max |Δw| against your configuration after the same steps).
         grid: Measure every combination of the knobs instead (no budget; the reference benchmarks/tune_grid.py
             holds the search against).
         compare: Measure exactly these configurations against yours instead, head to head (one round of each in
             turn, ``rounds`` times): each a dict of the knobs it changes, e.g. ``{"bucket_cap_mb": 4.0}`` (the
-            names of ``lit_ddp.scaling.tuning.Knobs``; a tune's ``.json`` holds them as ``best``). A repeated
+            names of ``lit_ddp.tuner.knobs.Knobs``; a tune's ``.json`` holds them as ``best``). A repeated
             configuration, or yours, is measured once.
     """
 
@@ -80,7 +71,7 @@ class DDPTuner(Callback):
             raise ValueError(f"`DDPTuner(warmup={warmup!r})`: PowerSGD (tried with allow_lossy, or asked in compare) "
                              "all-reduces plainly in its first 2 steps: warmup must be >= 2")  # fmt: skip
         self.outcome: Optional[Outcome] = None
-        self.record: Optional[dict] = None  # the outcome as JSON-ready data (lit_ddp.scaling.tuning.to_record)
+        self.record: Optional[dict] = None  # the outcome as JSON-ready data (lit_ddp.tuner.search.to_record)
         self.rows = 0  # samples per step, every rank together
 
     @override
@@ -98,6 +89,7 @@ class DDPTuner(Callback):
         bench = TrialBench(pl_module, batch, trainer.optimizers[0], strategy.root_device, self.steps, self.warmup,
                            self.rounds, step_context=strategy.precision_plugin.train_step_context)  # fmt: skip
         base = knobs_of(strategy)
+        one_round = partial(bench.measure, rounds=1)  # the search interleaves the rounds itself
         model = Model(
             grad_bytes=_grad_bytes(pl_module),
             has_buffers=any(True for _ in pl_module.buffers()),
@@ -115,14 +107,21 @@ class DDPTuner(Callback):
                 if knobs.optimizer not in ("as_configured", *model.optimizer_impls):
                     raise ValueError(f"DDPTuner: compare asks for optimizer={knobs.optimizer}, which "
                                      f"{type(trainer.optimizers[0]).__name__} does not take")  # fmt: skip
-            self.outcome = head_to_head(partial(bench.measure, rounds=1), base, configs, self.rounds)
+            self.outcome = head_to_head(one_round, base, configs, self.rounds)
         elif self.grid:
-            self.outcome = grid(bench.measure, model, base, self.allow_lossy)
+            self.outcome = grid(one_round, model, base, self.rounds, self.allow_lossy)
         else:
-            self.outcome = search(bench.measure, model, base, self.budget_s, self.allow_lossy)
+            self.outcome = search(one_round, model, base, self.budget_s, self.rounds, self.allow_lossy,
+                                  optimizer_in_config=takes_optimizer_impl(pl_module))  # fmt: skip
         self.record = to_record(self.outcome, self.rows)
         say(trainer, report(self.outcome, self.rows))
         trainer.should_stop = True  # the fit ends before its first step: this was a tuning run
+
+
+def takes_optimizer_impl(model: object) -> bool:
+    """The model takes ``foreach`` and ``fused`` as options (the lab's does): a config can carry the choice, where
+    otherwise it is a change to the user's ``configure_optimizers``."""
+    return {"foreach", "fused"} <= set(inspect.signature(type(model)).parameters)
 
 
 def _changes(config: dict[str, Any]) -> dict[str, Any]:
@@ -183,7 +182,7 @@ def knobs_of(strategy: DDPStrategy) -> Knobs:
     """The user's configuration: the strategy's DDP options. A communication hook the tuner cannot measure (any but
     fp16/bf16 compression and PowerSGD at rank 1 or 4, or a wrapper) is refused: its trials would measure something
     else."""
-    kwargs = getattr(strategy, "_ddp_kwargs", None) or getattr(strategy, "ddp_kwargs", {}) or {}
+    kwargs = _lightning.ddp_kwargs(strategy)
     configured = _lightning.configured_comm_hook(strategy)
     hook = getattr(configured.hook, "__name__", None)
     named = configured.wrapper or configured.hook
@@ -203,100 +202,3 @@ def knobs_of(strategy: DDPStrategy) -> Knobs:
         broadcast_buffers=bool(kwargs.get("forward_sync_buffers", kwargs.get("broadcast_buffers", True))),
         find_unused_parameters=bool(kwargs.get("find_unused_parameters", False)),
     )
-
-
-def report(outcome: Outcome, rows: int) -> str:
-    """Every trial, and the verdict: the fastest against the user's configuration, with the rounds' range."""
-    base, best = outcome.base, outcome.best
-    memory_title = "peak memory" if base.peak_bytes is not None else "DDP holds"
-    no_comm = outcome.no_comm.median if outcome.no_comm else None
-    lines_rows = []
-    for trial in outcome.trials:
-        # Against the step without all-reduce of the user's configuration: for the DDP knobs only (an optimizer
-        # of its own changes the compute too).
-        same_compute = trial.knobs.optimizer == base.knobs.optimizer
-        exposed = fmt_ms(max(0.0, trial.median - no_comm)) if no_comm is not None and same_compute else "-"
-        memory = trial.peak_bytes if trial.peak_bytes is not None else trial.ddp_bytes
-        lines_rows.append((
-            trial.knobs.label(base.knobs) + (" *" if trial is best else ""),
-            fmt_ms(trial.median),
-            f"{fmt_ms(trial.low)}-{fmt_ms(trial.high)}",
-            exposed,
-            f"{rows / trial.median * 1e3:,.0f}" if rows else "-",
-            fmt_bytes(memory) if memory is not None else "-",
-            f"{trial.loss:.6g}" if trial.loss is not None else "-",
-            "0" if trial.max_dw == 0 else f"{trial.max_dw:.2g}" if trial.max_dw is not None else "-",
-            "yes" if trial.in_sync else "NO",
-        ))  # fmt: skip
-    lines = [
-        f"DDP tuning: {len(outcome.trials)} configuration(s), {len(base.rounds_ms)} rounds each; "
-        "step = median round (slowest rank), rounds = their range",
-        table(
-            (
-                "configuration",
-                "step",
-                "rounds",
-                "exposed comm",
-                "samples/s",
-                memory_title,
-                "loss",
-                "max |Δw|",
-                "in sync",
-            ),
-            lines_rows,
-        ),  # fmt: skip
-    ]
-    if outcome.no_comm is not None:
-        lines.append(f"without any all-reduce (noop hook, a reference): step {fmt_ms(outcome.no_comm.median)} "
-                     f"({fmt_ms(outcome.no_comm.low)}-{fmt_ms(outcome.no_comm.high)})")  # fmt: skip
-    for what, why in outcome.skipped:
-        lines.append(f"{what}: {why}")
-    lines.append(verdict(outcome))
-    return "\n".join(lines)
-
-
-def verdict(outcome: Outcome) -> str:
-    base, best = outcome.base, outcome.best
-    if best is base:
-        noise = max(t.spread for t in outcome.trials)
-        return (f"Verdict: keep your configuration: no configuration tried beats it beyond the noise (rounds within "
-                f"±{noise:.0%})" + _compression_hint(outcome))  # fmt: skip
-    ratio, low, high = speedup(base, best)
-    saved = (base.ddp_bytes or 0) - (best.ddp_bytes or 0)
-    memory = f", {fmt_bytes(saved)} less held per rank" if saved > 0 else ""
-    return (f"Verdict: {best.knobs.label(base.knobs)}: step {fmt_ms(base.median)} -> {fmt_ms(best.median)}, "
-            f"{ratio:.2f}x ({low:.2f}x-{high:.2f}x over the rounds){memory}, measured by lit_ddp.tune"
-            + _compression_hint(outcome))  # fmt: skip
-
-
-def _compression_hint(outcome: Outcome) -> str:
-    """Where the all-reduce still shows in the best step (beyond the noise, a fifth of it or more), the bytes on
-    the wire are what is left to cut: fp16/bf16 compression halves them (lossy, so only measured when allowed)."""
-    best, no_comm = outcome.best, outcome.no_comm
-    tried = any(t.knobs.lossy for t in outcome.trials)
-    if no_comm is None or tried or best.knobs.optimizer != outcome.base.knobs.optimizer or not faster(no_comm, best):
-        return ""
-    exposed = best.median - no_comm.median
-    if exposed < best.median / 5:
-        return ""
-    return (f". The all-reduce shows {fmt_ms(exposed)} of the {fmt_ms(best.median)} step: fp16/bf16 compression "
-            f"halves the bytes on the wire, at most ~{fmt_ms(exposed / 2)} less (an estimate; --tune.allow_lossy "
-            "measures it)")  # fmt: skip
-
-
-def strategy_line(knobs: Knobs) -> str:
-    """The ``LitDDPStrategy(...)`` of a script for ``knobs``."""
-    args = [f"{k}={v!r}" for k, v in knobs.changes(Knobs()).items() if k not in ("comm_hook", "optimizer")]
-    if knobs.comm_hook in ("fp16", "bf16"):
-        args.append(f"ddp_comm_hook=default_hooks.{knobs.comm_hook}_compress_hook")
-    elif knobs.comm_hook.startswith("powersgd"):
-        args.append(f"powersgd_rank={knobs.comm_hook.removeprefix('powersgd')}")
-    return f"LitDDPStrategy({', '.join(args)})"
-
-
-def script_lines(knobs: Knobs) -> list[str]:
-    """The lines a script runs to get ``knobs``' strategy (``strategy = LitDDPStrategy(...)``, with its imports)."""
-    lines = ["from lit_ddp.run.strategy import LitDDPStrategy"]
-    if knobs.comm_hook in ("fp16", "bf16"):
-        lines.append("from torch.distributed.algorithms.ddp_comm_hooks import default_hooks")
-    return [*lines, f"strategy = {strategy_line(knobs)}"]

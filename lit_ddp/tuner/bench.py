@@ -1,6 +1,6 @@
 """One DDP configuration measured on the user's own model, in the ranks already started: the tuner's trials.
 
-    python -m lit_ddp.tune --devices 2        # lit_ddp.callbacks.DDPTuner runs a TrialBench on every rank
+    python -m lit_ddp.tune --devices 2        # lit_ddp.tuner.DDPTuner runs a TrialBench on every rank
 
 Every trial starts from the same weights and the same batch, wraps the module in a fresh
 ``DistributedDataParallel`` with its knobs on the one process group, builds a fresh optimizer like the user's, and
@@ -9,7 +9,7 @@ end, which a tuner may do). Every rank's step times are all-reduced (max: a step
 rank), so every rank sees the same numbers and takes the same path through the search.
 """
 
-import inspect
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -18,11 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from lit_ddp.measure.memory import ddp_memory
-from lit_ddp.scaling.tuning import Knobs, Trial
+from lit_ddp.run.ddp_options import buffer_sync, powersgd
+from lit_ddp.tuner.knobs import Knobs
+from lit_ddp.tuner.trial import Trial
 
 HOOKS = {
     "fp16": default_hooks.fp16_compress_hook,
@@ -46,29 +48,12 @@ class _TrainingStep(nn.Module):
         return loss
 
 
-def powersgd(rank: int, start_step: int) -> tuple[powerSGD_hook.PowerSGDState, Callable]:
-    """torch's PowerSGD (error feedback, warm start) at matrix ``rank`` on the default process group, compressing
-    from step ``start_step`` (>= 2; plain all-reduces before): the state and hook for ``register_comm_hook``."""
-    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
-                                        start_powerSGD_iter=start_step)  # fmt: skip
-    return state, powerSGD_hook.powerSGD_hook
-
-
 def comm_hook(name: str, warmup: int) -> tuple[Any, Callable] | None:
     """The state and hook of a trial's ``comm_hook`` (None: DDP's own all-reduce). PowerSGD compresses from the
     first timed step: the ``warmup`` untimed ones (``DDPTuner`` asks for 2 or more) all-reduce plainly."""
     if name.startswith("powersgd"):
         return powersgd(int(name.removeprefix("powersgd")), max(2, warmup))
     return (None, HOOKS[name]) if name in HOOKS else None
-
-
-def buffer_sync(on: bool) -> dict[str, bool]:
-    """DDP's kwargs for syncing buffers at each forward: torch's default when ``on``; off, by the name the installed
-    torch takes (``forward_sync_buffers`` since 2.13, where ``broadcast_buffers`` warns that it is deprecated)."""
-    if on:
-        return {}
-    takes = inspect.signature(DistributedDataParallel).parameters
-    return {"forward_sync_buffers" if "forward_sync_buffers" in takes else "broadcast_buffers": False}
 
 
 def optimizer_impls(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
@@ -99,7 +84,7 @@ class TrialBench:
 
     Args:
         steps: Timed steps per round, after ``warmup`` untimed ones (DDP rebuilds its buckets in the first).
-        rounds: Rounds per trial; the trial's figure is the median of the rounds' medians, their range its noise.
+        rounds: Rounds per ``measure`` when it is not told (the search asks for one at a time, interleaved).
     """
 
     def __init__(self, module: nn.Module, batch: Any, optimizer: torch.optim.Optimizer, device: torch.device,
@@ -118,7 +103,8 @@ class TrialBench:
         began = time.perf_counter()
         for _ in range(self.rounds if rounds is None else rounds):
             times, loss, memory, peak = self._round(knobs)
-            trial.rounds_ms.append(sorted(times)[len(times) // 2])
+            trial.samples_ms += times
+            trial.rounds_ms.append(statistics.median(times))
             trial.loss, trial.ddp_bytes, trial.peak_bytes = loss, memory, peak
         weights = [p.detach().clone() for p in self.module.parameters()]
         trial.in_sync = _in_sync(weights)

@@ -1,0 +1,114 @@
+"""What one configuration measured (``Trial``: every timed step, in time order), and the noise model's word on two
+configurations measured in the same interleaved rounds (``Comparison``).
+
+    python -m lit_ddp.tune --devices 2        # every "faster" the tuner prints is a compare() here
+
+Nothing here decides by a rule of its own: intervals and words come from ``lit_ddp.analysis.noise`` (docs/noise.md).
+"""
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+from lit_ddp.analysis import noise
+from lit_ddp.tuner.knobs import Knobs
+
+# A change that saves under 2% of the step is not worth a line of config: called "same" however sure the interval.
+MIN_GAIN = 0.02
+
+
+@dataclass
+class Trial:
+    """What one configuration measured: every timed step (ms, the slowest rank's) in time order over its rounds,
+    each round's median, and what it holds."""
+
+    knobs: Knobs
+    samples_ms: list[float] = field(default_factory=list)
+    rounds_ms: list[float] = field(default_factory=list)
+    ddp_bytes: Optional[int] = None  # DDP's own memory from the live objects (parameters, gradients, buckets, state)
+    peak_bytes: Optional[int] = None  # the caching allocator's peak over the trial (CUDA only)
+    loss: Optional[float] = None  # the loss of the trial's last step
+    max_dw: Optional[float] = None  # max |w - w_yours| after the same steps from the same start
+    in_sync: bool = True  # every rank holds rank 0's weights at the end of every round
+    seconds: float = 0.0  # wall time of all its rounds
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples_ms) if self.samples_ms else math.nan
+
+    def interval(self, confidence: float = 0.95) -> noise.Interval:
+        """The median step with its interval (the noise model's, over every timed step)."""
+        return noise.median_interval(self.samples_ms, confidence=confidence)
+
+    def absorb(self, more: "Trial") -> None:
+        """Adds ``more``'s rounds (the same knobs, measured later) to this trial."""
+        self.samples_ms += more.samples_ms
+        self.rounds_ms += more.rounds_ms
+        self.seconds += more.seconds
+        self.loss, self.ddp_bytes, self.peak_bytes = more.loss, more.ddp_bytes, more.peak_bytes
+        self.in_sync = self.in_sync and more.in_sync
+        if more.max_dw is not None:
+            self.max_dw = max(self.max_dw or 0.0, more.max_dw)
+
+    def holds_less(self, other: "Trial") -> bool:
+        return self.ddp_bytes is not None and other.ddp_bytes is not None and self.ddp_bytes < other.ddp_bytes
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """``after`` against ``before``, measured in the same interleaved rounds: their median steps, the speedup
+    (before / after) with its interval, and the noise model's word for ``after``: faster, slower or same."""
+
+    before_ms: float
+    after_ms: float
+    speedup: noise.Interval
+    word: str
+    floor_ms: Optional[float] = None  # the step without any all-reduce, in the same rounds (where measured)
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "speedup": dataclasses.asdict(self.speedup)}
+
+
+def compare(before: Trial, after: Trial, confidence: float) -> Comparison:
+    """The noise model on two trials' steps: ``faster``/``slower`` only when the interval of the difference of
+    their medians, at ``confidence``, excludes 0 and the difference is over ``MIN_GAIN`` of ``before``'s step."""
+    diff = noise.difference_interval(before.samples_ms, after.samples_ms, confidence=confidence)
+    word = noise.call(diff, min_effect=MIN_GAIN * before.median)
+    speedup = noise.ratio_interval(after.samples_ms, before.samples_ms, confidence=confidence)
+    return Comparison(before.median, after.median, speedup, word)
+
+
+class Rounds:
+    """Measures configurations in interleaved rounds (one round of each in turn, so that the machine's drift falls
+    on every one alike), keeps every configuration's rounds together for the table, and counts the seconds."""
+
+    def __init__(self, measure: Callable[[Knobs], Trial], budget_s: float = math.inf) -> None:
+        self.measure, self.budget_s = measure, budget_s  # measure: one round of knobs
+        self.rows: dict[Knobs, Trial] = {}  # every round of each configuration, in the order first measured
+        self.spent, self.measured = 0.0, 0
+        self.extra = 0  # rounds the caller added where a call was close
+
+    def fresh(self, knobs: Sequence[Knobs], rounds: int) -> list[Trial]:
+        """New trials of ``knobs`` (one each, repeats measured once), ``rounds`` interleaved rounds."""
+        trials = [Trial(k) for k in dict.fromkeys(knobs)]
+        for _ in range(rounds):
+            self.more(trials)
+        return trials
+
+    def more(self, trials: Sequence[Trial]) -> None:
+        """One more round of each of ``trials``, in turn."""
+        for trial in trials:
+            one = self.measure(trial.knobs)
+            trial.absorb(one)
+            self.rows.setdefault(trial.knobs, Trial(trial.knobs)).absorb(one)
+            self.spent += one.seconds
+            self.measured += 1
+
+    def fit(self, configurations: int, rounds: int) -> bool:
+        """``rounds`` rounds of ``configurations`` still fit in the budget, a round taking as long as the rounds so
+        far did on average."""
+        mean = self.spent / self.measured if self.measured else 0.0
+        return self.spent + configurations * rounds * mean <= self.budget_s

@@ -16,7 +16,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.overrides import distributed as overrides_distributed
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
@@ -38,7 +38,7 @@ PRIVATE_NAMES = [
     PrivateName(DDPStrategy, "_start_method", "the start method the launcher is configured with"),
     PrivateName(DDPStrategy, "_timeout", "the process-group timeout DDPStrategy(timeout=...) was given"),
     PrivateName(DDPStrategy, "_ddp_kwargs", "DDP's arguments as given to DDPStrategy(**kwargs)"),
-    PrivateName(DDPStrategy, "_checkpoint_io", "the CheckpointIO given (None: none yet), as the Trainer reads it"),
+    PrivateName(Strategy, "_checkpoint_io", "the CheckpointIO given (None: none yet), as the Trainer reads it"),
     PrivateName(_SubprocessScriptLauncher, "procs", "the `ddp` launcher's Popen list of ranks 1..N-1"),
     PrivateName(_SubprocessScriptLauncher, "_call_children_scripts", "ScriptLauncher: the children get its pid"),
     PrivateName(_MultiProcessingLauncher, "procs", "the ddp_spawn/fork launcher's processes"),

@@ -46,7 +46,8 @@ def test_timeout_is_a_timedelta_and_timeout_s_the_command_lines_spelling():
     assert LitDDPStrategy(timeout=timedelta(minutes=5)).timeout_s == 300.0
     assert LitDDPStrategy(timeout_s=7)._timeout == timedelta(seconds=7)
     assert LitDDPStrategy(timeout=None).timeout_s is None  # torch's default, as DDPStrategy(timeout=None)
-    with pytest.raises(ValueError, match=r"timeout_s=5\)`: give one of them"):
+    assert LitDDPStrategy(timeout=timedelta(seconds=5), timeout_s=5).timeout_s == 5.0  # the same, twice: fine
+    with pytest.raises(ValueError, match=r"timeout_s=5\)`: two timeouts, give one"):
         LitDDPStrategy(timeout=timedelta(seconds=30), timeout_s=5)
     with pytest.raises(ValueError, match=r"`LitDDPStrategy\(timeout=datetime.timedelta\(0\)\)` must be > 0"):
         LitDDPStrategy(timeout=timedelta(0))

@@ -110,10 +110,11 @@ class LitDDPStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         if timeout_s is not None:
-            if timeout != DEFAULT_TIMEOUT:
-                raise ValueError(f"`LitDDPStrategy(timeout={timeout!r}, timeout_s={timeout_s!r})`: give one of them")
             if not timeout_s > 0:
                 raise ValueError(f"`LitDDPStrategy(timeout_s={timeout_s!r})` must be > 0")
+            if timeout not in (DEFAULT_TIMEOUT, timedelta(seconds=timeout_s)):
+                raise ValueError(f"`LitDDPStrategy(timeout={timeout!r}, timeout_s={timeout_s!r})`: two timeouts, "
+                                 "give one")  # fmt: skip
             timeout = timedelta(seconds=timeout_s)
         if timeout is not None and not timeout > timedelta(0):
             raise ValueError(f"`LitDDPStrategy(timeout={timeout!r})` must be > 0")

@@ -54,7 +54,7 @@ class Run(NamedTuple):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="benchmarks/lightning_conformance.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkout", type=Path, help="a git clone of Lightning at the installed version's tag")
     parser.add_argument("--files", nargs="+", default=TEST_FILES, help="test files or folders under tests_pytorch")
     parser.add_argument("--timeout", type=int, default=300, help="seconds any one test may run (pytest-timeout)")

@@ -114,3 +114,17 @@ def test_slurm_settings_are_checked_at_launch_before_any_rank_trains(tmp_path, m
 
 def test_unused_parameters_are_a_runtime_error_as_ddps_own_error_is():
     assert issubclass(UnusedParametersError, RuntimeError) and issubclass(UnusedParametersError, UsageError)
+
+
+def test_post_local_sgd_is_configured_as_in_lightning():
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_local_sgd
+
+    from lit_ddp import _lightning
+
+    state = post_local_sgd.PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=8)
+    strategy = LitDDPStrategy(ddp_comm_state=state, ddp_comm_hook=post_local_sgd.post_localSGD_hook,
+                              model_averaging_period=4)  # fmt: skip
+    assert _lightning.configured_comm_hook(strategy) == (post_local_sgd.post_localSGD_hook, None, state)
+    assert strategy._model_averaging_period == 4  # DDPStrategy.setup builds its PeriodicModelAverager from it
+    with pytest.raises(ValueError, match=r"powersgd_rank=\.\.\.\)` is a communication hook: give no ddp_comm_hook"):
+        LitDDPStrategy(powersgd_rank=1, ddp_comm_state=state)

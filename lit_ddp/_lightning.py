@@ -2,11 +2,11 @@
 
     pytest tests/test_private_apis.py      # fails loudly, naming the name, when the installed Lightning changed
 
-Tested with lightning 2.6 (pyproject allows >=2.6,<2.7). ``lit_ddp/run/strategy.py`` overrides two private
-methods of ``DDPStrategy`` (``_configure_launcher``, ``_register_ddp_hooks``) and sets its ``_start_method``
-before the launcher is made; ``lit_ddp/run/launchers.py`` subclasses the two launchers (exported here under
-public names) and overrides ``_call_children_scripts``; everything else private is reached through the functions
-below and nowhere else. ``PRIVATE_NAMES`` lists them all for the test.
+Tested with lightning 2.6 (pyproject allows >=2.6,<2.7). ``lit_ddp/run/strategy.py`` overrides three private
+methods of ``DDPStrategy`` (``_configure_launcher``, ``_setup_model``, ``_register_ddp_hooks``) and sets its
+``_start_method`` before the launcher is made; ``lit_ddp/run/launchers.py`` subclasses the two launchers (exported
+here under public names) and overrides ``_call_children_scripts``; everything else private is reached through the
+functions below and nowhere else. ``PRIVATE_NAMES`` lists them all for the test.
 """
 
 from collections.abc import Callable
@@ -31,6 +31,7 @@ class PrivateName(NamedTuple):
 PRIVATE_NAMES = [
     PrivateName(DDPStrategy, "_configure_launcher", "LitDDPStrategy tells its ranks who launched them"),
     PrivateName(DDPStrategy, "_register_ddp_hooks", "LitDDPStrategy registers comm hooks on gloo too"),
+    PrivateName(DDPStrategy, "_setup_model", "LitDDPStrategy builds DDP on the default CUDA stream outside a capture"),
     PrivateName(DDPStrategy, "_ddp_comm_hook", "the hook, wrapper and state given to DDPStrategy(...)"),
     PrivateName(DDPStrategy, "_ddp_comm_wrapper", "see _ddp_comm_hook"),
     PrivateName(DDPStrategy, "_ddp_comm_state", "see _ddp_comm_hook"),

@@ -70,5 +70,5 @@ def test_ddp_strategy_keeps_the_hook_and_wraps_in_the_methods_we_override():
     source = inspect.getsource(DDPStrategy)
     for name in ("_ddp_comm_hook", "_ddp_comm_wrapper", "_ddp_comm_state", "_start_method", "_launcher"):
         assert f"self.{name} = " in source, f"DDPStrategy no longer sets {name}"
-    for method in ("_configure_launcher", "_register_ddp_hooks"):
+    for method in ("_configure_launcher", "_setup_model", "_register_ddp_hooks"):
         assert method in DDPStrategy.__dict__, f"DDPStrategy.{method} is gone: LitDDPStrategy overrides it"

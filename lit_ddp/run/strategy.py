@@ -218,6 +218,19 @@ class LitDDPStrategy(DDPStrategy):
         super().setup_distributed()
 
     @override
+    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+        # Lightning 2.6 builds DDP under a new CUDA side stream, which whole-step CUDA-graph capture needs (torch's
+        # CUDA notes). Outside a capture, DDP's AccumulateGrad nodes then remember a stream the backward does not
+        # run on: autograd warns "AccumulateGrad node's stream does not match" at every backward and syncs the two
+        # (lightning#21567). As Lightning's master does since lightning#21746, not yet released: the side stream
+        # while capturing, the default stream otherwise; on CPU, Lightning's own.
+        device_ids = self.determine_ddp_device_ids()
+        if device_ids is None or torch.cuda.is_current_stream_capturing():
+            return super()._setup_model(model)
+        with torch.cuda.stream(torch.cuda.default_stream()):
+            return DistributedDataParallel(module=model, device_ids=device_ids, **self._ddp_kwargs)
+
+    @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
         if not self._checked_grads and not self._ddp_kwargs.get("find_unused_parameters", False):

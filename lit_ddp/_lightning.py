@@ -4,8 +4,9 @@
 
 Tested with lightning 2.6 (pyproject allows >=2.6,<2.7). ``lit_ddp/run/strategy.py`` overrides three private
 methods of ``DDPStrategy`` (``_configure_launcher``, ``_setup_model``, ``_register_ddp_hooks``) and sets its
-``_start_method`` before the launcher is made; everything else private is reached through the functions below
-and nowhere else. ``PRIVATE_NAMES`` lists them all for the test.
+``_start_method`` before the launcher is made; ``lit_ddp/run/launchers.py`` subclasses the two launchers (exported
+here under public names) and overrides ``_call_children_scripts``; everything else private is reached through the
+functions below and nowhere else. ``PRIVATE_NAMES`` lists them all for the test.
 """
 
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.overrides import distributed as overrides_distributed
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
@@ -29,15 +30,22 @@ class PrivateName(NamedTuple):
 
 PRIVATE_NAMES = [
     PrivateName(DDPStrategy, "_configure_launcher", "LitDDPStrategy tells its ranks who launched them"),
-    PrivateName(DDPStrategy, "_setup_model", "LitDDPStrategy wraps DDP on the current CUDA stream"),
     PrivateName(DDPStrategy, "_register_ddp_hooks", "LitDDPStrategy registers comm hooks on gloo too"),
+    PrivateName(DDPStrategy, "_setup_model", "LitDDPStrategy builds DDP on the default CUDA stream outside a capture"),
     PrivateName(DDPStrategy, "_ddp_comm_hook", "the hook, wrapper and state given to DDPStrategy(...)"),
     PrivateName(DDPStrategy, "_ddp_comm_wrapper", "see _ddp_comm_hook"),
     PrivateName(DDPStrategy, "_ddp_comm_state", "see _ddp_comm_hook"),
-    PrivateName(DDPStrategy, "_ddp_kwargs", "the DDP options given to DDPStrategy(...): the tuner's starting point"),
+    PrivateName(
+        DDPStrategy,
+        "_ddp_kwargs",
+        "DDP's arguments as given to DDPStrategy(**kwargs): DDP is built from them; the tuner starts there",
+    ),
     PrivateName(DDPStrategy, "_launcher", "the launcher the strategy configured (None in launched ranks)"),
     PrivateName(DDPStrategy, "_start_method", "the start method the launcher is configured with"),
+    PrivateName(DDPStrategy, "_timeout", "the process-group timeout DDPStrategy(timeout=...) was given"),
+    PrivateName(Strategy, "_checkpoint_io", "the CheckpointIO given (None: none yet), as the Trainer reads it"),
     PrivateName(_SubprocessScriptLauncher, "procs", "the `ddp` launcher's Popen list of ranks 1..N-1"),
+    PrivateName(_SubprocessScriptLauncher, "_call_children_scripts", "ScriptLauncher: the children get its pid"),
     PrivateName(_MultiProcessingLauncher, "procs", "the ddp_spawn/fork launcher's processes"),
     PrivateName(_MultiProcessingLauncher, "get_extra_results", "CarryBackLauncher adds the callbacks' carried_back"),
     PrivateName(_MultiProcessingLauncher, "update_main_process_results", "... and sets them in the launcher"),
@@ -48,6 +56,25 @@ PRIVATE_NAMES = [
     PrivateName(overrides_distributed, "_register_ddp_comm_hook", "Lightning's helper: hook + wrapper onto DDP"),
     PrivateName(_FitLoop, "_data_source", "where fit's training data comes from, before the loop sets it up"),
 ]
+
+
+# The launchers, by public names, for lit_ddp/run/launchers.py to subclass.
+SubprocessScriptLauncher = _SubprocessScriptLauncher
+MultiProcessingLauncher = _MultiProcessingLauncher
+
+
+def launcher_of(strategy: DDPStrategy) -> Any:
+    """The launcher the strategy configured (``None`` before ``_configure_launcher``, and in launched ranks)."""
+    return strategy._launcher
+
+
+def set_launcher(strategy: DDPStrategy, launcher: Any) -> None:
+    strategy._launcher = launcher
+
+
+def start_method(strategy: DDPStrategy) -> str:
+    """The start method the strategy's launcher is made with (``popen``, ``spawn``, ``fork``, ``forkserver``)."""
+    return strategy._start_method
 
 
 def train_dataloader(trainer: Trainer) -> Any:
@@ -151,10 +178,3 @@ class CarryBackLauncher(_MultiProcessingLauncher):
         for callback in trainer.callbacks:
             for name, value in carried.get(type(callback).__qualname__, {}).items():
                 setattr(callback, name, value)
-
-
-def carry_back_callback_state(strategy: DDPStrategy) -> None:
-    """Under ``ddp_fork``/``ddp_spawn``: the strategy's launcher becomes a ``CarryBackLauncher``; call right after
-    ``DDPStrategy._configure_launcher``."""
-    if type(strategy._launcher) is _MultiProcessingLauncher:
-        strategy._launcher = CarryBackLauncher(strategy, start_method=strategy._start_method)

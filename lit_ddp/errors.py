@@ -30,9 +30,15 @@ class UsageError(Exception):
     """Bad command line, config or checkpoint: one line on stderr and exit 2, before any rank is started."""
 
 
-class UnusedParametersError(UsageError):
+class UnusedParametersError(UsageError, RuntimeError):
     """Parameters that got no gradient while DDP expects every one (``find_unused_parameters=False``): raised on
-    every rank after the first backward, exit 2 like any other input the run cannot use."""
+    every rank after the first backward, exit 2 like any other input the run cannot use. A ``RuntimeError`` too,
+    as DDP's own error for them is: a caller's ``except RuntimeError`` still catches it."""
+
+
+class ClusterSettingsError(UsageError, ValueError):
+    """The cluster's settings disagree with the Trainer's (Slurm's ``--ntasks-per-node`` is not ``devices``): found
+    at launch, before any rank trains. A ``ValueError`` too, as Lightning's own check raises."""
 
 
 class SyncError(RuntimeError):

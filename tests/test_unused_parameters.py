@@ -53,7 +53,9 @@ def test_without_it_every_rank_stops_after_the_first_backward_naming_them(tmp_pa
     with pytest.raises(ProcessRaisedException) as raised:
         user_trainer(tmp_path, strategy).fit(WithUnusedLayer(), FixedBatchDataModule(dim=16, batch_size=4))
     last = raised.value.msg.strip().splitlines()[-1]
-    assert last.startswith("lit_ddp.errors.UnusedParametersError: 2 parameter(s) got no gradient in step 0: "
+    assert last.startswith("lit_ddp.errors.UnusedParametersError: It looks like your LightningModule has parameters "
+                           "that were not used in producing the loss returned by training_step: "
+                           "2 parameter(s) got no gradient in step 0: "
                            "unused.weight, unused.bias;"), last  # fmt: skip
     assert "every step: DDPStrategy(find_unused_parameters=True) (static_graph" in last  # a script's phrasing
     # From the CLI that is bad input: one line, exit 2.

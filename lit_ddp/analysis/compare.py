@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Optional
 
 from lit_ddp.analysis import noise, stragglers
-from lit_ddp.formatting import fmt_bytes
 from lit_ddp.analysis.tables import fmt_ms, table
 from lit_ddp.analysis.trace import TRACE_PHASES, RankAnalysis
 from lit_ddp.errors import RecordError
+from lit_ddp.formatting import fmt_bytes
 from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, is_steady, load_run
 
 CONFIDENCE = 0.95  # for the family of all the rows: the chance that any row is called by noise alone is <= 5%

@@ -30,9 +30,10 @@ def check_all_used(module: nn.Module, step: int, advice: Advice = CLI) -> None:
     if not missing:
         return
     names = ", ".join(name for name, _ in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-    raise UnusedParametersError(
-        f"{len(missing)} parameter(s) got no gradient in step {step}: {names}; DDP would wait for them and fail "
-        "at the next step. Use them in the loss, freeze them (requires_grad=False), or let DDP search for them "
-        f"every step: {advice.strategy_settings(find_unused_parameters=True)} (static_graph=True too when the same "
-        "ones are unused every step)"
+    raise UnusedParametersError(  # opening with Lightning's words for DDP's error, which users and tests look for
+        "It looks like your LightningModule has parameters that were not used in producing the loss returned by "
+        f"training_step: {len(missing)} parameter(s) got no gradient in step {step}: {names}; DDP would wait for them "
+        "and fail at the next step. Use them in the loss, freeze them (requires_grad=False), or let DDP search for "
+        f"them every step: {advice.strategy_settings(find_unused_parameters=True)} (static_graph=True too when the "
+        "same ones are unused every step)"
     )

@@ -27,24 +27,24 @@ from lit_ddp import _lightning
 from lit_ddp.errors import AGREED_ERRORS, EXIT_FAILED, EXIT_USAGE, PROG, Ending, UsageError
 
 TRACEBACK_LINES = 12  # of a failed rank's traceback, shown before the line that names the rank
-# The launcher's pid, written into the environment the ranks it starts inherit (see mark_launcher).
+# The launcher's pid, in the environment of the ranks it starts (see launcher_pid_for_children).
 LAUNCHER_PID_ENV = "LIT_DDP_LAUNCHER_PID"
 
 
-def mark_launcher(strategy) -> None:
-    """Called when the strategy configures its launcher: the ranks this process is about to start will know
-    their launcher's pid (and only those: torchrun's and Slurm's ranks start elsewhere).
-
-    The cluster's settings are checked here too, while the Trainer is built, so that a mismatch is bad input
-    (one line, exit 2): Lightning checks them only in its launcher, inside ``fit``, where a Slurm job whose
-    ``--ntasks-per-node`` is not ``--devices`` gets a traceback from every task.
-    """
-    strategy.cluster_environment.validate_settings(num_devices=strategy.num_processes, num_nodes=strategy.num_nodes)
-    if (
-        _lightning.is_lightning_launcher(strategy.launcher)
-        and not strategy.cluster_environment.creates_processes_externally
-    ):
-        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+@contextmanager
+def launcher_pid_for_children() -> Iterator[None]:
+    """Around the start of the ranks a Lightning launcher starts itself (``lit_ddp.run.launchers``): they inherit
+    this process's pid in ``LIT_DDP_LAUNCHER_PID``, and die with it (``follow_launcher``). This process's own
+    environment is as before once they have started (a ``ddp`` launcher) or ended (``ddp_fork``/``ddp_spawn``)."""
+    previous = os.environ.get(LAUNCHER_PID_ENV)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(LAUNCHER_PID_ENV, None)
+        else:
+            os.environ[LAUNCHER_PID_ENV] = previous
 
 
 def follow_launcher(environment: ClusterEnvironment) -> None:

@@ -5,15 +5,17 @@ python -m lit_ddp.fit --devices 2        # the rank-0 store listens on 127.0.0.1
 
 import socket
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 
 def init_loopback_process_group(
-    backend: str, rank: int, world_size: int, port: int, timeout: timedelta, device: torch.device
+    backend: str, rank: int, world_size: int, port: int, timeout: Optional[timedelta], device: torch.device
 ) -> None:
-    """The process group of a one-machine run, its rendezvous store listening on 127.0.0.1 only.
+    """The process group of a one-machine run, its rendezvous store listening on 127.0.0.1 only; ``timeout``
+    ``None``: torch's default.
 
     Through ``env://`` the rank-0 TCPStore listens on every interface, and torch's SECURITY.md warns that its
     distributed features accept connections from anywhere.
@@ -25,8 +27,9 @@ def init_loopback_process_group(
         server.bind(("127.0.0.1", port))
         server.listen()
         listen_fd = server.detach()  # the store owns the descriptor from here on
+    store_timeout = timeout or dist.default_pg_timeout
     store = dist.TCPStore(
-        "127.0.0.1", port, world_size, is_master=rank == 0, timeout=timeout, master_listen_fd=listen_fd
+        "127.0.0.1", port, world_size, is_master=rank == 0, timeout=store_timeout, master_listen_fd=listen_fd
     )
     # device_id binds the NCCL communicator to this rank's GPU up front (no "using the device under current
     # context" guess in barrier()); gloo takes none.

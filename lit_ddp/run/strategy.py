@@ -2,10 +2,12 @@
 
     python -m lit_ddp.fit --trainer.strategy.static_graph true --trainer.strategy.bucket_cap_mb 1
 
-``DDPStrategy`` forwards ``**kwargs`` to ``DistributedDataParallel``, which LightningCLI cannot turn into
-options; this subclass names them, so they show in ``--help`` and YAML and are checked on parse. It also
-registers comm hooks on gloo (Lightning does on CUDA only), and hands the run's life (launcher, rendezvous,
-dead ranks) to ``lit_ddp.run.lifecycle``.
+It takes every argument ``DDPStrategy`` takes, with the same meaning (``**kwargs`` go to
+``DistributedDataParallel``), and names DDP's knobs besides, which LightningCLI cannot find in ``**kwargs``: they
+show in ``--help`` and YAML and are checked on parse; like ``**kwargs`` they reach DDP only when given. Where it
+differs from ``DDPStrategy`` on purpose (``start_method="auto"``, the 60 s timeout, comm hooks on CPU, the
+loopback rendezvous, the unused-parameter check), docs/architecture.md says why. The run's life (launcher, dead
+ranks) is ``lit_ddp.run.lifecycle``'s.
 """
 
 import multiprocessing
@@ -13,9 +15,12 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal, Optional
 
+import lightning.pytorch as pl
 import torch
 from jsonargparse.typing import PositiveFloat, PositiveInt
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -23,67 +28,102 @@ from typing_extensions import override
 
 from lit_ddp import _lightning
 from lit_ddp.measure.gradients import check_all_used
-from lit_ddp.run import console, lifecycle
+from lit_ddp.run import console, launchers, lifecycle
 from lit_ddp.run.checkpointing import AtomicCheckpointIO
 from lit_ddp.run.ddp_options import buffer_sync, powersgd
 from lit_ddp.run.hangs import name_absent_ranks
 from lit_ddp.run.rendezvous import init_loopback_process_group
 from lit_ddp.run.roles import NamesPendingCollective, ReportsOutOfMemory
 
+# Lightning's default is torch's 30 minutes: a hung rank would stall the job that long (docs/architecture.md).
+DEFAULT_TIMEOUT = timedelta(seconds=60)
+
 
 class LitDDPStrategy(DDPStrategy):
     """DDP with a short process-group timeout and DDP's bucket and graph options exposed.
 
+    The first twelve arguments are ``DDPStrategy``'s, in its order and with its meaning (two defaults differ:
+    ``timeout`` and ``start_method``); the rest are lit_ddp's. Of DDP's options (``static_graph`` to
+    ``broadcast_buffers``, and ``**kwargs``) only those given reach DDP: ``None`` leaves torch's default.
+
     Args:
-        timeout_s: Seconds a collective may wait before the process group aborts. Lightning's default
-            is 30 minutes, so a hung rank stalls the job that long; a few-second experiment needs far less.
-        static_graph: DDP's ``static_graph``: the graph is the same every step, which lets DDP skip
-            the unused-parameter search and reorder buckets after the first step.
-        gradient_as_bucket_view: Gradients are views into DDP's all-reduce buckets (saves a copy and memory).
-        bucket_cap_mb: DDP's gradient bucket size in MiB (torch's default: 25). Smaller buckets start
-            all-reducing earlier in backward, at the cost of more messages.
-        find_unused_parameters: Search the graph for parameters without gradients every step.
-        broadcast_buffers: DDP's ``broadcast_buffers``: rank 0's buffers (BatchNorm's running statistics) are sent
-            to every rank at each forward. Off, each rank keeps its own (one collective less per step).
-        start_method: ``popen`` runs the script again for each rank (Lightning's ``ddp``); ``spawn``
-            and ``fork`` start ranks with multiprocessing (``ddp_spawn``, ``ddp_fork``). ``auto``: ``fork``
-            for several CPU processes on one Linux machine (the ranks start from the already imported and
-            parsed process: no second round of imports), ``popen`` on GPUs and elsewhere.
-        process_group_backend: ``nccl`` or ``gloo``; ``None`` picks nccl on CUDA and gloo elsewhere.
+        accelerator: As ``DDPStrategy``'s; the Trainer sets it.
+        parallel_devices: As ``DDPStrategy``'s; the Trainer sets it.
+        cluster_environment: As ``DDPStrategy``'s; the Trainer finds it (Lightning's, torchrun's, Slurm's).
+        checkpoint_io: How checkpoints are written. ``None`` (and no ``CheckpointIO`` in the Trainer's plugins):
+            ``AtomicCheckpointIO``, which writes a temporary file and renames it over the target.
+        precision_plugin: As ``DDPStrategy``'s; the Trainer sets it.
+        ddp_comm_state: The state of ``ddp_comm_hook`` (e.g. a ``PostLocalSGDState``, or PowerSGD's).
         ddp_comm_hook: A DDP communication hook, e.g.
             ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook``; registered on
             CPU/gloo too. ``...debugging_hooks.noop_hook`` removes the gradient all-reduce (fault injection).
         ddp_comm_wrapper: Wraps ``ddp_comm_hook`` (or the plain all-reduce), e.g.
             ``...default_hooks.fp16_compress_wrapper``.
+        model_averaging_period: With a ``PostLocalSGDState``: average the models every this many steps.
+        process_group_backend: ``nccl``, ``gloo`` or any backend string torch takes; ``None`` picks nccl on CUDA
+            and gloo elsewhere.
+        timeout: How long a collective may wait before the process group aborts (Lightning's default: 30
+            minutes, so a hung rank stalls the job that long). ``None``: torch's default.
+        start_method: ``popen`` runs the script again for each rank (Lightning's ``ddp``); ``spawn``
+            and ``fork`` start ranks with multiprocessing (``ddp_spawn``, ``ddp_fork``). ``auto``: ``fork``
+            for several CPU processes on one Linux machine (the ranks start from the already imported and
+            parsed process: no second round of imports), ``popen`` on GPUs and elsewhere.
+        timeout_s: ``timeout`` in seconds, the command line's spelling (``--trainer.strategy.timeout_s 10``).
+        static_graph: DDP's ``static_graph``: the graph is the same every step, which lets DDP skip
+            the unused-parameter search and reorder buckets after the first step.
+        gradient_as_bucket_view: Gradients are views into DDP's all-reduce buckets (saves a copy and memory).
+        bucket_cap_mb: DDP's gradient bucket size in MiB (torch's default: 25). Smaller buckets start
+            all-reducing earlier in backward, at the cost of more messages.
+        find_unused_parameters: Search the graph for parameters without gradients every step. Off (torch's
+            default), a parameter without a gradient in the first step is an error naming it.
+        broadcast_buffers: DDP's ``broadcast_buffers``: rank 0's buffers (BatchNorm's running statistics) are sent
+            to every rank at each forward (torch's default). Off, each rank keeps its own (one collective less
+            per step); given as ``forward_sync_buffers`` where torch has renamed it.
         powersgd_rank: PowerSGD compression of the gradients (torch's ``powerSGD_hook``, with error feedback) at
             this matrix rank: lossy, far fewer bytes on the wire. Instead of ``ddp_comm_hook``.
         powersgd_start_step: The step from which PowerSGD compresses (plain all-reduces before it; torch's
             default, 1000, as its authors advise for accuracy). At least 2.
+        **kwargs: More of ``DistributedDataParallel``'s arguments (``process_group``, ``init_sync``, ...).
     """
 
     def __init__(
         self,
-        timeout_s: PositiveFloat = 60.0,
-        static_graph: bool = False,
-        gradient_as_bucket_view: bool = False,
-        bucket_cap_mb: Optional[PositiveFloat] = None,
-        find_unused_parameters: bool = False,
-        broadcast_buffers: bool = True,
-        start_method: Literal["auto", "popen", "spawn", "fork", "forkserver"] = "auto",
-        process_group_backend: Optional[Literal["nccl", "gloo"]] = None,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        ddp_comm_state: Optional[object] = None,
         ddp_comm_hook: Optional[Callable] = None,
         ddp_comm_wrapper: Optional[Callable] = None,
+        model_averaging_period: Optional[int] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
+        start_method: Literal["auto", "popen", "spawn", "fork", "forkserver"] = "auto",
+        timeout_s: Optional[PositiveFloat] = None,
+        static_graph: Optional[bool] = None,
+        gradient_as_bucket_view: Optional[bool] = None,
+        bucket_cap_mb: Optional[PositiveFloat] = None,
+        find_unused_parameters: Optional[bool] = None,
+        broadcast_buffers: Optional[bool] = None,
         powersgd_rank: Optional[PositiveInt] = None,
         powersgd_start_step: PositiveInt = 1000,
+        **kwargs: Any,
     ) -> None:
-        if not timeout_s > 0:
-            raise ValueError(f"`LitDDPStrategy(timeout_s={timeout_s!r})` must be > 0")
-        ddp_comm_state = None
+        if timeout_s is not None:
+            if not timeout_s > 0:
+                raise ValueError(f"`LitDDPStrategy(timeout_s={timeout_s!r})` must be > 0")
+            if timeout not in (DEFAULT_TIMEOUT, timedelta(seconds=timeout_s)):
+                raise ValueError(f"`LitDDPStrategy(timeout={timeout!r}, timeout_s={timeout_s!r})`: two timeouts, "
+                                 "give one")  # fmt: skip
+            timeout = timedelta(seconds=timeout_s)
+        if timeout is not None and not timeout > timedelta(0):
+            raise ValueError(f"`LitDDPStrategy(timeout={timeout!r})` must be > 0")
         if powersgd_rank is not None:
-            if ddp_comm_hook is not None or ddp_comm_wrapper is not None:
+            if ddp_comm_hook is not None or ddp_comm_wrapper is not None or ddp_comm_state is not None:
                 raise ValueError(
-                    "`LitDDPStrategy(powersgd_rank=...)` is a communication hook: give no ddp_comm_hook "
-                    "or ddp_comm_wrapper with it"
+                    "`LitDDPStrategy(powersgd_rank=...)` is a communication hook: give no ddp_comm_hook, "
+                    "ddp_comm_wrapper or ddp_comm_state with it"
                 )
             if not (powersgd_rank >= 1 and powersgd_start_step >= 2):
                 raise ValueError(f"`LitDDPStrategy(powersgd_rank={powersgd_rank!r}, powersgd_start_step="
@@ -92,28 +132,54 @@ class LitDDPStrategy(DDPStrategy):
         self.powersgd_rank = powersgd_rank
         if bucket_cap_mb is not None and not bucket_cap_mb > 0:
             raise ValueError(f"`LitDDPStrategy(bucket_cap_mb={bucket_cap_mb!r})` must be > 0")
-        self.timeout_s = timeout_s
-        self.ddp_kwargs = {
-            "static_graph": static_graph,
-            "gradient_as_bucket_view": gradient_as_bucket_view,
-            "find_unused_parameters": find_unused_parameters,
-        }
-        self.ddp_kwargs.update(buffer_sync(broadcast_buffers))
-        if bucket_cap_mb is not None:
-            self.ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
-        self._backend_choice = process_group_backend
+        named = {"static_graph": static_graph, "gradient_as_bucket_view": gradient_as_bucket_view,
+                 "bucket_cap_mb": bucket_cap_mb, "find_unused_parameters": find_unused_parameters}  # fmt: skip
+        ddp_kwargs = {name: value for name, value in named.items() if value is not None}
+        if broadcast_buffers is not None:
+            ddp_kwargs.update(buffer_sync(broadcast_buffers))
+        # Merged here, not passed on as `**kwargs`: jsonargparse would follow those into DDP's signature and give DDP
+        # every one of its defaults explicitly; a config names the options above.
+        ddp_kwargs.update(kwargs)
         self._checked_grads = False
         self.start_method_choice = start_method
         super().__init__(
-            timeout=timedelta(seconds=timeout_s),
-            start_method="popen" if start_method == "auto" else start_method,
-            process_group_backend=process_group_backend,
-            ddp_comm_hook=ddp_comm_hook,
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
             ddp_comm_state=ddp_comm_state,
+            ddp_comm_hook=ddp_comm_hook,
             ddp_comm_wrapper=ddp_comm_wrapper,
-            checkpoint_io=AtomicCheckpointIO(),
-            **self.ddp_kwargs,
+            model_averaging_period=model_averaging_period,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method="popen" if start_method == "auto" else start_method,
+            **ddp_kwargs,
         )
+
+    @property
+    def timeout_s(self) -> Optional[float]:
+        """The process-group timeout in seconds (``None``: torch's default)."""
+        return self._timeout.total_seconds() if self._timeout is not None else None
+
+    @property
+    def ddp_kwargs(self) -> dict[str, Any]:
+        """The arguments DDP is built with: those given, no more (Lightning keeps them in ``_ddp_kwargs``)."""
+        return self._ddp_kwargs
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        # Atomic writes unless a CheckpointIO was given, here or in the Trainer's plugins: decided when first
+        # asked, so that the Trainer still sees no checkpoint_io of the strategy's while it builds.
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        return super().checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._checkpoint_io = io
 
     @override
     def _configure_launcher(self) -> None:
@@ -128,8 +194,7 @@ class LitDDPStrategy(DDPStrategy):
             )
             self._start_method = "fork" if fork else "popen"
         super()._configure_launcher()
-        _lightning.carry_back_callback_state(self)  # how the ranks' training ended reaches a launching parent
-        lifecycle.mark_launcher(self)
+        launchers.replace_launcher(self)
 
     @override
     def setup_environment(self) -> None:
@@ -147,26 +212,29 @@ class LitDDPStrategy(DDPStrategy):
         ):
             # Lightning's own init (env://) then sees the group initialized and skips it.
             self.set_world_ranks()
-            backend = self._backend_choice or ("nccl" if self.root_device.type == "cuda" else "gloo")
             init_loopback_process_group(
-                backend, env.global_rank(), env.world_size(), env.main_port, timedelta(seconds=self.timeout_s),
+                self._get_process_group_backend(), env.global_rank(), env.world_size(), env.main_port, self._timeout,
                 self.root_device,
             )  # fmt: skip
         super().setup_distributed()
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
-        # Lightning builds DDP inside `torch.cuda.stream(torch.cuda.Stream())`. DDP's constructor creates the
-        # parameters' AccumulateGrad nodes, which remember the stream they were made on; backward then produces
-        # gradients on the default stream, and autograd warns "AccumulateGrad node's stream does not match" on
-        # every step and syncs the two streams. Build it on the current stream, as the notes' plain DDP does.
+        # Lightning 2.6 builds DDP under a new CUDA side stream, which whole-step CUDA-graph capture needs (torch's
+        # CUDA notes). Outside a capture, DDP's AccumulateGrad nodes then remember a stream the backward does not
+        # run on: autograd warns "AccumulateGrad node's stream does not match" at every backward and syncs the two
+        # (lightning#21567). As Lightning's master does since lightning#21746, not yet released: the side stream
+        # while capturing, the default stream otherwise; on CPU, Lightning's own.
         device_ids = self.determine_ddp_device_ids()
-        return DistributedDataParallel(module=model, device_ids=device_ids, **self.ddp_kwargs)
+        if device_ids is None or torch.cuda.is_current_stream_capturing():
+            return super()._setup_model(model)
+        with torch.cuda.stream(torch.cuda.default_stream()):
+            return DistributedDataParallel(module=model, device_ids=device_ids, **self._ddp_kwargs)
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
-        if not self._checked_grads and not self.ddp_kwargs["find_unused_parameters"]:
+        if not self._checked_grads and not self._ddp_kwargs.get("find_unused_parameters", False):
             self._checked_grads = True  # once: the first backward shows what the graph leaves out
             trainer = self.lightning_module.trainer
             check_all_used(self.lightning_module, trainer.global_step, console.advice(trainer))

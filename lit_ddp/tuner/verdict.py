@@ -8,9 +8,9 @@ How to read the table and what the verdict rests on: docs/tuning.md.
 import math
 from typing import Optional
 
-from lit_ddp.formatting import fmt_bytes
 from lit_ddp.analysis.noise import Interval
 from lit_ddp.analysis.tables import fmt_ms, table
+from lit_ddp.formatting import fmt_bytes
 from lit_ddp.tuner.knobs import Knobs
 from lit_ddp.tuner.search import CONFIDENCE, Outcome
 from lit_ddp.tuner.trial import Trial, compare

@@ -128,3 +128,32 @@ def test_a_launching_parent_learns_how_rank_0s_training_ended(start_method):
     launched = SimpleNamespace(callbacks=[parent, LossMonitor()], callback_metrics={})
     launcher.update_main_process_results(launched, extra)
     assert StepSync.ending_of(launched) is Ending.SIGTERM, "the launching parent reports a finished run"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sigterm_to_one_rank_under_fast_yaml_stops_every_rank_at_the_same_step(tmp_path):
+    """``configs/fast.yaml`` puts no slot in most steps' row: a rank that saw SIGTERM must not gather alone (its
+    all-gather would pair with the other rank's bucket all-reduce). The flag waits for the next gather every
+    rank makes (at most ``sigterm_every_n_steps`` later), and every rank stops after that same step."""
+    import torch
+
+    from tests.runner import ROOT, run_fit
+
+    result = run_fit("--config", str(ROOT / "configs" / "fast.yaml"), "--devices", "2", "--model.dim", "64",
+                     "--trainer.max_steps", "50", "--trainer.logger", "false", "--checkpoint.every_n_steps", "1000000",
+                     "--trainer.strategy.timeout_s", "10", "--trainer.callbacks+=tests.test_faults.SigtermOnRank",
+                     cwd=tmp_path, timeout=90)  # fmt: skip
+    files = [tmp_path / "steps" / f"rank{rank}" for rank in (0, 1)]
+    steps = [int(f.read_text()) if f.is_file() else None for f in files]  # None: that rank's training never ended
+    assert None not in steps and steps[0] == steps[1], (
+        f"rank 0 stopped at step {steps[0]}, rank 1 at {steps[1]} (None: never), exit {result.returncode}: "
+        f"{result.stderr[-2000:]}"
+    )
+    # SIGTERM at step 3's start; the next row every rank sends is step 9's (global_step 10 at its end), read at
+    # the end of step 10.
+    assert 3 < steps[0] <= 3 + 2 * StepSync().sigterm_every_n_steps, steps
+    assert result.returncode == 143, (result.returncode, result.stderr[-2000:])
+    assert "lit-ddp-fit: stopped by SIGTERM" in result.stderr, result.stderr[-2000:]
+    checkpoint = torch.load(tmp_path / "runs" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == steps[0]

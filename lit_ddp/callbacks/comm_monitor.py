@@ -10,8 +10,9 @@ each figure means: docs/output.md; the straggler: docs/stragglers.md; a step: do
 """
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Literal, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,48 @@ COMPRESSION_WRAPPERS = {
     "fp16": default_hooks.fp16_compress_wrapper,
     "bf16": default_hooks.bf16_compress_wrapper,
 }
+# torch's casting hooks, as a strategy is given them (``ddp_comm_hook``): each is its wrapper around the plain
+# all-reduce. Taken apart, so that the cast stays outside the timed all-reduce and the record names it.
+COMPRESSION_HOOKS = {
+    default_hooks.fp16_compress_hook: "fp16",
+    default_hooks.bf16_compress_hook: "bf16",
+}
+CASTS = {**COMPRESSION_HOOKS, **{wrapper: name for name, wrapper in COMPRESSION_WRAPPERS.items()}}
+
+
+class TimedHook(NamedTuple):
+    """What CommMonitor times: ``hook`` (the all-reduce, or a hook it cannot see inside) and the ``cast`` around it."""
+
+    hook: Callable
+    cast: Optional[str]
+    opaque: bool  # a hook of the user's (PowerSGD, ...): timed from outside, its bytes the uncompressed buckets'
+
+
+def split_cast(hook: Optional[Callable], wrapper: Optional[Callable], compression: Optional[str]) -> TimedHook:
+    """The strategy's ``ddp_comm_hook`` and ``ddp_comm_wrapper`` with CommMonitor's ``compression``, as what is
+    timed and the cast outside it. Two casts (a casting hook or wrapper, and ``compression``) are refused."""
+    casts = [name for name in (_cast_of(hook), _cast_of(wrapper), compression) if name is not None]
+    if len(casts) > 1:
+        raise ValueError(
+            f"CommMonitor(compression={compression!r}) with the strategy's ddp_comm_hook={_name(hook)} and "
+            f"ddp_comm_wrapper={_name(wrapper)}: {len(casts)} casts of the gradients ({', '.join(casts)}); give one"
+        )
+    inner = hook if hook is not None and _cast_of(hook) is None else default_hooks.allreduce_hook
+    if wrapper is not None and _cast_of(wrapper) is None:  # a wrapper of the user's: part of what is timed
+        inner = wrapper(inner)
+    opaque = inner is not default_hooks.allreduce_hook
+    return TimedHook(inner, casts[0] if casts else None, opaque)
+
+
+def _cast_of(function: Optional[Callable]) -> Optional[str]:
+    try:
+        return CASTS.get(function)
+    except TypeError:  # an unhashable callable of the user's: no cast of torch's
+        return None
+
+
+def _name(function: Optional[Callable]) -> str:
+    return getattr(function, "__qualname__", repr(function)) if function is not None else "None"
 
 
 @dataclass
@@ -85,6 +128,7 @@ class CommMonitor(Callback):
         self.ended = False
         self.log_dir: Optional[str] = None
         self._hook: Any = None
+        self._cast: Optional[str] = compression  # the cast outside the timed all-reduce: this or the strategy's
         self.standing_aside = False  # this fit's strategy is not DDP: no hook, no record
 
     @staticmethod
@@ -111,13 +155,16 @@ class CommMonitor(Callback):
         # Lightning 2.6 broadcasts a SIGTERM flag from rank 0 at every step: every rank would wait for a straggler
         # there, between steps, and arrive together at the all-reduce. StepSync replaces it (and carries SIGTERM).
         StepSync.attach(trainer, self)
-        # Take over the hook the strategy would register (DDP accepts one only) and time it.
+        # Take over the hook the strategy would register (DDP accepts one only) and time it, a cast outside it.
         configured = _lightning.configured_comm_hook(trainer.strategy)
-        hook = configured.hook or default_hooks.allreduce_hook
-        if configured.wrapper is not None:
-            hook = configured.wrapper(hook)
+        timed = split_cast(configured.hook, configured.wrapper, self.compression)
+        if timed.opaque:
+            rank_zero_warn(f"CommMonitor times the strategy's communication hook {_name(configured.hook)} from "
+                           "outside: its bytes are the uncompressed buckets' and its time includes the hook's own "
+                           "work, so its bandwidth is not the wire's", stacklevel=5)  # fmt: skip
         _lightning.set_comm_hook(trainer.strategy, None)
-        self._hook = (configured.state, self._timed(hook))
+        self._cast = timed.cast
+        self._hook = (configured.state, self._timed(timed.hook, timed.cast))
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -140,7 +187,7 @@ class CommMonitor(Callback):
             first = min(self._open, key=lambda t: (t.step, t.index), default=None)
         return f"the all-reduce of bucket {first.index} in step {first.step}" if first else None
 
-    def _timed(self, hook):
+    def _timed(self, hook, cast: Optional[str]):
         def timed(state, bucket):
             buffer = bucket.buffer()
             timing = BucketTiming(
@@ -164,7 +211,7 @@ class CommMonitor(Callback):
                 return hook(state, bucket).then(done)
 
         # The cast happens outside the timed hook: the timed all-reduce sees the compressed buffer.
-        return COMPRESSION_WRAPPERS[self.compression](timed) if self.compression else timed
+        return COMPRESSION_WRAPPERS[cast](timed) if cast else timed
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -209,7 +256,7 @@ class CommMonitor(Callback):
             ranks=ranks,
             layout=list(final),
             param_bytes=sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad),
-            compression=self.compression,
+            compression=self._cast,
             first_layout=rows[0].bytes,
             profiled_steps=list(self._profiled or ()),
             clock_offset_s=[o.offset_s for o in self._offsets] or [0.0],
@@ -219,7 +266,7 @@ class CommMonitor(Callback):
             unused_bytes=sum(nbytes for _, nbytes in self._unused),
             unused_every_step=len(self._unused_sets) == 1,
             wire_dtype=self._wire_dtype,
-            ddp_memory=ddp_memory(trainer.strategy.model, trainer.optimizers, self.compression),
+            ddp_memory=ddp_memory(trainer.strategy.model, trainer.optimizers, self._cast),
         )
         report_timers(trainer, self)
 

@@ -32,8 +32,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lit_ddp.analysis.tables import fmt_bandwidth, table
-from lit_ddp.analysis.trace import allreduce_bus_factor
 from lit_ddp.errors import ForecastError
+from lit_ddp.maths.bus_factors import allreduce_bus_factor
 from lit_ddp.run.rendezvous import init_loopback_process_group
 from lit_ddp.scaling.links import ProbePoint, fit_probe
 

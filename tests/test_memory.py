@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lit_ddp import FixedBatchDataModule, LinearRegression, report
-from lit_ddp.analysis import trace
+from lit_ddp.analysis import trace, trace_memory
 from lit_ddp.analysis.comm import comm_table
 from lit_ddp.analysis.memory import oom_line
 from lit_ddp.analysis.phases import phase_table
@@ -152,7 +152,7 @@ def test_trace_memory_per_phase_from_allocator_events(tmp_path):
     events[-1]["args"]["Device Type"] = 1  # a CUDA event: not the CPU's
     path = tmp_path / "rank0.pt.trace.json.gz"
     path.write_bytes(gzip.compress(json.dumps({"traceEvents": events, "distributedInfo": {"rank": 0}}).encode()))
-    (step,) = trace.step_memory(trace.load(path))
+    (step,) = trace_memory.step_memory(trace.load(path))
     assert step.step == 3
     assert step.peak == {"step": 150, "other": 100, "forward": 150, "backward": 120}
     assert step.retained == {"step": 20, "other": 90, "forward": 100, "backward": 20}

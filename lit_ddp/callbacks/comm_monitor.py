@@ -27,9 +27,10 @@ from torch.profiler import record_function
 from typing_extensions import override
 
 from lit_ddp import _lightning
-from lit_ddp.analysis.trace import BUCKET_PREFIX, union_length
+from lit_ddp.analysis.trace import BUCKET_PREFIX
 from lit_ddp.callbacks.shared import gather_to_zero, log_metrics, meta, profiled_steps, report_timers
 from lit_ddp.callbacks.step_sync import StepSync
+from lit_ddp.maths.intervals import union_length
 from lit_ddp.measure import clock
 from lit_ddp.measure.clock import ClockOffset, CudaClock, HostClock, clock_for
 from lit_ddp.measure.gradients import check_all_used, without_grad

@@ -18,7 +18,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from lit_ddp._torch import ddp_logging_data
-from lit_ddp.analysis import trace
+from lit_ddp.analysis import trace, trace_memory
 from lit_ddp.measure.profiling import OPENS
 from lit_ddp.records.schema import PHASES, DDPMemory, StepMemory
 
@@ -162,7 +162,7 @@ def cpu_step_memory(paths: Iterable[Path], rank: int, anchors: dict[int, int]) -
             continue
         if loaded.rank != rank:
             continue
-        for step in trace.step_memory(loaded):
+        for step in trace_memory.step_memory(loaded):
             anchor = anchors.get(step.step)
             if anchor is None:
                 continue

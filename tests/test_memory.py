@@ -169,6 +169,12 @@ class FakeAllocator:
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.now)
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.peak)
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self.reset)
+        monkeypatch.setattr(torch.cuda, "memory_stats", self.stats)
+        self.reads = 0
+
+    def stats(self, device=None):
+        self.reads += 1
+        return {"allocated_bytes.all.peak": self.peak, "allocated_bytes.all.current": self.now}
 
     def reset(self, device=None):
         self.peak, self.resets = self.now, self.resets + 1
@@ -205,7 +211,27 @@ def test_allocator_marks_split_the_peak_at_each_boundary(monkeypatch):
     assert step.retained == {"step": 1450, "other": 1450, "forward": 1300, "backward": 1450, "update": 1450,
                              "data": 1450}  # fmt: skip
     assert alloc.resets == 10  # the constructor's and one per boundary: each interval's own peak
+    assert alloc.reads == 10  # one memory_stats per boundary (and the constructor's), not one per figure
     assert marks.end_step(8).start == 1450  # the next step starts where this one ended
+
+
+def test_allocator_marks_leave_the_users_peak_alone_after_the_measured_steps(monkeypatch):
+    """Only the first ``steps`` steps are measured; after them nothing resets the allocator's peak, so the user's
+    ``max_memory_allocated()`` (and DeviceStatsMonitor) after fit holds every later step's peak."""
+    alloc = FakeAllocator(monkeypatch)
+    marks = memory.AllocatorMarks(torch.device("cuda", 0), steps=2)
+    for step in range(5):
+        marks.mark("forward_start")
+        alloc.hold(100 * (step + 1))  # each step's activations, a larger one each step
+        alloc.hold(-100 * (step + 1))
+        marks.mark("forward_end")
+        row = marks.end_step(step)
+        assert (row is not None) == (step < 2), (step, row)
+    assert row is None and alloc.resets == 1 + 2 * 2  # the constructor's, and two boundaries in each of 2 steps
+    assert torch.cuda.max_memory_allocated() == 500  # step 4's peak: the user's statistics are theirs again
+    reads = alloc.reads
+    marks.mark("forward_start")
+    assert alloc.reads == reads  # and nothing reads the allocator either
 
 
 class OutOfMemoryAtStep2(LinearRegression):

@@ -157,3 +157,124 @@ def test_sigterm_to_one_rank_under_fast_yaml_stops_every_rank_at_the_same_step(t
     assert "lit-ddp-fit: stopped by SIGTERM" in result.stderr, result.stderr[-2000:]
     checkpoint = torch.load(tmp_path / "runs" / "checkpoints" / "last.ckpt", weights_only=True)
     assert checkpoint["global_step"] == steps[0]
+
+
+class FakeStream:
+    """``torch.cuda.Stream`` and ``torch.cuda.stream(...)``: says which stream is current."""
+
+    current = "default"
+
+    def __init__(self, device=None):
+        self.name = "side"
+
+    def wait_stream(self, other):
+        pass
+
+
+class FakeEvent:
+    log: list = []
+
+    def record(self, stream=None):
+        FakeEvent.log.append(("record", getattr(stream, "name", FakeStream.current)))
+
+    def synchronize(self):
+        FakeEvent.log.append(("event.synchronize", None))
+
+
+class FakeWork:
+    def wait(self):
+        FakeEvent.log.append(("work.wait", FakeStream.current))
+
+
+def test_on_cuda_the_per_step_path_copies_and_syncs_nothing_on_the_host(monkeypatch):
+    """StepSync's batch end under a mocked ``torch.cuda`` (2 ranks): the flags are filled where the row lives, the
+    gather is waited for by a side stream and copied from there; the host reads nothing in the step (no ``.cpu()``,
+    ``.item()``, ``.tolist()``, ``synchronize()``, no blocking copy), and waits on one event a step later."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    from lit_ddp.callbacks import step_sync
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        before, FakeStream.current = FakeStream.current, stream.name
+        yield
+        FakeStream.current = before
+
+    for name, fake in (("Stream", FakeStream), ("Event", FakeEvent), ("stream", on_stream),
+                       ("current_stream", lambda device=None: FakeStream.current)):  # fmt: skip
+        monkeypatch.setattr(torch.cuda, name, fake)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: FakeEvent.log.append(("kept", stream.name)))
+
+    def refused(what):
+        def call(*args, **kwargs):
+            raise AssertionError(f"{what} in the step: a host sync on CUDA")
+
+        return call
+
+    gathers = []
+
+    def all_gather(row, world_size, async_op=False):
+        assert async_op
+        gathers.append(row.clone())
+        return torch.stack([row, row]), FakeWork()
+
+    sync = StepSync(sigterm_every_n_steps=1)
+    sync._device = torch.device("cpu")  # the tensors are the CPU's; every CUDA call is the fakes'
+    sync._host_copy = step_sync._HostCopy(torch.device("cpu"))
+    sync._requeue = sync._requeued = False
+    monkeypatch.setattr(step_sync, "all_gather", all_gather)
+    monkeypatch.setattr(step_sync, "is_last_step", lambda trainer, batch_idx: False)
+    trainer = SimpleNamespace(world_size=2, global_step=0, should_stop=False, profiler=None, callbacks=[])
+    results = []
+    with monkeypatch.context() as step:  # the per-step path: no host read, no sync
+        for method in ("cpu", "item", "tolist"):
+            step.setattr(torch.Tensor, method, refused(f"Tensor.{method}()"))
+        step.setattr(torch.cuda, "synchronize", refused("torch.cuda.synchronize()"))
+        for global_step in (1, 2):
+            sync.on_train_batch_start(trainer, None, None, global_step - 1)
+            trainer.global_step = global_step
+            sync.put("loss", torch.tensor([0.5 * global_step]), results.append)
+            sync._sigterm = global_step == 2
+            sync.on_train_batch_end(trainer, None, None, None, global_step - 1)
+    # Step 1's row: sent at its end, waited for on the side stream, read at step 2's end through its event.
+    sent = [("work.wait", "side"), ("record", "side"), ("kept", "side")]  # the gathered row kept for the side stream
+    assert FakeEvent.log == [*sent, ("event.synchronize", None), *sent], FakeEvent.log
+    assert [g.numpy().tolist() for g in gathers] == [[0.0, 0.0, 0.5], [1.0, 0.0, 1.0]]  # flags, then the loss
+    assert len(results) == 1 and results[0].numpy().tolist() == [[0.5], [0.5]]
+    sync._finish(trainer)  # step 2's row, with rank 0's SIGTERM flag: every rank stops
+    assert trainer.should_stop and len(results) == 2
+
+
+def test_no_gather_is_in_flight_when_a_profiler_starts_or_stops(monkeypatch):
+    """Gloo ends a collective's profiler range on its worker thread: a gather still in flight when PhaseTimer's
+    profiler starts (at step 2) or stops (at step 5) raced the profiler and crashed a rank. The row sent at the end
+    of the step before each is read at once; under Lightning's PyTorchProfiler (it toggles inside steps) always."""
+    from types import SimpleNamespace
+
+    import torch
+    from lightning.pytorch.profilers import PyTorchProfiler
+
+    from lit_ddp.callbacks import step_sync
+
+    monkeypatch.setattr(step_sync, "all_gather", lambda row, n, async_op: (torch.stack([row, row]), FakeWork()))
+    monkeypatch.setattr(step_sync, "is_last_step", lambda trainer, batch_idx: False)
+
+    def in_flight_after_each_step(profiler):
+        sync = StepSync(sigterm_every_n_steps=1)
+        sync._device, sync._requeue, sync._requeued = torch.device("cpu"), False, False
+        timer = SimpleNamespace(profiled_steps=range(2, 5))  # PhaseTimer's: steps 2-4 profiled
+        trainer = SimpleNamespace(world_size=2, global_step=0, should_stop=False, profiler=profiler, callbacks=[timer])
+        left = []
+        for step in range(7):
+            sync.on_train_batch_start(trainer, None, None, step)
+            trainer.global_step = step + 1  # the batch end of step `step`: the next to start is step + 1
+            sync.on_train_batch_end(trainer, None, None, None, step)
+            left.append(sync._in_flight is not None)
+        return left
+
+    #       steps 0     1      2     3     4      5     6: the profiler starts at step 2's start, stops at step 5's
+    assert in_flight_after_each_step(None) == [True, False, True, True, False, True, True]
+    assert not any(in_flight_after_each_step(PyTorchProfiler()))

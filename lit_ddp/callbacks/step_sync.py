@@ -76,7 +76,7 @@ class _HostCopy:
         with torch.cuda.stream(self.stream):
             if work is not None:
                 work.wait()  # the side stream waits for the collective's stream; the host does not
-            host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+            host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=self.device.type == "cuda")
             host.copy_(gathered, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(self.stream)

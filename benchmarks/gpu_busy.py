@@ -24,9 +24,9 @@ from benchmarks.common import fmt_num, fmt_pct, ratio
 from benchmarks.gpu_fits import DIM, KERNEL_STEPS, LIMIT, Budget, Section, StepWindow, fit, profiled_fit, quiet_loss
 from lit_ddp.analysis import trace
 from lit_ddp.analysis.tables import table
-from lit_ddp.analysis.trace import union_length
 from lit_ddp.callbacks import CommMonitor, PhaseTimer
 from lit_ddp.callbacks.phase_timer import FIRST_PROFILED_STEP
+from lit_ddp.maths.intervals import union_length
 from lit_ddp.records.schema import PhaseRecord
 
 

@@ -10,6 +10,8 @@ traceback is in the report) and 0 otherwise: a missed target is a finding, liste
 
 Sections (``--sections``, comma-separated, all by default; the header always comes first), one module each:
 
+paths    ``gpu_paths.py``: issue 40's CUDA paths driven directly, in seconds: StepSync's row without a host sync,
+         bucket arrivals on the GPU's timeline, the allocator's peak left to the user after the measured steps.
 syncs    ``gpu_syncs.py``: host syncs per steady step and their call sites, from
          ``torch.cuda.set_sync_debug_mode("warn")`` over steps 11..20 of an in-process 1-GPU fit: with the tool's
          per-step work off (target 0), and with LossMonitor printing every step (1 expected: StepSync's host
@@ -43,11 +45,12 @@ import torch
 if not __package__:  # run as a file: the repository on sys.path instead of benchmarks/
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from benchmarks import gpu_busy, gpu_events, gpu_scaling, gpu_syncs  # noqa: E402
+from benchmarks import gpu_busy, gpu_events, gpu_paths, gpu_scaling, gpu_syncs  # noqa: E402
 from benchmarks.gpu_fits import QUICK, Budget, Section  # noqa: E402
 from lit_ddp import _torch  # noqa: E402
 
 RUNNERS: dict[str, Callable[[Budget], Section]] = {
+    "paths": gpu_paths.paths_section,
     "syncs": gpu_syncs.syncs_section,
     "busy": gpu_busy.busy_section,
     "events": gpu_events.events_section,

@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import clean_exit, common, gpu_busy, gpu_events, gpu_fits, gpu_scaling, gpu_syncs, step_time
-from lit_ddp.analysis.trace import union_length
+from lit_ddp.maths.intervals import union_length
 from lit_ddp.records.schema import PhaseRecord, RankPhases, RunMeta, StepPhases, StepRow
 from tests.runner import ROOT, pythonpath
 

@@ -48,6 +48,36 @@ def test_fp16_compression_halves_the_bytes_on_the_wire(make_trainer, tmp_path):
     assert sum(half.layout) * 2 == half.param_bytes
 
 
+@pytest.mark.parametrize("given", ["ddp_comm_hook", "ddp_comm_wrapper"])
+def test_a_strategy_level_fp16_cast_is_timed_as_compression(make_trainer, tmp_path, given):
+    """``ddp_comm_hook=fp16_compress_hook`` (or the wrapper): the record holds the fp16 bytes the all-reduce sent and
+    names the cast, as ``CommMonitor(compression="fp16")`` does; timed from outside, it read fp32 bytes and none."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    cast = {"ddp_comm_hook": default_hooks.fp16_compress_hook, "ddp_comm_wrapper": default_hooks.fp16_compress_wrapper}
+    _, comm, _, _ = profile(make_trainer, tmp_path, dim=128, steps=2, **{given: cast[given]})
+    assert comm.compression == "fp16" and comm.wire_dtype == "float16"
+    assert sum(comm.layout) * 2 == comm.param_bytes == 4 * (128 * 128 + 128)
+    assert comm.ddp_memory.compression == "fp16"
+
+
+def test_split_cast_takes_torch_casts_apart_and_refuses_two():
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    from lit_ddp.callbacks.comm_monitor import split_cast
+
+    plain = default_hooks.allreduce_hook
+    assert split_cast(None, None, None) == (plain, None, False)
+    assert split_cast(None, None, "bf16") == (plain, "bf16", False)
+    assert split_cast(default_hooks.bf16_compress_hook, None, None) == (plain, "bf16", False)
+    assert split_cast(None, default_hooks.fp16_compress_wrapper, None) == (plain, "fp16", False)
+    # A hook CommMonitor cannot see inside: timed from outside (opaque), a cast wrapper still outside it.
+    assert split_cast(powerSGD_hook.powerSGD_hook, default_hooks.fp16_compress_wrapper, None) == (
+        powerSGD_hook.powerSGD_hook, "fp16", True)  # fmt: skip
+    with pytest.raises(ValueError, match=r"compression='bf16'.*fp16_compress_hook.*2 casts of the gradients"):
+        split_cast(default_hooks.fp16_compress_hook, None, "bf16")
+
+
 def test_comm_monitor_stands_aside_without_ddp():
     from lightning.pytorch import Trainer
 

@@ -53,3 +53,20 @@ def test_without_cuda_it_exits_2_in_one_line_and_writes_nothing(tmp_path, how):
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("gpu_check: error: no CUDA device") and len(result.stderr.splitlines()) == 1
     assert not out.exists()
+
+
+def test_gpu_session_fits_one_device_call_with_the_gpu_tests_first():
+    """``benchmarks/gpu_session.sh run``: its steps' limits, each with its kill grace, add up to no more than its
+    budget, the budget leaves room in a 560 s device call, and the GPU tests run before the check and the suite."""
+    import re
+
+    script = (ROOT / "benchmarks" / "gpu_session.sh").read_text()
+    budget = int(re.search(r"^BUDGET_S=(\d+)", script, re.M).group(1))
+    grace = int(re.search(r"^KILL_AFTER_S=(\d+)", script, re.M).group(1))
+    steps = re.findall(r'^\s+step (nvidia-smi|"[^"]+"|\w+) (\d+) ', script, re.M)
+    names = [name.strip('"') for name, _ in steps]
+    assert names == ["nvidia-smi", "GPU tests", "gpu_check", "default suite"], names
+    assert sum(int(limit) + grace for _, limit in steps) <= budget <= 560 - 15, (steps, budget)
+    result = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_session.sh")], capture_output=True,
+                            text=True, timeout=30)  # fmt: skip
+    assert result.returncode == 0, result.stderr

@@ -1,9 +1,9 @@
-"""The union of intervals (``lit_ddp.analysis.trace.merge``, ``union_length``): the trace analysis's busy time,
+"""The union of intervals (``lit_ddp.maths.intervals.merge``, ``union_length``): the trace analysis's busy time,
 CommMonitor's communication time and the GPU check's reference figures."""
 
 import pytest
 
-from lit_ddp.analysis.trace import Interval, merge, union_length
+from lit_ddp.maths.intervals import Interval, merge, union_length
 
 
 def test_merge_joins_overlapping_and_touching_intervals_in_time_order():

@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lit_ddp import FixedBatchDataModule, LinearRegression, report
-from lit_ddp.analysis import trace
+from lit_ddp.analysis import trace, trace_memory
 from lit_ddp.analysis.comm import comm_table
 from lit_ddp.analysis.memory import oom_line
 from lit_ddp.analysis.phases import phase_table
@@ -152,7 +152,7 @@ def test_trace_memory_per_phase_from_allocator_events(tmp_path):
     events[-1]["args"]["Device Type"] = 1  # a CUDA event: not the CPU's
     path = tmp_path / "rank0.pt.trace.json.gz"
     path.write_bytes(gzip.compress(json.dumps({"traceEvents": events, "distributedInfo": {"rank": 0}}).encode()))
-    (step,) = trace.step_memory(trace.load(path))
+    (step,) = trace_memory.step_memory(trace.load(path))
     assert step.step == 3
     assert step.peak == {"step": 150, "other": 100, "forward": 150, "backward": 120}
     assert step.retained == {"step": 20, "other": 90, "forward": 100, "backward": 20}
@@ -169,6 +169,12 @@ class FakeAllocator:
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.now)
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.peak)
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self.reset)
+        monkeypatch.setattr(torch.cuda, "memory_stats", self.stats)
+        self.reads = 0
+
+    def stats(self, device=None):
+        self.reads += 1
+        return {"allocated_bytes.all.peak": self.peak, "allocated_bytes.all.current": self.now}
 
     def reset(self, device=None):
         self.peak, self.resets = self.now, self.resets + 1
@@ -205,7 +211,27 @@ def test_allocator_marks_split_the_peak_at_each_boundary(monkeypatch):
     assert step.retained == {"step": 1450, "other": 1450, "forward": 1300, "backward": 1450, "update": 1450,
                              "data": 1450}  # fmt: skip
     assert alloc.resets == 10  # the constructor's and one per boundary: each interval's own peak
+    assert alloc.reads == 10  # one memory_stats per boundary (and the constructor's), not one per figure
     assert marks.end_step(8).start == 1450  # the next step starts where this one ended
+
+
+def test_allocator_marks_leave_the_users_peak_alone_after_the_measured_steps(monkeypatch):
+    """Only the first ``steps`` steps are measured; after them nothing resets the allocator's peak, so the user's
+    ``max_memory_allocated()`` (and DeviceStatsMonitor) after fit holds every later step's peak."""
+    alloc = FakeAllocator(monkeypatch)
+    marks = memory.AllocatorMarks(torch.device("cuda", 0), steps=2)
+    for step in range(5):
+        marks.mark("forward_start")
+        alloc.hold(100 * (step + 1))  # each step's activations, a larger one each step
+        alloc.hold(-100 * (step + 1))
+        marks.mark("forward_end")
+        row = marks.end_step(step)
+        assert (row is not None) == (step < 2), (step, row)
+    assert row is None and alloc.resets == 1 + 2 * 2  # the constructor's, and two boundaries in each of 2 steps
+    assert torch.cuda.max_memory_allocated() == 500  # step 4's peak: the user's statistics are theirs again
+    reads = alloc.reads
+    marks.mark("forward_start")
+    assert alloc.reads == reads  # and nothing reads the allocator either
 
 
 class OutOfMemoryAtStep2(LinearRegression):

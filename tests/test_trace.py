@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from lit_ddp.analysis import trace as T
+from lit_ddp.maths.bus_factors import bus_factor
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -201,6 +202,9 @@ def test_an_all_gathers_bytes_are_its_output(tmp_path):
 def test_collective_names_and_bus_factors():
     op = T.GpuOp("ncclKernel_AllGather_RING_LL_Sum_int8_t", "communication", 1, 0, 1, None, {})
     assert T.collective_name(op) == "all_gather"  # from the kernel's name when the args say nothing
+    # NCCL >= 2.27's symmetric-memory kernels (ncclSymDevKernel_*) and the device kernels of NCCL 2.19+.
+    for kernel in ("ncclSymDevKernel_AllReduce_AGxLL_R_sum_f32", "ncclDevKernel_AllReduce_Sum_f32_RING_LL"):
+        assert T.collective_name(replace(op, name=kernel)) == "all_reduce", kernel
     for raw, name in (
         ("_allgather_base", "all_gather"),
         ("reduce_scatter_tensor_coalesced", "reduce_scatter"),
@@ -209,7 +213,7 @@ def test_collective_names_and_bus_factors():
         ("alltoall_base", "all_to_all"),
     ):
         assert T.collective_name(replace(op, args={"Collective name": raw})) == name, raw  # fmt: skip
-    assert [T.bus_factor(n, 8) for n in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier")] == [
+    assert [bus_factor(n, 8) for n in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier")] == [
         1.75, 0.875, 0.875, 1.0, None]  # fmt: skip
 
 

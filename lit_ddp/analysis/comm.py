@@ -13,8 +13,8 @@ from lit_ddp.analysis import stragglers
 from lit_ddp.analysis.memory import ddp_memory_lines
 from lit_ddp.analysis.phases import DEFAULT_PRECISION, sketch_or
 from lit_ddp.analysis.tables import fmt_bandwidth, fmt_ms, table
-from lit_ddp.analysis.trace import allreduce_bus_factor
 from lit_ddp.formatting import CLI, Advice
+from lit_ddp.maths.bus_factors import allreduce_bus_factor
 from lit_ddp.records.schema import CommRecord, PhaseRecord, Sketch
 
 

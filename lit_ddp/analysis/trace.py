@@ -7,7 +7,8 @@ Reads the traces torch.profiler and Lightning's ``PyTorchProfiler`` write (``.js
 ``json`` alone, no torch, so any torch version's trace reads anywhere. The figures (span, busy, idle, compute,
 communication, overlap, the three waits), how each GPU op is given to a step, a phase (``PHASE_PATTERNS``) and a
 bucket, the collectives' bandwidth, and where they differ from HTA's: docs/traces.md. Memory per step and phase
-from a ``profile_memory=True`` trace (``step_memory``): docs/memory.md.
+from a ``profile_memory=True`` trace: ``lit_ddp.analysis.trace_memory``. The interval union and nccl-tests' bus
+factors it uses are ``lit_ddp.maths.intervals`` and ``lit_ddp.maths.bus_factors``.
 """
 
 import gzip
@@ -19,6 +20,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
+
+from lit_ddp.maths.bus_factors import DIRECT, RING_ONCE, bus_factor
+from lit_ddp.maths.intervals import length, merge, union_length
 
 # Range names the tool's PhaseTimer emits through torch.profiler.record_function.
 STEP_PREFIX = "lit_ddp.step#"  # + the global step: one training step
@@ -47,7 +51,9 @@ PHASE_PATTERNS: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(p, re.I),
 _STEP = re.compile(r"(ProfilerStep|lit_ddp\.step)#(\d+)")
 _BUCKET = re.compile(re.escape(BUCKET_PREFIX) + r"(\d+)")
 _NCCL = re.compile(r"nccl\w*Kernel")
-_NCCL_OP = re.compile(r"nccl(?:Dev)?Kernel_([A-Za-z]+)")  # ncclKernel_AllReduce_RING_LL_Sum_float
+# ncclKernel_AllReduce_RING_LL_Sum_float, ncclDevKernel_AllReduce_Sum_f32_RING_LL, and NCCL 2.27's symmetric-memory
+# kernels, ncclSymDevKernel_AllReduce_AGxLL_R_sum_f32.
+_NCCL_OP = re.compile(r"nccl(?:Sym)?(?:Dev)?Kernel_([A-Za-z]+)")
 _RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)|^(?:fit|validate|test|predict)-(\d+)-", re.I)
 _GPU_CATS = {"kernel": "kernel", "gpu_memcpy": "memory", "memcpy": "memory", "gpu_memset": "memory", "memset": "memory"}
 _LAUNCH_CATS = {"cuda_runtime", "cuda_driver", "runtime", "driver"}
@@ -57,9 +63,6 @@ _RANGE_CATS = {"user_annotation", "cpu_op"}  # older torch writes ProfilerStep#N
 DTYPE_BYTES = {"Bool": 1, "Byte": 1, "Char": 1, "QInt8": 1, "QUInt8": 1, "Short": 2, "Half": 2, "BFloat16": 2,
                "UInt16": 2, "Int": 4, "Float": 4, "QInt32": 4, "UInt32": 4, "ComplexHalf": 4, "Long": 8,
                "Double": 8, "UInt64": 8, "ComplexFloat": 8, "ComplexDouble": 16}  # fmt: skip
-# nccl-tests' busbw / algbw for n ranks: all_reduce 2(n-1)/n, these (n-1)/n, these 1.
-_RING_ONCE = ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter")
-_DIRECT = ("broadcast", "reduce", "send", "recv", "send_recv")
 
 
 class TraceError(ValueError):
@@ -68,11 +71,6 @@ class TraceError(ValueError):
 
 class NoGpuEvents(TraceError):
     pass
-
-
-class Interval(NamedTuple):
-    start: float
-    end: float
 
 
 @dataclass(frozen=True)
@@ -237,28 +235,6 @@ def _phase_of(name: str) -> Optional[str]:
     return next((phase for pattern, phase in PHASE_PATTERNS if pattern.fullmatch(name)), None)
 
 
-def merge(intervals: Iterable[tuple[float, float]]) -> list[Interval]:
-    """The union of (start, end) ``intervals`` as disjoint intervals in time order."""
-    merged: list[Interval] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1].end:
-            merged[-1] = Interval(merged[-1].start, max(merged[-1].end, end))
-        else:
-            merged.append(Interval(start, end))
-    return merged
-
-
-def _length(merged: Sequence[Interval]) -> float:
-    return sum(i.end - i.start for i in merged)
-
-
-def union_length(intervals: Iterable[tuple[float, float]], start: float = -math.inf, end: float = math.inf) -> float:
-    """Length of the union of (start, end) ``intervals`` inside ``[start, end]``, in their unit: the time something
-    was busy (also CommMonitor's communication time); an interval that ends before it starts counts for nothing."""
-    clipped = ((max(s, start), min(e, end)) for s, e in intervals)
-    return _length(merge((s, e) for s, e in clipped if e > s))
-
-
 def breakdown(ops: Sequence[GpuOp], kernel_wait_us: float = KERNEL_WAIT_US) -> Optional[Breakdown]:
     """The module docstring's figures for ``ops``; None when there are none."""
     if not ops:
@@ -275,9 +251,9 @@ def breakdown(ops: Sequence[GpuOp], kernel_wait_us: float = KERNEL_WAIT_US) -> O
         late = first.launch_us is not None and first.launch_us > before.end
         waits["host" if late else "kernel" if gap < kernel_wait_us else "other"] += gap
     span = busy[-1].end - busy[0].start
-    comm_us = _length(comm)
-    overlap = _length(compute) + comm_us - _length(merge([*compute, *comm]))  # both at once
-    return Breakdown(span, _length(busy), span - _length(busy), _length(compute), _length(busy) - _length(compute),
+    comm_us = length(comm)
+    overlap = length(compute) + comm_us - length(merge([*compute, *comm]))  # both at once
+    return Breakdown(span, length(busy), span - length(busy), length(compute), length(busy) - length(compute),
                      comm_us, overlap, 100 * overlap / comm_us if comm_us else None, waits["host"], waits["kernel"],
                      waits["other"])  # fmt: skip
 
@@ -354,19 +330,6 @@ def _exposed(placed: list[PlacedOp], gradients: list[Collective]) -> Optional[fl
     return union_length(tails)
 
 
-def allreduce_bus_factor(n: int) -> float:
-    """2(n-1)/n, nccl-tests' busbw / algbw of an all-reduce over ``n`` ranks: the share of its S bytes each rank
-    sends (and receives) in a ring all-reduce, the notes' "2x the parameter size per step" for large n."""
-    return 2 * (n - 1) / n
-
-
-def bus_factor(name: str, n: int) -> Optional[float]:
-    """nccl-tests' busbw / algbw of collective ``name`` over ``n`` ranks; None for one it has no factor for."""
-    ring = (n - 1) / n
-    return {"all_reduce": allreduce_bus_factor(n), **dict.fromkeys(_RING_ONCE, ring),
-            **dict.fromkeys(_DIRECT, 1.0)}.get(name)  # fmt: skip
-
-
 def collective_name(op: GpuOp) -> str:
     """nccl-tests' name of a NCCL kernel's collective: from its ``Collective name`` argument, else its name."""
     raw = op.args.get("Collective name")
@@ -376,7 +339,7 @@ def collective_name(op: GpuOp) -> str:
     key = str(raw).lower().strip("_")
     for suffix in ("_coalesced", "_base", "_tensor", "_into"):  # allgather_into_tensor_coalesced, _allgather_base
         key = key.removesuffix(suffix)
-    plain = {k.replace("_", ""): k for k in ("all_reduce", *_RING_ONCE, *_DIRECT)}
+    plain = {k.replace("_", ""): k for k in ("all_reduce", *RING_ONCE, *DIRECT)}
     return plain.get(key.replace("_", ""), key)
 
 
@@ -397,44 +360,3 @@ def _collective(placed: PlacedOp, buckets: _Lookup, has_phases: bool, world_size
     gradient = name == "all_reduce" and (bucket or phase == "backward" or (not has_phases and step is not None))
     return Collective(step, name, nbytes, duration, algbw, busbw, GRADIENT if gradient else "other", group, phase,
                       number, op.start_us)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class StepMemoryTrace:
-    """One step's memory from a trace: per phase (``TRACE_PHASES``, and ``step`` the whole step), the most held at
-    once and what was held at its last range's end, in bytes above what the step started with."""
-
-    step: int
-    peak: dict[str, int]
-    retained: dict[str, int]
-
-
-def step_memory(trace: Trace, device_type: int = CPU_DEVICE) -> list[StepMemoryTrace]:
-    """The memory of each ``lit_ddp.step#N`` in ``trace`` from its ``[memory]`` events of ``device_type``, phase by
-    phase (the tool's own phase ranges; an event in none counts for the step only); empty without memory
-    events."""
-    events = [m for m in trace.memory if m.device_type == device_type]
-    if not events:
-        return []
-    times = [m.ts_us for m in events]
-    levels = [0]  # bytes allocated since the trace began, after each event
-    for m in events:
-        levels.append(levels[-1] + m.bytes)
-
-    def level_at(t: float) -> int:
-        return levels[bisect_right(times, t)]
-
-    def peak_in(a: float, b: float) -> int:
-        return max(levels[bisect_right(times, a) : bisect_right(times, b) + 1])
-
-    found = []
-    for step in sorted((r for r in trace.ranges if r.name.startswith(STEP_PREFIX)), key=lambda r: r.start_us):
-        base = level_at(step.start_us)
-        inside = [r for r in trace.ranges if r.name in OWN_PHASES and step.start_us <= r.start_us < step.end_us]
-        peak, retained = {"step": peak_in(step.start_us, step.end_us) - base}, {"step": level_at(step.end_us) - base}
-        for r in sorted(inside, key=lambda r: r.start_us):
-            phase = OWN_PHASES[r.name]
-            peak[phase] = max(peak.get(phase, 0), peak_in(r.start_us, r.end_us) - base)
-            retained[phase] = level_at(r.end_us) - base
-        found.append(StepMemoryTrace(int(step.name.removeprefix(STEP_PREFIX)), peak, retained))
-    return found

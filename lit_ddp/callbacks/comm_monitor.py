@@ -3,15 +3,19 @@
     python -m lit_ddp.fit --config configs/mini_train_profile.yaml --devices 2
 
 Registers a DDP communication hook on the wrapped model (any Lightning DDP strategy) that performs the all-reduce
-itself and times each bucket: CUDA events on GPUs, ``perf_counter`` on CPU; with ``compression`` the bucket is
-cast before the timed all-reduce. It records each bucket's hand-over on the host clock too, for the straggler.
+itself and times each bucket: CUDA events on GPUs, ``perf_counter`` on CPU; with ``compression`` (or a strategy's
+fp16/bf16 hook) the bucket is cast before the timed all-reduce. It records each bucket's hand-over on the host
+clock too, for the straggler: on GPUs when the gradients were ready on the GPU, not when the host queued them.
+NCCL runs the buckets one after another on one stream: a bucket's transfer starts when it is ready and the one
+before it is done.
 Rank 0 writes ``comm.json`` (a ``CommRecord``) and prints the all-reduce table (``lit_ddp.analysis.comm``). What
 each figure means: docs/output.md; the straggler: docs/stragglers.md; a step: docs/architecture.md.
 """
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Literal, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,11 +27,12 @@ from torch.profiler import record_function
 from typing_extensions import override
 
 from lit_ddp import _lightning
-from lit_ddp.analysis.trace import BUCKET_PREFIX, union_length
+from lit_ddp.analysis.trace import BUCKET_PREFIX
 from lit_ddp.callbacks.shared import gather_to_zero, log_metrics, meta, profiled_steps, report_timers
 from lit_ddp.callbacks.step_sync import StepSync
+from lit_ddp.maths.intervals import union_length
 from lit_ddp.measure import clock
-from lit_ddp.measure.clock import ClockOffset, HostClock, clock_for
+from lit_ddp.measure.clock import ClockOffset, CudaClock, HostClock, clock_for
 from lit_ddp.measure.gradients import check_all_used, without_grad
 from lit_ddp.measure.memory import ddp_memory
 from lit_ddp.records.schema import CommRecord, RankComm, Sketch, StepBuckets, Window, is_steady
@@ -37,6 +42,48 @@ COMPRESSION_WRAPPERS = {
     "fp16": default_hooks.fp16_compress_wrapper,
     "bf16": default_hooks.bf16_compress_wrapper,
 }
+# torch's casting hooks, as a strategy is given them (``ddp_comm_hook``): each is its wrapper around the plain
+# all-reduce. Taken apart, so that the cast stays outside the timed all-reduce and the record names it.
+COMPRESSION_HOOKS = {
+    default_hooks.fp16_compress_hook: "fp16",
+    default_hooks.bf16_compress_hook: "bf16",
+}
+CASTS = {**COMPRESSION_HOOKS, **{wrapper: name for name, wrapper in COMPRESSION_WRAPPERS.items()}}
+
+
+class TimedHook(NamedTuple):
+    """What CommMonitor times: ``hook`` (the all-reduce, or a hook it cannot see inside) and the ``cast`` around it."""
+
+    hook: Callable
+    cast: Optional[str]
+    opaque: bool  # a hook of the user's (PowerSGD, ...): timed from outside, its bytes the uncompressed buckets'
+
+
+def split_cast(hook: Optional[Callable], wrapper: Optional[Callable], compression: Optional[str]) -> TimedHook:
+    """The strategy's ``ddp_comm_hook`` and ``ddp_comm_wrapper`` with CommMonitor's ``compression``, as what is
+    timed and the cast outside it. Two casts (a casting hook or wrapper, and ``compression``) are refused."""
+    casts = [name for name in (_cast_of(hook), _cast_of(wrapper), compression) if name is not None]
+    if len(casts) > 1:
+        raise ValueError(
+            f"CommMonitor(compression={compression!r}) with the strategy's ddp_comm_hook={_name(hook)} and "
+            f"ddp_comm_wrapper={_name(wrapper)}: {len(casts)} casts of the gradients ({', '.join(casts)}); give one"
+        )
+    inner = hook if hook is not None and _cast_of(hook) is None else default_hooks.allreduce_hook
+    if wrapper is not None and _cast_of(wrapper) is None:  # a wrapper of the user's: part of what is timed
+        inner = wrapper(inner)
+    opaque = inner is not default_hooks.allreduce_hook
+    return TimedHook(inner, casts[0] if casts else None, opaque)
+
+
+def _cast_of(function: Optional[Callable]) -> Optional[str]:
+    try:
+        return CASTS.get(function)
+    except TypeError:  # an unhashable callable of the user's: no cast of torch's
+        return None
+
+
+def _name(function: Optional[Callable]) -> str:
+    return getattr(function, "__qualname__", repr(function)) if function is not None else "None"
 
 
 @dataclass
@@ -48,7 +95,7 @@ class BucketTiming:
     nbytes: int
     backward_start: Any
     start: Any  # handed to the hook: the bucket's gradients are ready
-    arrival: float  # the same moment on the host clock (``clock.host_now``), comparable across ranks
+    arrival: Optional[float]  # the same moment on the host clock, comparable across ranks (CUDA: resolved later)
     end: Any = None  # the all-reduce's future completed
     micro: int = 0  # the step's backward pass (micro-batch) that handed the bucket over
 
@@ -86,6 +133,8 @@ class CommMonitor(Callback):
         self.ended = False
         self.log_dir: Optional[str] = None
         self._hook: Any = None
+        self._serial = False  # NCCL: the buckets' all-reduces run one after another on one stream
+        self._cast: Optional[str] = compression  # the cast outside the timed all-reduce: this or the strategy's
         self.standing_aside = False  # this fit's strategy is not DDP: no hook, no record
 
     @staticmethod
@@ -108,17 +157,22 @@ class CommMonitor(Callback):
             self.record, self.ended = None, True  # report_timers does not wait for a record that never comes
             return
         self._clock = clock_for(trainer.strategy.root_device)
+        # NCCL queues every bucket's all-reduce on one stream, back to back; gloo's worker threads may overlap them.
+        self._serial = dist.is_initialized() and dist.get_backend() == "nccl"
         self._lock = threading.Lock()  # gloo completes futures on its own threads
         # Lightning 2.6 broadcasts a SIGTERM flag from rank 0 at every step: every rank would wait for a straggler
         # there, between steps, and arrive together at the all-reduce. StepSync replaces it (and carries SIGTERM).
         StepSync.attach(trainer, self)
-        # Take over the hook the strategy would register (DDP accepts one only) and time it.
+        # Take over the hook the strategy would register (DDP accepts one only) and time it, a cast outside it.
         configured = _lightning.configured_comm_hook(trainer.strategy)
-        hook = configured.hook or default_hooks.allreduce_hook
-        if configured.wrapper is not None:
-            hook = configured.wrapper(hook)
+        timed = split_cast(configured.hook, configured.wrapper, self.compression)
+        if timed.opaque:
+            rank_zero_warn(f"CommMonitor times the strategy's communication hook {_name(configured.hook)} from "
+                           "outside: its bytes are the uncompressed buckets' and its time includes the hook's own "
+                           "work, so its bandwidth is not the wire's", stacklevel=5)  # fmt: skip
         _lightning.set_comm_hook(trainer.strategy, None)
-        self._hook = (configured.state, self._timed(hook))
+        self._cast = timed.cast
+        self._hook = (configured.state, self._timed(timed.hook, timed.cast))
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -129,6 +183,8 @@ class CommMonitor(Callback):
         # Once, before the first step: where each rank's clock stands against rank 0's (arrivals compare then).
         distributed = trainer.world_size > 1 and dist.is_initialized()
         self._offsets = clock.offsets_to_rank0(trainer.strategy.root_device) if distributed else []
+        if isinstance(self._clock, CudaClock):
+            self._clock.anchor()  # events to host time, for the arrivals: one synchronize, before the first step
         self._timings, self._pending, self._summaries, self._profiled = [], {}, {}, None
         self._backwards, self._wire_dtype = {}, None
         self.record, self.ended = None, False
@@ -136,17 +192,23 @@ class CommMonitor(Callback):
         self._window = Window()
 
     def waiting_for(self) -> Optional[str]:
-        """The all-reduce this rank is waiting for, if any (``lit_ddp.run.hangs`` names it after a timeout)."""
+        """The all-reduce this rank is waiting for, if any (``lit_ddp.run.hangs`` names it after a timeout). On
+        gloo only: NCCL completes a bucket's future when the all-reduce is queued, so none is ever open, and its
+        timeout ends the process from NCCL's watchdog, not as an exception here (docs/failures.md)."""
+        if self._serial:
+            return None
         with self._lock:
             first = min(self._open, key=lambda t: (t.step, t.index), default=None)
         return f"the all-reduce of bucket {first.index} in step {first.step}" if first else None
 
-    def _timed(self, hook):
+    def _timed(self, hook, cast: Optional[str]):
+        on_gpu = isinstance(self._clock, CudaClock)  # the arrival is when the GPU got there: resolved in _add
+
         def timed(state, bucket):
             buffer = bucket.buffer()
             timing = BucketTiming(
                 self._step, bucket.index(), buffer.numel() * buffer.element_size(), self._backward_start,
-                self._clock.mark(), clock.host_now(), micro=self._backwards.get(self._step, 1) - 1,
+                self._clock.mark(), None if on_gpu else clock.host_now(), micro=self._backwards.get(self._step, 1) - 1,
             )  # fmt: skip
             self._wire_dtype = str(buffer.dtype).removeprefix("torch.")
             with self._lock:
@@ -165,7 +227,7 @@ class CommMonitor(Callback):
                 return hook(state, bucket).then(done)
 
         # The cast happens outside the timed hook: the timed all-reduce sees the compressed buffer.
-        return COMPRESSION_WRAPPERS[self.compression](timed) if self.compression else timed
+        return COMPRESSION_WRAPPERS[cast](timed) if cast else timed
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -210,7 +272,7 @@ class CommMonitor(Callback):
             ranks=ranks,
             layout=list(final),
             param_bytes=sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad),
-            compression=self.compression,
+            compression=self._cast,
             first_layout=rows[0].bytes,
             profiled_steps=list(self._profiled or ()),
             clock_offset_s=[o.offset_s for o in self._offsets] or [0.0],
@@ -220,7 +282,7 @@ class CommMonitor(Callback):
             unused_bytes=sum(nbytes for _, nbytes in self._unused),
             unused_every_step=len(self._unused_sets) == 1,
             wire_dtype=self._wire_dtype,
-            ddp_memory=ddp_memory(trainer.strategy.model, trainer.optimizers, self.compression),
+            ddp_memory=ddp_memory(trainer.strategy.model, trainer.optimizers, self._cast),
         )
         report_timers(trainer, self)
 
@@ -241,17 +303,31 @@ class CommMonitor(Callback):
             del self._pending[step]
             self._add(trainer, step, buckets)
 
+    def _transfer_ms(self, buckets: list[BucketTiming]) -> list[float]:
+        """Each bucket's all-reduce, ms: from its hand-over to its end; on NCCL from when it could start, its
+        hand-over or the end of the bucket before it on the one stream, whichever is later (DDP launches the
+        buckets in index order), so that a later bucket's queue is not counted as its transfer."""
+        ms = self._clock.elapsed_ms
+        found, before = [], None
+        for bucket in buckets:
+            start = bucket.start
+            if self._serial and before is not None and ms(start, before.end) > 0:
+                start = before.end
+            found.append(ms(start, bucket.end))
+            before = bucket
+        return found
+
     def _add(self, trainer: Trainer, step: int, buckets: list[BucketTiming]) -> None:
         ms = self._clock.elapsed_ms
         spans = [(ms(buckets[0].start, b.start), ms(buckets[0].start, b.end)) for b in buckets]
         row = StepBuckets(
             step=step,
             bytes=[b.nbytes for b in buckets],
-            ms=[ms(b.start, b.end) for b in buckets],
+            ms=self._transfer_ms(buckets),
             ready_ms=[ms(b.backward_start, b.start) if b.backward_start is not None else 0.0 for b in buckets],
             busy_ms=union_length(spans),
             exposed_ms=max(end for _, end in spans) - max(start for start, _ in spans),
-            arrival_s=[b.arrival for b in buckets],
+            arrival_s=[b.arrival if b.arrival is not None else self._clock.host_seconds(b.start) for b in buckets],
             micro_batches=self._backwards.pop(step, 1),
             synced=sorted({b.micro for b in buckets}),
         )

@@ -7,7 +7,9 @@ one ``all_gather`` (no barrier, started with ``async_op`` and read a step later)
 every rank takes the same decisions from the same data. It replaces Lightning's per-step SIGTERM broadcast and
 its collectives inside signal handlers (SIGTERM; Slurm's requeue, SIGUSR1): a handler only sets a flag, and every
 rank stops or requeues at the same step boundary. The callbacks that need it find or add the one StepSync of a
-Trainer (``StepSync.attach``). docs/callbacks.md; SIGTERM and the hung rank's exit: docs/failures.md.
+Trainer (``StepSync.attach``). On CUDA the row is built and read without a host sync: the gathered row is copied
+to pinned memory on a side stream and read at the next step's end (``_HostCopy``). docs/callbacks.md; SIGTERM and
+the hung rank's exit: docs/failures.md; the profiler and the gather in flight: docs/traces.md.
 """
 
 import os
@@ -22,11 +24,12 @@ import torch
 import torch.distributed as dist
 from jsonargparse.typing import PositiveInt
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.profilers import PyTorchProfiler
 from torch import Tensor
 from typing_extensions import override
 
 from lit_ddp import _lightning
-from lit_ddp.callbacks.shared import all_gather, exit_cleanly, is_last_step
+from lit_ddp.callbacks.shared import all_gather, exit_cleanly, is_last_step, profiled_steps
 from lit_ddp.errors import PROG, Ending
 from lit_ddp.measure.step_marks import OptimizerSteps
 
@@ -41,9 +44,48 @@ class _Slot:
 class _InFlight:
     """A step's gather, started and not yet read."""
 
-    gathered: Tensor  # [world_size, 1 + widths]: the SIGTERM flag, then each slot's values
+    gathered: Tensor  # [world_size, 2 + widths]: the SIGTERM and requeue flags, then each slot's values
     work: Optional[dist.Work]
     slots: dict[str, _Slot]
+    copied: Any = None  # CUDA: the event after ``gathered``'s copy to pinned host memory (``_HostCopy``)
+
+
+class _HostCopy:
+    """CUDA: brings a gathered row to the host without a host sync in the step. ``torch.tensor(..., device=cuda)``
+    copies with ``non_blocking=False`` (a ``memcpy_and_sync``), and ``gathered.cpu()`` a step later waits behind that
+    step's backward and update on the current stream: either way the host could never run ahead of the GPU. Here
+    the flags are filled on the device (no copy), a side stream waits for the collective (``Work.wait()`` makes the
+    *current* stream wait; NCCL's returns at once) and copies the row into pinned memory with ``non_blocking``, and
+    an event recorded after it is waited for a step later, when it has long completed."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def flags(self, sigterm: bool, requeue: bool) -> Tensor:
+        row = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for i, flag in enumerate((sigterm, requeue)):
+            if flag:
+                row[i].fill_(1.0)  # a fill kernel with the value as its argument: no host-to-device copy
+        return row
+
+    def start(self, gathered: Tensor, work: Optional[dist.Work]) -> tuple[Tensor, Any]:
+        """Queues the copy of ``gathered`` (once ``work`` is done) to pinned host memory; the host tensor and the
+        event that says it is there."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # world size 1: the row's own kernels
+        with torch.cuda.stream(self.stream):
+            if work is not None:
+                work.wait()  # the side stream waits for the collective's stream; the host does not
+            host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=self.device.type == "cuda")
+            host.copy_(gathered, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        gathered.record_stream(self.stream)  # the allocator must not hand its memory out before the copy ran
+        return host, copied
+
+    @staticmethod
+    def wait(copied: Any) -> None:
+        copied.synchronize()  # a step later: long completed, so this returns at once
 
 
 class StepSync(Callback):
@@ -64,6 +106,7 @@ class StepSync(Callback):
         self.sigterm_every_n_steps = sigterm_every_n_steps
         self._slots: dict[str, _Slot] = {}
         self._in_flight: Optional[_InFlight] = None
+        self._host_copy: Optional[_HostCopy] = None  # made in setup, on CUDA
         self._sigterm = False
         self.ending = Ending.FINISHED  # how this fit ended, when it did not raise
         self.collectives = 0  # how many per-step collectives ran (for tests and benchmarks)
@@ -96,9 +139,13 @@ class StepSync(Callback):
         ``on_train_batch_end``, after those of the callbacks before it) ``on_result`` gets every rank's values,
         ``[world_size, len(values)]``, on the CPU: at the end of the next step, or of this one if it is the
         last. Every rank must put the same keys and widths."""
-        device = self._device
-        row = values.detach().reshape(-1) if isinstance(values, Tensor) else torch.tensor(values)
-        self._slots[key] = _Slot(row.to(device=device, dtype=torch.float64), on_result)
+        if isinstance(values, Tensor):
+            row = values.detach().reshape(-1).to(device=self._device, dtype=torch.float64)
+        else:  # from the host: pinned, so that the copy to a GPU does not wait for it
+            row = torch.tensor(values, dtype=torch.float64)
+            if self._device.type == "cuda":
+                row = row.pin_memory().to(self._device, non_blocking=True)
+        self._slots[key] = _Slot(row, on_result)
 
     @staticmethod
     def ending_of(trainer: Trainer) -> Ending:
@@ -112,6 +159,7 @@ class StepSync(Callback):
             return
         exit_cleanly(trainer)
         self._device = trainer.strategy.root_device
+        self._host_copy = _HostCopy(self._device) if self._device.type == "cuda" else None
         self._sigterm, self.ending, self._in_flight = False, Ending.FINISHED, None
         self._requeue = self._requeued = False
 
@@ -160,9 +208,18 @@ class StepSync(Callback):
         if not self._steps.ended(trainer):  # a micro-batch
             return
         self._finish(trainer)  # the previous step's gather: long done by now
-        if self._slots or self._sigterm or self._requeue or trainer.global_step % self.sigterm_every_n_steps == 0:
+        if trainer.world_size == 1:  # nobody to agree with: this rank's own flags decide, no tensor needed
+            if self._slots:
+                self._send(trainer)
+                self._finish(trainer)
+            self._decide(trainer, self._sigterm, self._requeue)
+            return
+        # Every rank must take the same branch here: it depends on the slots (every rank puts the same keys) and
+        # the step, never on a signal flag, which each rank's handler sets at its own moment (a rank gathering
+        # alone pairs its all-gather with another rank's bucket all-reduce). A flag waits for the next row.
+        if self._slots or trainer.global_step % self.sigterm_every_n_steps == 0:
             self._send(trainer)
-        if trainer.world_size == 1 or is_last_step(trainer, batch_idx):
+        if is_last_step(trainer, batch_idx) or trainer.should_stop or self._profiler_toggles_next(trainer):
             self._finish(trainer)
 
     @override
@@ -177,14 +234,23 @@ class StepSync(Callback):
     def _send(self, trainer: Trainer) -> None:
         """Starts the gather of this step's row: the SIGTERM and requeue flags, then every slot's values."""
         slots, self._slots = self._slots, {}
-        flags = torch.tensor([float(self._sigterm), float(self._requeue)], dtype=torch.float64, device=self._device)
+        copy = self._host_copy
+        if copy is not None:
+            flags = copy.flags(self._sigterm, self._requeue)
+        else:
+            flags = torch.tensor([float(self._sigterm), float(self._requeue)], dtype=torch.float64)
         row = torch.cat([flags, *(slot.values for slot in slots.values())])
+        work = None
         if trainer.world_size == 1:  # nothing to exchange: every value is already here
-            self._in_flight = _InFlight(row.view(1, -1), None, slots)
+            gathered = row.view(1, -1)
+        else:
+            gathered, work = all_gather(row, trainer.world_size, async_op=True)
+            self.collectives += 1
+        if copy is None:
+            self._in_flight = _InFlight(gathered, work, slots)
             return
-        gathered, work = all_gather(row, trainer.world_size, async_op=True)
-        self._in_flight = _InFlight(gathered, work, slots)
-        self.collectives += 1
+        host, copied = copy.start(gathered, work)
+        self._in_flight = _InFlight(host, None, slots, copied)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -198,15 +264,33 @@ class StepSync(Callback):
             return
         if flight.work is not None:
             flight.work.wait()
-        gathered = flight.gathered.cpu()  # the host read
+        if flight.copied is not None:
+            _HostCopy.wait(flight.copied)
+        gathered = flight.gathered  # on the host now
         start = 2
         for slot in flight.slots.values():
             width = slot.values.numel()
             slot.on_result(gathered[:, start : start + width])
             start += width
-        if gathered[:, 1].any() and not self._requeued:  # Slurm's requeue signal reached a rank
+        self._decide(trainer, bool(gathered[:, 0].any()), bool(gathered[:, 1].any()))
+
+    def _decide(self, trainer: Trainer, sigterm: bool, requeue: bool) -> None:
+        """What every rank does with the flags of every rank (the same on each, at the same step)."""
+        if requeue and not self._requeued:  # Slurm's requeue signal reached a rank
             self._requeued = True
             self._requeue_now(signal.SIGUSR1, None)  # every rank, here: the checkpoint, then rank 0 requeues
-        if gathered[:, 0].any():  # the same decision on every rank, at the same step
+        if sigterm:
             self.ending = Ending.SIGTERM
             trainer.should_stop = True
+
+    def _profiler_toggles_next(self, trainer: Trainer) -> bool:
+        """Whether a torch profiler may start or stop before this step's gather would be read. Gloo ends a
+        collective's profiler range on its own worker thread when the collective completes; a profiler stopped
+        meanwhile (its trace finalized on the main thread) raced it and crashed the rank in about one run of five
+        (``configs/mini_train_profile.yaml``, issue 40). So no gather of this callback is in flight across
+        PhaseTimer's start or stop of its profiler (at the start of its first profiled step and of the step after
+        its last), nor at all under Lightning's PyTorchProfiler, whose schedule starts and stops inside steps."""
+        if isinstance(trainer.profiler, PyTorchProfiler):
+            return True
+        profiled = profiled_steps(trainer)
+        return len(profiled) > 0 and trainer.global_step in (profiled.start, profiled.stop)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lit_ddp.analysis.trace import allreduce_bus_factor
+from lit_ddp.maths.bus_factors import allreduce_bus_factor
 from lit_ddp.scaling.links import ProbePoint, fit_probe
 
 KIB = 1024

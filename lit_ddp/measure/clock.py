@@ -11,7 +11,7 @@ rank's host clock against rank 0's once, at the start, as NTP does, with an erro
 import time
 from dataclasses import dataclass
 from time import perf_counter
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -42,9 +42,32 @@ class HostClock:
 
 
 class CudaClock:
-    """Marks are ``torch.cuda.Event``s recorded on the current stream."""
+    """Marks are ``torch.cuda.Event``s recorded on the current stream. ``anchor`` ties their timeline to the host
+    clock once (a synchronize, before training): then ``host_seconds`` puts a mark on ``host_now``'s clock, when
+    the GPU reached it (not when the host queued it), to compare across ranks."""
 
     name = "cuda_event"
+
+    def __init__(self) -> None:
+        self._anchor: Optional[tuple[torch.cuda.Event, float]] = None
+
+    def anchor(self) -> float:
+        """Records an event on an idle GPU and the host time it ran at; returns the error bound (seconds)."""
+        torch.cuda.synchronize()
+        event = torch.cuda.Event(enable_timing=True)
+        before = host_now()
+        event.record()
+        event.synchronize()
+        after = host_now()
+        self._anchor = (event, (before + after) / 2)
+        return (after - before) / 2
+
+    def host_seconds(self, mark: torch.cuda.Event) -> float:
+        """When the GPU reached ``mark``, on the host clock (``anchor`` first; the mark must have completed). The
+        GPU's clock and the host's drift apart by some parts per million: microseconds over a fit of minutes."""
+        assert self._anchor is not None, "anchor() first"
+        event, at = self._anchor
+        return at + event.elapsed_time(mark) / 1e3
 
     def mark(self) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=True)
@@ -75,9 +98,18 @@ class ClockOffset:
 
 def offsets_to_rank0(device: torch.device, rounds: int = 8) -> list[ClockOffset]:
     """Every rank's ``ClockOffset`` on rank 0 (rank 0's own is zero); an empty list on the other ranks. Point to
-    point, rank 0 with each rank in turn: ``rounds`` round trips per rank, at the start of training only."""
+    point, rank 0 with each rank in turn: ``rounds`` round trips per rank, at the start of training only.
+
+    On CUDA (NCCL) ``recv`` returns once the receive is queued, before any data arrives: each receive is waited
+    for (``arrived``) before the host reads its clock, or the timestamps would be taken early and the offset biased
+    while its error read about a microsecond. Once, before training: these syncs are in no step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     buf = torch.zeros(2, dtype=torch.float64, device=device)
+
+    def arrived() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     offsets = [ClockOffset(0.0, 0.0)]
     for peer in range(1, world):
         best = None
@@ -87,6 +119,7 @@ def offsets_to_rank0(device: torch.device, rounds: int = 8) -> list[ClockOffset]
                 buf.fill_(t1)
                 dist.send(buf, peer)
                 dist.recv(buf, peer)
+                arrived()
                 t4 = host_now()
                 t2, t3 = buf.tolist()
                 delay = (t4 - t1) - (t3 - t2)
@@ -94,6 +127,7 @@ def offsets_to_rank0(device: torch.device, rounds: int = 8) -> list[ClockOffset]
                     best = (delay, ((t2 - t1) + (t3 - t4)) / 2)
             elif rank == peer:
                 dist.recv(buf, 0)
+                arrived()
                 t2 = host_now()
                 buf[0], buf[1] = t2, host_now()
                 dist.send(buf, 0)

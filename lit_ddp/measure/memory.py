@@ -5,7 +5,8 @@ helper.
 
 ``ddp_memory`` reads the live objects: parameters, gradients, DDP's gradient buckets (DDP's own layout) and the
 optimizer's state. Per phase: on CUDA ``AllocatorMarks`` reads the caching allocator at each boundary PhaseTimer
-marks (its peak since the last one, then reset; no synchronize); on CPU ``cpu_step_memory`` reads the CPU
+marks in the first ``MEASURED_STEPS`` (its peak since the last one, then reset; no synchronize; after them the
+peak is the user's again); on CPU ``cpu_step_memory`` reads the CPU
 allocator's events in the profiled steps' traces, anchored on what ``ddp_memory`` sees held at each step's start.
 What each figure means: docs/memory.md.
 """
@@ -18,13 +19,17 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from lit_ddp._torch import ddp_logging_data
-from lit_ddp.analysis import trace
+from lit_ddp.analysis import trace, trace_memory
 from lit_ddp.measure.profiling import OPENS
-from lit_ddp.records.schema import PHASES, DDPMemory, StepMemory
+from lit_ddp.records.schema import HEAD_STEPS, PHASES, DDPMemory, StepMemory
 
 # The phase each of PhaseTimer's boundaries opens (a step's start opens "other" until its forward starts).
 PHASE_OPENED = {"start": "other", **{boundary: trace.OWN_PHASES[name] for boundary, name in OPENS.items()}}
 CUDA_SOURCE, CPU_SOURCE = "cuda_allocator", "cpu_profiler"
+# On CUDA the steps whose phases get their own peak: the record's first steps (``HEAD_STEPS``). Only there is the
+# allocator's peak reset at every boundary; from then on ``torch.cuda.max_memory_allocated`` and Lightning's
+# ``DeviceStatsMonitor`` see the peak as if the tool were not there (since the end of the last measured step).
+MEASURED_STEPS = HEAD_STEPS
 
 
 def _bytes(tensor: torch.Tensor) -> int:
@@ -84,31 +89,43 @@ def step_memory(step: int, start: int, intervals: Sequence[tuple[str, int, int]]
 
 
 class AllocatorMarks:
-    """CUDA: at each boundary PhaseTimer marks, the caching allocator's peak since the last boundary and what it
-    holds now, then its peak reset. Host calls into the allocator, which counts a tensor when the CPU allocates
-    it: nothing waits for the GPU. Resetting the peak takes ``torch.cuda.max_memory_allocated`` from anyone else
-    (Lightning's ``DeviceStatsMonitor`` reports the peak between two of PhaseTimer's boundaries then)."""
+    """CUDA: at each boundary PhaseTimer marks in the first ``steps`` steps, the caching allocator's peak since the
+    last boundary and what it holds now (one ``memory_stats`` read), then its peak reset. Host calls into the
+    allocator, which counts a tensor when the CPU allocates it: nothing waits for the GPU. Resetting the peak
+    takes ``torch.cuda.max_memory_allocated`` from anyone else meanwhile (Lightning's ``DeviceStatsMonitor``
+    reports the peak between two of PhaseTimer's boundaries then); after those steps nothing is reset or read."""
 
     source = CUDA_SOURCE
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, steps: int = MEASURED_STEPS) -> None:
         self.device = device
         self.phase = "other"  # the phase running now
+        self.steps_left = steps
         self._intervals: list[tuple[str, int, int]] = []
-        self._start = torch.cuda.memory_allocated(device)
+        self._start = self._read()[1]
         torch.cuda.reset_peak_memory_stats(device)
 
+    def _read(self) -> tuple[int, int]:
+        """The allocator's peak since its last reset and what it holds now, from one ``memory_stats`` (each of
+        ``max_memory_allocated`` and ``memory_allocated`` builds the whole dictionary)."""
+        stats = torch.cuda.memory_stats(self.device)
+        return stats.get("allocated_bytes.all.peak", 0), stats.get("allocated_bytes.all.current", 0)
+
     def mark(self, boundary: str) -> None:
-        peak = torch.cuda.max_memory_allocated(self.device)
-        now = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._intervals.append((self.phase, peak, now))
+        if self.steps_left > 0:
+            peak, now = self._read()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._intervals.append((self.phase, peak, now))
         self.phase = PHASE_OPENED.get(boundary, self.phase)
 
-    def end_step(self, step: int) -> StepMemory:
-        """The step whose boundaries were marked since the last call; the next one starts where it ended."""
+    def end_step(self, step: int) -> Optional[StepMemory]:
+        """The step whose boundaries were marked since the last call (None once ``steps`` were measured); the next
+        one starts where it ended."""
+        if self.steps_left <= 0:
+            return None
         found = step_memory(step, self._start, self._intervals)
         self.drop()
+        self.steps_left -= 1
         return found
 
     def drop(self) -> None:
@@ -118,7 +135,8 @@ class AllocatorMarks:
         self._intervals = []
 
     def peak_now(self) -> int:
-        """The most held since the last boundary (an out-of-memory error: before the failed allocation)."""
+        """The most held since the last boundary (an out-of-memory error: before the failed allocation); after the
+        measured steps, since the end of the last of them."""
         return torch.cuda.max_memory_allocated(self.device)
 
 
@@ -162,7 +180,7 @@ def cpu_step_memory(paths: Iterable[Path], rank: int, anchors: dict[int, int]) -
             continue
         if loaded.rank != rank:
             continue
-        for step in trace.step_memory(loaded):
+        for step in trace_memory.step_memory(loaded):
             anchor = anchors.get(step.step)
             if anchor is None:
                 continue

@@ -12,8 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from lit_ddp.analysis import stragglers
-from lit_ddp.analysis.trace import allreduce_bus_factor
 from lit_ddp.errors import ForecastError
+from lit_ddp.maths.bus_factors import allreduce_bus_factor
 from lit_ddp.records.schema import CommRecord
 from lit_ddp.scaling.links import BYTES_PER_MS_PER_GBPS, Link, Topology
 from lit_ddp.scaling.model import measured_run, simulate

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lit_ddp.analysis.trace import allreduce_bus_factor
 from lit_ddp.errors import ForecastError
+from lit_ddp.maths.bus_factors import allreduce_bus_factor
 
 BYTES_PER_MS_PER_GBPS = 1e6  # bytes per ms in one GB/s: times are ms, sizes bytes
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
 from lightning.pytorch import Trainer
+from lightning.pytorch.loops.fetchers import _DataFetcher, _PrefetchDataFetcher
 from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.overrides import distributed as overrides_distributed
@@ -46,6 +47,12 @@ PRIVATE_NAMES = [
     PrivateName(_TrainingEpochLoop, "_broadcast_sigterm_tensor", "Lightning's per-step SIGTERM broadcast"),
     PrivateName(overrides_distributed, "_register_ddp_comm_hook", "Lightning's helper: hook + wrapper onto DDP"),
     PrivateName(_FitLoop, "_data_source", "where fit's training data comes from, before the loop sets it up"),
+    PrivateName(_FitLoop, "_data_fetcher", "fit's data fetcher: how many batches each rank still has (uneven data)"),
+    PrivateName(
+        _PrefetchDataFetcher, "batches", "the fetcher's batches fetched ahead (an unsized loader's look-ahead)"
+    ),
+    PrivateName(_PrefetchDataFetcher, "prefetch_batches", "how many it fetches ahead at each epoch's start"),
+    PrivateName(_DataFetcher, "iterator", "the loader's iterator it refills from (emptied where the epoch ends)"),
 ]
 
 
@@ -53,6 +60,41 @@ def train_dataloader(trainer: Trainer) -> Any:
     """The training data as ``fit`` was given it: the datamodule's or the module's ``train_dataloader``, or the
     loaders passed to ``fit`` (before the fit loop has set them up: usable in ``on_fit_start``)."""
     return trainer.fit_loop._data_source.dataloader()
+
+
+def batches_ahead(trainer: Trainer, at_least: int) -> Optional[int]:
+    """For an unsized training loader (an ``IterableDataset``): how many batches this rank has after the current
+    one, counted up to ``at_least`` (so ``at_least`` means that many or more); None for a sized loader (its length
+    says it). Lightning's fetcher knows one batch ahead (``prefetch_batches=1``): it is topped up here to
+    ``at_least`` and fetches as many ahead from the next epoch on."""
+    fetcher = trainer.fit_loop._data_fetcher
+    if not isinstance(fetcher, _PrefetchDataFetcher) or fetcher.length is not None:
+        return None
+    fetcher.prefetch_batches = max(fetcher.prefetch_batches, at_least)
+    while len(fetcher.batches) < at_least and not fetcher.done:
+        try:  # the loader's own iterator, not the fetcher's __next__, which would hand a batch on
+            fetcher.batches.append(next(fetcher.iterator))
+        except StopIteration:  # exhausted: the fetcher's next refill raises again and it sets done
+            break
+    return min(len(fetcher.batches), at_least)
+
+
+def end_epoch_after(trainer: Trainer, batches: int) -> None:
+    """This rank's epoch ends ``batches`` batches after the current one, wherever its loader would: sized, as
+    ``limit_train_batches`` ends it (``max_batches``, and the batch that validates); unsized, its fetcher keeps
+    that many batches and no more, so that Lightning sees the last one as the last (``is_last_batch``)."""
+    fit_loop, epoch_loop = trainer.fit_loop, trainer.fit_loop.epoch_loop
+    end = epoch_loop.batch_idx + 1 + batches
+    fetcher = fit_loop._data_fetcher
+    if isinstance(fetcher, _PrefetchDataFetcher) and fetcher.length is None:
+        del fetcher.batches[batches:]
+        fetcher.iterator = iter(())
+    elif end < fit_loop.max_batches:
+        fit_loop.max_batches = end
+        if isinstance(trainer.val_check_interval, float) and trainer.val_check_batch not in (None, float("inf")):
+            trainer.val_check_batch = max(1, int(end * trainer.val_check_interval))  # as Lightning's setup_data
+    if batches == 0:  # the current batch is the last: set before the step decides to accumulate or to step
+        epoch_loop.batch_progress.is_last_batch = True
 
 
 def is_lightning_launcher(launcher: Any) -> bool:

@@ -43,6 +43,11 @@ class NonFiniteLossError(RuntimeError):
     """The loss became NaN or Inf on at least one rank; raised on every rank at the same step."""
 
 
+class UnevenDataError(RuntimeError):
+    """Ranks whose training data ends at different batches of an epoch (``StepSync(uneven="error")``); raised on
+    every rank at the same step, before any rank has run out."""
+
+
 class RecordError(ValueError):
     """A run record (``phases.json``, ``comm.json``) that cannot be read: one line naming the file and why."""
 
@@ -52,4 +57,5 @@ class ForecastError(ValueError):
 
 
 # Raised on every rank at the same step, so one report (rank 0's) is enough; each with its exit code.
-AGREED_ERRORS = {SyncError: EXIT_FAILED, NonFiniteLossError: EXIT_FAILED, UnusedParametersError: EXIT_USAGE}
+AGREED_ERRORS = {SyncError: EXIT_FAILED, NonFiniteLossError: EXIT_FAILED, UnusedParametersError: EXIT_USAGE,
+                 UnevenDataError: EXIT_FAILED}  # fmt: skip

@@ -26,9 +26,10 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_ddp import _lightning
-from lit_ddp.callbacks.shared import all_gather, exit_cleanly, is_last_step
+from lit_ddp.callbacks.shared import all_gather, exit_cleanly, is_last_step, say
 from lit_ddp.errors import PROG, Ending
 from lit_ddp.measure.step_marks import OptimizerSteps
+from lit_ddp.run.even_epochs import EvenEpochs, Uneven
 
 
 @dataclass
@@ -52,16 +53,23 @@ class StepSync(Callback):
     Args:
         sigterm_every_n_steps: Check for SIGTERM at least every n steps (a step that gathers anyway always
             checks). Between checks a step that nobody else needs has no collective and no host read.
+        uneven: Ranks whose data ends at different batches of an epoch: ``stop`` ends every rank's epoch at the
+            last batch every rank has and says so; ``error`` raises ``UnevenDataError`` on every rank, before any
+            runs out (``lit_ddp.run.even_epochs``).
     """
 
     # Rank 0's, sent back to a launching parent (ddp_fork/ddp_spawn): a SIGTERM that reached a rank but not the
     # parent ends the run there too (``lit_ddp._lightning.CarryBackLauncher``).
     carried_back = ("ending",)
 
-    def __init__(self, sigterm_every_n_steps: PositiveInt = 10) -> None:
+    def __init__(self, sigterm_every_n_steps: PositiveInt = 10, uneven: Uneven = "stop") -> None:
         if sigterm_every_n_steps < 1:
             raise ValueError(f"`StepSync(sigterm_every_n_steps={sigterm_every_n_steps!r})` must be >= 1")
+        if uneven not in ("stop", "error"):
+            raise ValueError(f"`StepSync(uneven={uneven!r})` must be 'stop' or 'error'")
         self.sigterm_every_n_steps = sigterm_every_n_steps
+        self.uneven = uneven
+        self._even: Optional[EvenEpochs] = None
         self._slots: dict[str, _Slot] = {}
         self._in_flight: Optional[_InFlight] = None
         self._sigterm = False
@@ -145,10 +153,13 @@ class StepSync(Callback):
         self._alive_at = time.monotonic()
         if trainer.world_size > 1:
             _lightning.disable_sigterm_broadcast(trainer)
+            self._even = EvenEpochs(self.uneven, trainer.accumulate_grad_batches, lambda text: say(trainer, text))
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._steps.batch_start(trainer)
+        if self._even is not None:
+            self._even.batch_start(trainer)
 
     @override
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
@@ -160,6 +171,8 @@ class StepSync(Callback):
         if not self._steps.ended(trainer):  # a micro-batch
             return
         self._finish(trainer)  # the previous step's gather: long done by now
+        if self._even is not None:
+            self._even.step_end(trainer, self.put)
         if self._slots or self._sigterm or self._requeue or trainer.global_step % self.sigterm_every_n_steps == 0:
             self._send(trainer)
         if trainer.world_size == 1 or is_last_step(trainer, batch_idx):

@@ -8,7 +8,15 @@ methods of ``DDPStrategy`` (``_configure_launcher``, ``_setup_model``, ``_regist
 and nowhere else. ``PRIVATE_NAMES`` lists them all for the test.
 """
 
+import json
+import os
+import shutil
+import tempfile
+import time
+import traceback
 from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 from lightning.pytorch import Trainer
@@ -19,7 +27,11 @@ from lightning.pytorch.overrides import distributed as overrides_distributed
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer import call as trainer_call
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from torch.multiprocessing import ProcessRaisedException
+
+from lit_ddp.errors import is_collective_failure
 
 
 class PrivateName(NamedTuple):
@@ -47,6 +59,9 @@ PRIVATE_NAMES = [
     PrivateName(_TrainingEpochLoop, "_broadcast_sigterm_tensor", "Lightning's per-step SIGTERM broadcast"),
     PrivateName(overrides_distributed, "_register_ddp_comm_hook", "Lightning's helper: hook + wrapper onto DDP"),
     PrivateName(_FitLoop, "_data_source", "where fit's training data comes from, before the loop sets it up"),
+    PrivateName(DDPStrategy, "_timeout", "the process group's timeout given to DDPStrategy(timeout=...)"),
+    PrivateName(_MultiProcessingLauncher, "_wrapping_function", "a ddp_fork/spawn rank's fit: its exception hooks"),
+    PrivateName(trainer_call, "_interrupt", "what Lightning runs on an exception (on_exception hooks), in a rank"),
     PrivateName(_FitLoop, "_data_fetcher", "fit's data fetcher: how many batches each rank still has (uneven data)"),
     PrivateName(
         _PrefetchDataFetcher, "batches", "the fetcher's batches fetched ahead (an unsized loader's look-ahead)"
@@ -95,6 +110,11 @@ def end_epoch_after(trainer: Trainer, batches: int) -> None:
             trainer.val_check_batch = max(1, int(end * trainer.val_check_interval))  # as Lightning's setup_data
     if batches == 0:  # the current batch is the last: set before the step decides to accumulate or to step
         epoch_loop.batch_progress.is_last_batch = True
+
+
+def process_group_timeout(strategy: Any) -> Optional[timedelta]:
+    """The timeout ``DDPStrategy(timeout=...)`` was given (Lightning's default: torch's 30 minutes)."""
+    return getattr(strategy, "_timeout", None)
 
 
 def is_lightning_launcher(launcher: Any) -> bool:
@@ -179,12 +199,73 @@ class CarryBackLauncher(_MultiProcessingLauncher):
                    for c in trainer.callbacks}  # fmt: skip
         return {**super().get_extra_results(trainer), CARRIED_BACK: carried}
 
+    def launch(self, function: Callable, *args: Any, trainer: Optional[Trainer] = None, **kwargs: Any) -> Any:
+        # Each rank that fails leaves its traceback and the time here: the job ends with the first cause.
+        self.failures = tempfile.mkdtemp(prefix="lit_ddp-failures-")
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except ProcessRaisedException as err:
+            first = first_failure(Path(self.failures))
+            if first is None or first.rank == err.error_index:
+                raise
+            raise ProcessRaisedException(first.message, first.rank, first.pid) from None
+        finally:
+            shutil.rmtree(self.failures, ignore_errors=True)
+
+    def _wrapping_function(self, process_idx: int, trainer: Optional[Trainer], *args: Any, **kwargs: Any) -> None:
+        try:
+            super()._wrapping_function(process_idx, trainer, *args, **kwargs)
+        except Exception as err:
+            failed_at = time.time()
+            if trainer is not None:  # as a `ddp` rank does: on_exception of the callbacks and of the strategy
+                try:
+                    trainer_call._interrupt(trainer, err)
+                except Exception:  # the rank's own error is what it ends with
+                    pass
+            leave_failure(Path(self.failures), process_idx, failed_at)
+            raise
+
     def update_main_process_results(self, trainer: Trainer, extra: dict[str, Any]) -> None:
         super().update_main_process_results(trainer, extra)
         carried = extra.get(CARRIED_BACK, {})
         for callback in trainer.callbacks:
             for name, value in carried.get(type(callback).__qualname__, {}).items():
                 setattr(callback, name, value)
+
+
+class Failure(NamedTuple):
+    rank: int
+    pid: int
+    failed_at: float
+    message: str  # as torch's spawn reports a rank's error: its traceback
+
+
+def leave_failure(directory: Path, rank: int, failed_at: float) -> None:
+    """In a failing rank, in its ``except``: its traceback, pid and time of failure, for ``first_failure``."""
+    message = f"\n\n-- Process {rank} terminated with the following error:\n{traceback.format_exc()}"
+    path = directory / f"rank{rank}.json"
+    try:
+        path.with_suffix(".tmp").write_text(
+            json.dumps({"pid": os.getpid(), "failed_at": failed_at, "message": message})
+        )
+        path.with_suffix(".tmp").replace(path)
+    except OSError:  # the launcher's folder is gone: torch's own report remains
+        pass
+
+
+def first_failure(directory: Path) -> Optional[Failure]:
+    """The failure the job ends with: the earliest of the ranks' own errors, else the earliest of the collective
+    failures (a peer's timeout or closed connection is a consequence, even when its report arrived first)."""
+    failures = []
+    for path in directory.glob("rank*.json"):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        failures.append(Failure(int(path.stem[4:]), data["pid"], data["failed_at"], data["message"]))
+    last_line = lambda f: f.message.strip().splitlines()[-1] if f.message.strip() else ""  # noqa: E731
+    own = [f for f in failures if not is_collective_failure(last_line(f))]
+    return min(own or failures, key=lambda f: f.failed_at, default=None)
 
 
 def carry_back_callback_state(strategy: DDPStrategy) -> None:

@@ -75,9 +75,10 @@ class Case(LightningModule):
             self.log_dict(metrics, sync_dist=True)
         elif self.case == "gather_rank0" and self.global_step == self.fault_step and self.global_rank == 0:
             self.all_gather(loss)
-        elif self.case == "raise" and at_fault:
-            self.all_gather(loss)  # a collective every rank runs ...
-            raise RuntimeError("injected failure on rank 1 between two collectives")  # ... then only rank 0's next
+        elif self.case == "raise" and self.global_step == self.fault_step:
+            self.all_gather(loss)  # a collective every rank runs, then rank 1 raises before the gradients' all-reduce
+            if self.global_rank == 1:
+                raise RuntimeError("injected failure on rank 1 between two collectives")
         elif self.case == "sleep" and at_fault:
             time.sleep(3600)
         return loss

@@ -26,9 +26,11 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_ddp import _lightning
+from lit_ddp.callbacks.collective_recorder import CollectiveRecorder
 from lit_ddp.callbacks.shared import all_gather, exit_cleanly, is_last_step, say
-from lit_ddp.errors import PROG, Ending
+from lit_ddp.errors import Ending, prog
 from lit_ddp.measure.step_marks import OptimizerSteps
+from lit_ddp.run import hangs
 from lit_ddp.run.even_epochs import EvenEpochs, Uneven
 
 
@@ -119,6 +121,7 @@ class StepSync(Callback):
         if stage != "fit":
             return
         exit_cleanly(trainer)
+        CollectiveRecorder.attach(trainer, before=self)  # its mark at a step's end comes before the gather
         self._device = trainer.strategy.root_device
         self._sigterm, self.ending, self._in_flight = False, Ending.FINISHED, None
         self._requeue = self._requeued = False
@@ -137,8 +140,10 @@ class StepSync(Callback):
         def notify(signum, frame) -> None:
             stuck = time.monotonic() - self._alive_at
             if stuck > hung_after_s / 2:  # hung: no step boundary will ever read the flag
-                print(f"{PROG}: rank {trainer.global_rank}: SIGTERM after {stuck:.0f} s without a step boundary "
-                      "(hung): exiting at once", file=sys.stderr, flush=True)  # fmt: skip
+                where = hangs.report_hung(trainer, frame)
+                state = "failed, reporting" if where is None else f"hung{f' at {where}' if where else ''}"
+                print(f"{prog()}: rank {trainer.global_rank}: SIGTERM after {stuck:.0f} s without a step boundary "
+                      f"({state}): exiting at once", file=sys.stderr, flush=True)  # fmt: skip
                 sys.stdout.flush()
                 os._exit(143)
             launcher = trainer.strategy.launcher

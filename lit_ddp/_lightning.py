@@ -31,8 +31,6 @@ from lightning.pytorch.trainer import call as trainer_call
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from torch.multiprocessing import ProcessRaisedException
 
-from lit_ddp.errors import is_collective_failure
-
 
 class PrivateName(NamedTuple):
     owner: Any
@@ -222,7 +220,7 @@ class CarryBackLauncher(_MultiProcessingLauncher):
                     trainer_call._interrupt(trainer, err)
                 except Exception:  # the rank's own error is what it ends with
                     pass
-            leave_failure(Path(self.failures), process_idx, failed_at)
+            leave_failure(Path(self.failures), process_idx, failed_at, getattr(err, "lit_ddp_consequence", False))
             raise
 
     def update_main_process_results(self, trainer: Trainer, extra: dict[str, Any]) -> None:
@@ -238,15 +236,17 @@ class Failure(NamedTuple):
     pid: int
     failed_at: float
     message: str  # as torch's spawn reports a rank's error: its traceback
+    consequence: bool  # a peer's failure seen from here (a timeout, a closed connection: lit_ddp.run.hangs)
 
 
-def leave_failure(directory: Path, rank: int, failed_at: float) -> None:
-    """In a failing rank, in its ``except``: its traceback, pid and time of failure, for ``first_failure``."""
+def leave_failure(directory: Path, rank: int, failed_at: float, consequence: bool) -> None:
+    """In a failing rank, in its ``except``: its traceback, pid, time of failure and whether the error is a peer's
+    failure seen from here, for ``first_failure``."""
     message = f"\n\n-- Process {rank} terminated with the following error:\n{traceback.format_exc()}"
     path = directory / f"rank{rank}.json"
     try:
         path.with_suffix(".tmp").write_text(
-            json.dumps({"pid": os.getpid(), "failed_at": failed_at, "message": message})
+            json.dumps({"pid": os.getpid(), "failed_at": failed_at, "message": message, "consequence": consequence})
         )
         path.with_suffix(".tmp").replace(path)
     except OSError:  # the launcher's folder is gone: torch's own report remains
@@ -262,9 +262,9 @@ def first_failure(directory: Path) -> Optional[Failure]:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        failures.append(Failure(int(path.stem[4:]), data["pid"], data["failed_at"], data["message"]))
-    last_line = lambda f: f.message.strip().splitlines()[-1] if f.message.strip() else ""  # noqa: E731
-    own = [f for f in failures if not is_collective_failure(last_line(f))]
+        failures.append(Failure(int(path.stem[4:]), data["pid"], data["failed_at"], data["message"],
+                                data["consequence"]))  # fmt: skip
+    own = [f for f in failures if not f.consequence]
     return min(own or failures, key=lambda f: f.failed_at, default=None)
 
 

@@ -12,9 +12,6 @@ import os
 import sys
 
 PROG = "lit-ddp-fit"
-# Words of an error that a rank sees because another failed: its collective timed out, or the peer's socket
-# closed (the peer's process died). The first cause is another rank's own error.
-COLLECTIVE_FAILURES = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "gloo", "nccl")
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -29,12 +26,6 @@ def prog() -> str:
     argv0 = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     cli = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fit.py")
     return PROG if argv0 == cli or os.path.basename(argv0) == PROG else "lit_ddp"
-
-
-def is_collective_failure(text: str) -> bool:
-    """An error's text says a collective failed (a consequence, when another rank failed first)."""
-    lowered = text.lower()
-    return any(word in lowered for word in COLLECTIVE_FAILURES)
 
 
 class Ending(enum.IntEnum):

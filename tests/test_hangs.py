@@ -2,6 +2,7 @@
 (``lit_ddp.analysis.divergence``, ``lit_ddp.run.hangs``); and the real cases, on 2 CPU ranks of a user's script
 (``tests/hang_scripts.py``)."""
 
+import json
 import re
 import threading
 import time
@@ -11,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from lit_ddp import _lightning
-from lit_ddp.analysis.divergence import Collective, RankReport, divergences
+from lit_ddp.analysis.divergence import Collective, RankReport, divergences, never_arrived
 from lit_ddp.measure.collectives import CollectiveRecord, user_frame
 from lit_ddp.run import hangs
 from tests.runner import start_module
@@ -49,11 +50,19 @@ def test_a_rank_that_raised_is_named_with_its_error_where_the_others_waited():
 
 def test_a_rank_that_sent_no_report_is_late_not_diverged():
     rank0 = RankReport(0, 1.0, "timeout", collectives=[grads(7, 2), grads(9, 3)])
-    assert divergences({0: rank0}, 2) == [
-        "collective #9: rank 0 called all_reduce Float[9] (DDP gradient bucket 0) at step 3, backward; rank 1 never "
-        "arrived: it sent no report (hung outside any collective, or dead) (rank 1 late, not diverged: no other "
-        "rank saw it call anything else)"
-    ]
+    assert divergences({0: rank0}, 2) == []
+    assert never_arrived({0: rank0}, 2, "the collective of step 3") == (
+        "rank(s) [1] never arrived at the collective of step 3; rank(s) [0] waited there until the timeout (in "
+        "collective #9, all_reduce Float[9] (DDP gradient bucket 0) at step 3, backward; rank(s) [1] sent no "
+        "report: late, not diverged)"
+    )
+    assert never_arrived({0: rank0, 1: rank0}, 2, "x") is None
+
+
+def test_with_several_nodes_each_rank_is_named_with_its_node():
+    line = never_arrived({0: RankReport(0, 1.0, "timeout")}, 4, "the collective of step 9", ranks_per_node=2)
+    assert line == ("rank(s) [1, 2, 3] (nodes 0, 1) never arrived at the collective of step 9; rank(s) [0] (node 0) "
+                    "waited there until the timeout")  # fmt: skip
 
 
 def test_ranks_that_agree_give_no_line():
@@ -135,15 +144,29 @@ def test_a_rank_cut_off_from_the_store_returns(monkeypatch):
 
 
 def test_the_first_cause_is_the_earliest_own_error_not_the_first_report(tmp_path):
-    closed = "RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234"
-    for rank, failed_at, last in [(0, 1.0, closed), (1, 2.0, "RuntimeError: injected failure on rank 1")]:
-        (tmp_path / f"rank{rank}.json").write_text(
-            f'{{"pid": {100 + rank}, "failed_at": {failed_at}, "message": "Traceback:\\n{last}"}}'
-        )
+    for rank, failed_at, consequence in [(0, 1.0, True), (1, 2.0, False)]:  # rank 0: "Connection closed by peer"
+        path = tmp_path / f"rank{rank}.json"
+        path.write_text(json.dumps({"pid": 100 + rank, "failed_at": failed_at, "message": "Traceback: ...",
+                                    "consequence": consequence}))  # fmt: skip
     first = _lightning.first_failure(tmp_path)
     assert (first.rank, first.pid) == (1, 101)
     (tmp_path / "rank1.json").unlink()
     assert _lightning.first_failure(tmp_path).rank == 0  # only consequences: the earliest
+
+
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        (
+            RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234"),
+            "collective error",
+        ),
+        (RuntimeError("[unbound_buffer.cc:78] Timed out waiting 10000ms for recv operation to complete"), "timeout"),
+        (RuntimeError("injected failure on rank 1"), "exception"),
+    ],
+)
+def test_what_a_failure_is(error, kind):
+    assert hangs.failure_kind(error) == kind
 
 
 # The real cases: a user's script, 2 CPU ranks, LitDDPStrategy(timeout_s=TIMEOUT_S), all at once.
@@ -183,8 +206,9 @@ def last_line(stderr: str) -> str:
         ("gather_rank0", r"collective #\d+ diverged: rank 0 called all_gather Float\[\] at step 3, training_step "
                          r"\(hang_scripts.py:\d+ training_step: self.all_gather\(loss\)\); rank 1 called all_reduce "
                          r"Float\[9\] \(DDP gradient bucket 0\) at step 3, backward"),
-        ("sleep", r"collective #\d+: rank 0 called all_reduce Float\[9\] \(DDP gradient bucket 0\) at step 3, "
-                  r"backward; rank 1 never arrived: it sent no report .*\(rank 1 late, not diverged"),
+        ("sleep", r"rank\(s\) \[1\] never arrived at the collective of step 3; rank\(s\) \[0\] waited there until the "
+                  r"timeout \(in collective #\d+, all_reduce Float\[9\] \(DDP gradient bucket 0\) at step 3, backward; "
+                  r"rank\(s\) \[1\] sent no report: late, not diverged\)"),
     ],
 )  # fmt: skip
 def test_a_hang_ends_naming_the_divergence(hung_runs, case, pattern):

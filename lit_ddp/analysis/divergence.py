@@ -90,8 +90,7 @@ def _ranks(ranks: list[int]) -> str:
 
 def divergences(reports: dict[int, RankReport], world_size: int) -> list[str]:
     """One line per divergence of the ranks' records (at most one: after the first, the records mean nothing);
-    none when every rank reported and all agree. A rank that sent no report is named at the last collective of
-    those that did (the one they waited in)."""
+    none when the ranks that reported agree (``never_arrived`` names the ranks that sent none)."""
     by_rank = {r: {c.seq: c for c in rep.collectives} for r, rep in reports.items()}
     last = {r: max(seqs, default=0) for r, seqs in by_rank.items()}
     silent = [r for r in range(world_size) if r not in reports]
@@ -106,18 +105,38 @@ def divergences(reports: dict[int, RankReport], world_size: int) -> list[str]:
             group = next((g for g in groups if calls[g[0]].same_call(c)), None)
             group.append(r) if group is not None else groups.append([r])
         behind = [r for r in by_rank if r not in calls and seq > last[r]]  # reported, never got this far
-        at_the_end = seq == max(last.values())
-        if len(groups) == 1 and not behind and not (silent and at_the_end):
+        if len(groups) == 1 and not behind:
             continue
         line = f"collective #{seq} diverged: " if len(groups) > 1 else f"collective #{seq}: "
         line += "; ".join(f"{_ranks(g)} called {_place(calls[g[0]])}" for g in groups)
         for r in sorted(behind + silent):
             line += f"; rank {r} never arrived: it {_instead(reports.get(r), last.get(r, 0))}"
-        late = [r for r in silent if len(groups) == 1]
-        if late:
-            line += f" ({_ranks(late)} late, not diverged: no other rank saw it call anything else)"
         return [line]
     return []
+
+
+def ranks_named(ranks: list[int], ranks_per_node: Optional[int] = None) -> str:
+    """``rank(s) [1]``, and with several nodes ``rank(s) [1] (node 1)``."""
+    if not ranks_per_node:
+        return f"rank(s) {ranks}"
+    nodes = sorted({r // ranks_per_node for r in ranks})
+    return f"rank(s) {ranks} (node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))})"
+
+
+def never_arrived(reports: dict[int, RankReport], world_size: int, place: str,
+                  ranks_per_node: Optional[int] = None) -> Optional[str]:  # fmt: skip
+    """The ranks that sent no report, named at ``place`` (the collective the others waited in), with that
+    collective from the others' records when they agree on it: late, not diverged. None when every rank sent one."""
+    silent = [r for r in range(world_size) if r not in reports]
+    if not silent or not reports:
+        return None
+    line = (f"{ranks_named(silent, ranks_per_node)} never arrived at {place}; "
+            f"{ranks_named(sorted(reports), ranks_per_node)} waited there until the timeout")  # fmt: skip
+    lasts = [rep.collectives[-1] for rep in reports.values() if rep.collectives]
+    if lasts and len(lasts) == len(reports) and all(c.seq == lasts[0].seq and c.same_call(lasts[0]) for c in lasts):
+        line += (f" (in collective #{lasts[0].seq}, {_place(lasts[0])}; {ranks_named(silent)} sent no report: late, "
+                 "not diverged)")  # fmt: skip
+    return line
 
 
 def first_cause(reports: dict[int, RankReport]) -> Optional[RankReport]:

@@ -140,7 +140,7 @@ class StepSync(Callback):
         def notify(signum, frame) -> None:
             stuck = time.monotonic() - self._alive_at
             if stuck > hung_after_s / 2:  # hung: no step boundary will ever read the flag
-                where = hangs.report_hung(trainer, frame)
+                where = hangs.hung_at(frame)
                 state = "failed, reporting" if where is None else f"hung{f' at {where}' if where else ''}"
                 print(f"{prog()}: rank {trainer.global_rank}: SIGTERM after {stuck:.0f} s without a step boundary "
                       f"({state}): exiting at once", file=sys.stderr, flush=True)  # fmt: skip

@@ -22,13 +22,14 @@ import torch.distributed as dist
 from lightning.pytorch import Trainer
 
 from lit_ddp import _torch
-from lit_ddp.analysis.divergence import RankReport, divergences
-from lit_ddp.errors import is_collective_failure
+from lit_ddp.analysis.divergence import RankReport, divergences, never_arrived, ranks_named
 from lit_ddp.measure.collectives import CollectiveRecord, frame_of
 
 WAIT_S = 5.0  # for the other ranks that failed to fail too and leave their reports
 ANSWER_S = 2.0  # for the store's first answer: without one, this rank is cut off from it
 KEY = "lit_ddp/failure/"  # + rank: that rank's report, as JSON
+# Words of an error that a rank sees because another failed: a peer's socket closed (its process died).
+COLLECTIVE_FAILURES = ("connection closed", "connection reset", "broken pipe", "gloo", "nccl")
 FAILING = threading.Event()  # this process is reporting a failure (not hung, whatever its last step boundary)
 
 
@@ -55,7 +56,8 @@ def failure_kind(exception: BaseException) -> str:
     """``timeout``, ``collective error`` (a peer's socket closed: its process died), or ``exception``."""
     if is_timeout(exception):
         return "timeout"
-    if isinstance(exception, dist.DistError) or is_collective_failure(str(exception)):
+    text = str(exception).lower()
+    if isinstance(exception, dist.DistError) or any(word in text for word in COLLECTIVE_FAILURES):
         return "collective error"
     return "exception"
 
@@ -118,14 +120,6 @@ def exchange_unless_cut_off(store: dist.Store, report: RankReport, world_size: i
     return result[0]
 
 
-def _ranks(ranks: list[int], ranks_per_node: Optional[int]) -> str:
-    """``rank(s) [1]``, and with several nodes ``rank(s) [1] (node 1)``."""
-    if not ranks_per_node:
-        return f"rank(s) {ranks}"
-    nodes = sorted({r // ranks_per_node for r in ranks})
-    return f"rank(s) {ranks} (node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))})"
-
-
 def _prepend(exception: BaseException, line: str) -> None:
     exception.args = (f"{line}: {exception.args[0] if exception.args else ''}", *exception.args[1:])
 
@@ -136,14 +130,18 @@ def diagnose(trainer: Trainer, exception: BaseException, ranks_per_node: Optiona
     reports there, prints the divergence (the lowest such rank does) and puts it at the front of the error.
     ``ranks_per_node`` (several nodes only) adds each rank's node: ``rank // ranks_per_node``."""
     world_size, rank = trainer.world_size, trainer.global_rank
-    if world_size < 2 or getattr(exception, "lit_ddp_named", False):
+    if getattr(exception, "lit_ddp_named", False):
+        return
+    kind = failure_kind(exception)
+    # A peer's failure seen from here, not a cause of its own (the launcher ends the job with the first cause).
+    exception.lit_ddp_consequence = kind != "exception"
+    if world_size < 2:
         return
     store = _torch.default_store()
     if store is None:
         return
     exception.lit_ddp_named = True
     FAILING.set()
-    kind = failure_kind(exception)
     report = rank_report(trainer, kind, first_line(exception), frame_of(exception.__traceback__))
     try:
         store.set_timeout(timedelta(seconds=WAIT_S))  # rank 0 hosts the store: it may be the one that hangs
@@ -157,35 +155,24 @@ def diagnose(trainer: Trainer, exception: BaseException, ranks_per_node: Optiona
         # down). Every rank there is lost to this one; of the others nothing can be learned without the store.
         host_ranks = list(range(ranks_per_node or 1))
         if rank not in host_ranks:
-            _prepend(exception, f"{_ranks(host_ranks, ranks_per_node)} lost at step {report.step}: the rendezvous "
-                                f"store they host did not answer for {ANSWER_S:g} s either (a network partition, "
-                                f"or their node is down); {_ranks([rank], ranks_per_node)} waited there until the "
-                                "timeout")  # fmt: skip
+            _prepend(exception, f"{ranks_named(host_ranks, ranks_per_node)} lost at the collective of step "
+                                f"{report.step}: the rendezvous store they host did not answer for {ANSWER_S:g} s "
+                                "either (a network partition, or their node is down); "
+                                f"{ranks_named([rank], ranks_per_node)} waited there until the timeout")  # fmt: skip
         return
     lines = divergences(reports, world_size)
-    if not lines and len(reports) < world_size:  # no record to compare (no Flight Recorder): who is missing
+    if not lines:
         where = next((w for c in trainer.callbacks if isinstance(c, WaitsForBuckets) and (w := c.waiting_for())),
                      f"the collective of step {report.step}")  # fmt: skip
-        absent = [r for r in range(world_size) if r not in reports]
-        lines = [f"{_ranks(absent, ranks_per_node)} never arrived at {where}; "
-                 f"{_ranks(sorted(reports), ranks_per_node)} waited there until the timeout"]  # fmt: skip
+        line = never_arrived(reports, world_size, where, ranks_per_node)
+        lines = [line] if line else []
     if not lines:
         return
     _prepend(exception, lines[0])  # the job's last line (the launcher's, or the rank's traceback) carries it
 
 
-def report_hung(trainer: Trainer, frame) -> Optional[str]:
-    """From a hung rank's SIGTERM handler: leaves its report (where it hangs, its stack's user line) for whoever
-    still reads the store, and returns that line (``""`` when its stack holds none); None when this rank is not
-    hung but reporting a failure of its own (``diagnose``), which the launcher's SIGTERM cut short."""
-    if FAILING.is_set():
-        return None
-    where = frame_of(frame=frame)
-    store = _torch.default_store()
-    if store is not None and trainer.world_size > 1:
-        report = rank_report(trainer, "hung", "", where)
-        try:
-            exchange_unless_cut_off(store, report, trainer.world_size, 0.0)
-        except Exception:  # the store is gone: the line is all there is
-            pass
-    return where
+def hung_at(frame) -> Optional[str]:
+    """From a hung rank's SIGTERM handler: the user's line of its stack (``""`` when it holds none); None when this
+    rank is not hung but reporting a failure of its own (``diagnose``), which the launcher's SIGTERM cut short.
+    (Its peers have given up on it by then: nobody reads the store any more.)"""
+    return None if FAILING.is_set() else frame_of(frame=frame)

@@ -7,7 +7,7 @@ none: ``lit_ddp.analysis.trace`` reads the
 Chrome-trace JSON that ``torch.profiler`` writes, a public format.
 """
 
-import json
+import pickle
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -27,7 +27,7 @@ PRIVATE_NAMES = [
     ),  # fmt: skip
     PrivateName(Optimizer, "_optimizer_step_post_hooks", "the tests check that PhaseTimer removes its step hook"),
     PrivateName(distributed_c10d, "_get_default_store", "the rendezvous store, to name hung ranks after a timeout"),
-    PrivateName(torch._C._distributed_c10d, "_dump_fr_trace_json", "Flight Recorder's entries, read at a failure"),
+    PrivateName(torch._C._distributed_c10d, "_dump_fr_trace", "Flight Recorder's entries, read at a failure"),
     PrivateName(distributed_c10d, "_set_pg_timeout", "a callback alone shortens Lightning's 30-minute timeout"),
     PrivateName(torch.cuda.memory, "_record_memory_history", "PhaseTimer(memory_snapshot=True): allocation history"),
     PrivateName(torch.cuda.memory, "_dump_snapshot", "PhaseTimer(memory_snapshot=True): dumped on OOM"),
@@ -75,13 +75,14 @@ def default_store() -> Optional[Any]:
 def flight_recorder_entries() -> Optional[list[dict[str, Any]]]:
     """torch's Flight Recorder: this process's last collectives (``TORCH_FR_BUFFER_SIZE`` of them, on by default
     in torch 2.13 for gloo and NCCL), each a dict (``collective_seq_id``, ``profiling_name``, ``input_sizes``,
-    ``input_dtypes``, ``time_created_ns``, ``state``, ...); None where torch has no Flight Recorder."""
-    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace_json", None)
+    ``input_dtypes``, ``time_created_ns``, ``state``, ``frames``: the Python stack that called it, ...), as torch
+    dumps them on a timeout; None where torch has no Flight Recorder."""
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
     if dump is None:
         return None
-    try:
-        return json.loads(dump(True, False)).get("entries", [])
-    except (RuntimeError, ValueError):
+    try:  # torch's own pickle, of this process: the format its dumps on timeout and its analyzer use
+        return pickle.loads(dump(True, True, False)).get("entries", [])
+    except (RuntimeError, ValueError, pickle.UnpicklingError):
         return None
 
 

@@ -22,6 +22,7 @@ if __name__ == "__main__" and not __package__:  # run as a file: the repository 
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from lit_ddp.callbacks import LossMonitor, StepSync  # noqa: E402
+from lit_ddp.callbacks.collective_recorder import CollectiveRecorder  # noqa: E402
 from lit_ddp.run.strategy import LitDDPStrategy  # noqa: E402
 
 DIM = 8
@@ -104,17 +105,21 @@ def main() -> None:
     parser.add_argument("--uneven", default="stop", choices=["stop", "error"])
     parser.add_argument("--timeout-s", type=float, default=20)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--strategy", default="lit", choices=["lit", "ddp"], help="ddp: Lightning's own DDPStrategy")
     args = parser.parse_args()
+    callbacks = [LossMonitor(), StepSync(uneven=args.uneven)]
+    if args.strategy == "ddp":  # the callbacks alone: the recorder shortens Lightning's 30-minute timeout
+        callbacks.append(CollectiveRecorder(timeout_s=args.timeout_s))
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=LitDDPStrategy(timeout_s=args.timeout_s),
+        strategy=LitDDPStrategy(timeout_s=args.timeout_s) if args.strategy == "lit" else "ddp",
         max_epochs=args.epochs,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[LossMonitor(), StepSync(uneven=args.uneven)],
+        callbacks=callbacks,
         use_distributed_sampler=False,
     )
     trainer.fit(Case(args.case), loader(args.case))

@@ -79,6 +79,8 @@ def _instead(report: Optional[RankReport], last_seq: int) -> str:
     if report.kind == "hung":
         return f"was hung outside any collective{at}{where}"
     last = next((c for c in report.collectives if c.seq == last_seq), None)
+    if last is not None and report.kind == "dump":
+        return f"had called only up to #{last.seq}, {_place(last)}"
     if last is not None:
         return f"waited in its #{last.seq}, {_place(last)}"
     return f"failed{at}{where}: {report.error}"

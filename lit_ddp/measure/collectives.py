@@ -3,14 +3,14 @@
     python tests/hang_scripts.py logkeys      # rank 1 logs a key rank 0 does not: the record names the call
 
 torch's Flight Recorder (on by default in torch 2.13: ``TORCH_FR_BUFFER_SIZE`` entries, gloo and NCCL alike)
-keeps every collective's sequence number, op, sizes, dtype and creation time, in C++, at no cost lit_ddp adds. It
-lacks the step, the phase and the Python line. The step and phase come from marks the ``CollectiveRecorder``
-callback sets at the step's boundaries (a clock read and a ring-buffer write each, a handful per step), matched
-to each entry's creation time; the line, for the collective a rank waited in, from its exception's traceback (or,
-for a hung rank, its stack at SIGTERM). Nothing of this reads the Flight Recorder before a failure.
+keeps every collective's sequence number, op, sizes, dtype, creation time and the Python stack that called it (the
+user's line: ``lit_ddp.analysis.flight_recorder``), at no cost lit_ddp adds. It lacks the step and the phase:
+they come from marks the ``CollectiveRecorder`` callback sets at the step's boundaries (a clock read and a
+ring-buffer write each, a handful per step), matched to each entry's creation time. Where it holds no stack, the
+collective a rank waited in gets the line of its exception's traceback. Nothing of this reads the Flight Recorder
+before a failure.
 """
 
-import os
 import time
 import traceback
 from bisect import bisect_right
@@ -18,35 +18,18 @@ from collections import deque
 from types import FrameType, TracebackType
 from typing import Any, Optional
 
-import lightning
-import torch
-
-import lit_ddp
 from lit_ddp import _torch
 from lit_ddp.analysis.divergence import Collective, RankReport
+from lit_ddp.analysis.flight_recorder import Frame, collective_of, default_group, user_frame
 
 MARKS_KEPT = 256  # phase marks: some 40 steps
 REPORTED = 16  # a rank's last collectives in its report
-# Where library frames live: the user's line is the innermost frame outside them.
-LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, lightning, lit_ddp))
-
-
-def user_frame(frames: list[traceback.FrameSummary]) -> str:
-    """``logkeys.py:21 training_step: self.log('rare_metric', ...)``: the innermost frame outside torch,
-    Lightning and lit_ddp (and Python's own), or ``""``."""
-    for frame in reversed(frames):
-        path = os.path.abspath(frame.filename)
-        if path.startswith(LIBRARIES) or "site-packages" in path or path.startswith(os.path.dirname(os.__file__)):
-            continue
-        return f"{os.path.basename(path)}:{frame.lineno} {frame.name}: {(frame.line or '').strip()}"
-    return ""
 
 
 def frame_of(tb: Optional[TracebackType] = None, frame: Optional[FrameType] = None) -> str:
-    """The user's frame of a traceback, or of a live stack (a signal handler's ``frame``)."""
-    if tb is not None:
-        return user_frame(traceback.extract_tb(tb))
-    return user_frame(traceback.extract_stack(frame)) if frame is not None else ""
+    """The user's line of a traceback, or of a live stack (a signal handler's ``frame``)."""
+    summary = traceback.extract_tb(tb) if tb is not None else traceback.extract_stack(frame) if frame else []
+    return user_frame([Frame(f.filename, f.lineno or 0, f.name, f.line or "") for f in summary])
 
 
 class CollectiveRecord:
@@ -71,22 +54,18 @@ class CollectiveRecord:
     def collectives(self, entries: list[dict[str, Any]], waited: str = "") -> list[Collective]:
         """Flight Recorder's entries of the default process group, as collectives of this rank: its last
         ``REPORTED``, each with its step and phase; the all-reduces of a step's backward are DDP's gradient
-        buckets, numbered as DDP launches them; the last one gets ``waited`` (the user's line it waited at)."""
+        buckets, numbered as DDP launches them; the last one's line, where Flight Recorder has no stack, is
+        ``waited`` (the user's line it waited at, from its traceback)."""
         out: list[Collective] = []
         buckets: dict[Optional[int], int] = {}
-        for entry in entries:
-            if entry.get("pg_id", 0) != 0 or entry.get("is_p2p"):
-                continue
+        for entry in default_group(entries):
             step, phase = self.at(int(entry.get("time_created_ns", 0)))
-            op = str(entry.get("profiling_name", "")).rpartition(":")[2]
             bucket = None
-            if phase == "backward" and op == "all_reduce":
+            if phase == "backward" and str(entry.get("profiling_name", "")).endswith("all_reduce"):
                 bucket = buckets[step] = buckets.get(step, -1) + 1
-            dtypes = entry.get("input_dtypes") or [""]
-            out.append(Collective(int(entry["collective_seq_id"]), op, [list(s) for s in entry.get("input_sizes", [])],
-                                  dtypes[0], step, phase, bucket))  # fmt: skip
+            out.append(collective_of(entry, step, phase, bucket))
         out = out[-REPORTED:]
-        if out and waited:
+        if out and waited and not out[-1].where and out[-1].bucket is None:
             out[-1].where = waited
         return out
 

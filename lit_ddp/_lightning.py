@@ -9,17 +9,28 @@ here under public names) and overrides ``_call_children_scripts``; everything el
 functions below and nowhere else. ``PRIVATE_NAMES`` lists them all for the test.
 """
 
+import json
+import os
+import shutil
+import tempfile
+import time
+import traceback
 from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 from lightning.pytorch import Trainer
+from lightning.pytorch.loops.fetchers import _DataFetcher, _PrefetchDataFetcher
 from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.overrides import distributed as overrides_distributed
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer import call as trainer_call
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from torch.multiprocessing import ProcessRaisedException
 
 
 class PrivateName(NamedTuple):
@@ -55,6 +66,15 @@ PRIVATE_NAMES = [
     PrivateName(_TrainingEpochLoop, "_broadcast_sigterm_tensor", "Lightning's per-step SIGTERM broadcast"),
     PrivateName(overrides_distributed, "_register_ddp_comm_hook", "Lightning's helper: hook + wrapper onto DDP"),
     PrivateName(_FitLoop, "_data_source", "where fit's training data comes from, before the loop sets it up"),
+    PrivateName(DDPStrategy, "_timeout", "the process group's timeout given to DDPStrategy(timeout=...)"),
+    PrivateName(_MultiProcessingLauncher, "_wrapping_function", "a ddp_fork/spawn rank's fit: its exception hooks"),
+    PrivateName(trainer_call, "_interrupt", "what Lightning runs on an exception (on_exception hooks), in a rank"),
+    PrivateName(_FitLoop, "_data_fetcher", "fit's data fetcher: how many batches each rank still has (uneven data)"),
+    PrivateName(
+        _PrefetchDataFetcher, "batches", "the fetcher's batches fetched ahead (an unsized loader's look-ahead)"
+    ),
+    PrivateName(_PrefetchDataFetcher, "prefetch_batches", "how many it fetches ahead at each epoch's start"),
+    PrivateName(_DataFetcher, "iterator", "the loader's iterator it refills from (emptied where the epoch ends)"),
 ]
 
 
@@ -81,6 +101,46 @@ def train_dataloader(trainer: Trainer) -> Any:
     """The training data as ``fit`` was given it: the datamodule's or the module's ``train_dataloader``, or the
     loaders passed to ``fit`` (before the fit loop has set them up: usable in ``on_fit_start``)."""
     return trainer.fit_loop._data_source.dataloader()
+
+
+def batches_ahead(trainer: Trainer, at_least: int) -> Optional[int]:
+    """For an unsized training loader (an ``IterableDataset``): how many batches this rank has after the current
+    one, counted up to ``at_least`` (so ``at_least`` means that many or more); None for a sized loader (its length
+    says it). Lightning's fetcher knows one batch ahead (``prefetch_batches=1``): it is topped up here to
+    ``at_least`` and fetches as many ahead from the next epoch on."""
+    fetcher = trainer.fit_loop._data_fetcher
+    if not isinstance(fetcher, _PrefetchDataFetcher) or fetcher.length is not None:
+        return None
+    fetcher.prefetch_batches = max(fetcher.prefetch_batches, at_least)
+    while len(fetcher.batches) < at_least and not fetcher.done:
+        try:  # the loader's own iterator, not the fetcher's __next__, which would hand a batch on
+            fetcher.batches.append(next(fetcher.iterator))
+        except StopIteration:  # exhausted: the fetcher's next refill raises again and it sets done
+            break
+    return min(len(fetcher.batches), at_least)
+
+
+def end_epoch_after(trainer: Trainer, batches: int) -> None:
+    """This rank's epoch ends ``batches`` batches after the current one, wherever its loader would: sized, as
+    ``limit_train_batches`` ends it (``max_batches``, and the batch that validates); unsized, its fetcher keeps
+    that many batches and no more, so that Lightning sees the last one as the last (``is_last_batch``)."""
+    fit_loop, epoch_loop = trainer.fit_loop, trainer.fit_loop.epoch_loop
+    end = epoch_loop.batch_idx + 1 + batches
+    fetcher = fit_loop._data_fetcher
+    if isinstance(fetcher, _PrefetchDataFetcher) and fetcher.length is None:
+        del fetcher.batches[batches:]
+        fetcher.iterator = iter(())
+    elif end < fit_loop.max_batches:
+        fit_loop.max_batches = end
+        if isinstance(trainer.val_check_interval, float) and trainer.val_check_batch not in (None, float("inf")):
+            trainer.val_check_batch = max(1, int(end * trainer.val_check_interval))  # as Lightning's setup_data
+    if batches == 0:  # the current batch is the last: set before the step decides to accumulate or to step
+        epoch_loop.batch_progress.is_last_batch = True
+
+
+def process_group_timeout(strategy: Any) -> Optional[timedelta]:
+    """The timeout ``DDPStrategy(timeout=...)`` was given (Lightning's default: torch's 30 minutes)."""
+    return getattr(strategy, "_timeout", None)
 
 
 def is_lightning_launcher(launcher: Any) -> bool:
@@ -172,9 +232,72 @@ class CarryBackLauncher(_MultiProcessingLauncher):
                    for c in trainer.callbacks}  # fmt: skip
         return {**super().get_extra_results(trainer), CARRIED_BACK: carried}
 
+    def launch(self, function: Callable, *args: Any, trainer: Optional[Trainer] = None, **kwargs: Any) -> Any:
+        # Each rank that fails leaves its traceback and the time here: the job ends with the first cause.
+        self.failures = tempfile.mkdtemp(prefix="lit_ddp-failures-")
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except ProcessRaisedException as err:
+            first = first_failure(Path(self.failures))
+            if first is None or first.rank == err.error_index:
+                raise
+            raise ProcessRaisedException(first.message, first.rank, first.pid) from None
+        finally:
+            shutil.rmtree(self.failures, ignore_errors=True)
+
+    def _wrapping_function(self, process_idx: int, trainer: Optional[Trainer], *args: Any, **kwargs: Any) -> None:
+        try:
+            super()._wrapping_function(process_idx, trainer, *args, **kwargs)
+        except Exception as err:
+            failed_at = time.time()
+            if trainer is not None:  # as a `ddp` rank does: on_exception of the callbacks and of the strategy
+                try:
+                    trainer_call._interrupt(trainer, err)
+                except Exception:  # the rank's own error is what it ends with
+                    pass
+            leave_failure(Path(self.failures), process_idx, failed_at, getattr(err, "lit_ddp_consequence", False))
+            raise
+
     def update_main_process_results(self, trainer: Trainer, extra: dict[str, Any]) -> None:
         super().update_main_process_results(trainer, extra)
         carried = extra.get(CARRIED_BACK, {})
         for callback in trainer.callbacks:
             for name, value in carried.get(type(callback).__qualname__, {}).items():
                 setattr(callback, name, value)
+
+
+class Failure(NamedTuple):
+    rank: int
+    pid: int
+    failed_at: float
+    message: str  # as torch's spawn reports a rank's error: its traceback
+    consequence: bool  # a peer's failure seen from here (a timeout, a closed connection: lit_ddp.run.hangs)
+
+
+def leave_failure(directory: Path, rank: int, failed_at: float, consequence: bool) -> None:
+    """In a failing rank, in its ``except``: its traceback, pid, time of failure and whether the error is a peer's
+    failure seen from here, for ``first_failure``."""
+    message = f"\n\n-- Process {rank} terminated with the following error:\n{traceback.format_exc()}"
+    path = directory / f"rank{rank}.json"
+    try:
+        path.with_suffix(".tmp").write_text(
+            json.dumps({"pid": os.getpid(), "failed_at": failed_at, "message": message, "consequence": consequence})
+        )
+        path.with_suffix(".tmp").replace(path)
+    except OSError:  # the launcher's folder is gone: torch's own report remains
+        pass
+
+
+def first_failure(directory: Path) -> Optional[Failure]:
+    """The failure the job ends with: the earliest of the ranks' own errors, else the earliest of the collective
+    failures (a peer's timeout or closed connection is a consequence, even when its report arrived first)."""
+    failures = []
+    for path in directory.glob("rank*.json"):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        failures.append(Failure(int(path.stem[4:]), data["pid"], data["failed_at"], data["message"],
+                                data["consequence"]))  # fmt: skip
+    own = [f for f in failures if not f.consequence]
+    return min(own or failures, key=lambda f: f.failed_at, default=None)

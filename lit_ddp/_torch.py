@@ -7,6 +7,8 @@ none: ``lit_ddp.analysis.trace`` reads the
 Chrome-trace JSON that ``torch.profiler`` writes, a public format.
 """
 
+import pickle
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -25,6 +27,8 @@ PRIVATE_NAMES = [
     ),  # fmt: skip
     PrivateName(Optimizer, "_optimizer_step_post_hooks", "the tests check that PhaseTimer removes its step hook"),
     PrivateName(distributed_c10d, "_get_default_store", "the rendezvous store, to name hung ranks after a timeout"),
+    PrivateName(torch._C._distributed_c10d, "_dump_fr_trace", "Flight Recorder's entries, read at a failure"),
+    PrivateName(distributed_c10d, "_set_pg_timeout", "a callback alone shortens Lightning's 30-minute timeout"),
     PrivateName(torch.cuda.memory, "_record_memory_history", "PhaseTimer(memory_snapshot=True): allocation history"),
     PrivateName(torch.cuda.memory, "_dump_snapshot", "PhaseTimer(memory_snapshot=True): dumped on OOM"),
 ]
@@ -66,3 +70,29 @@ def default_store() -> Optional[Any]:
         return distributed_c10d._get_default_store()
     except (RuntimeError, ValueError):
         return None
+
+
+def flight_recorder_entries() -> Optional[list[dict[str, Any]]]:
+    """torch's Flight Recorder: this process's last collectives (``TORCH_FR_BUFFER_SIZE`` of them, on by default
+    in torch 2.13 for gloo and NCCL), each a dict (``collective_seq_id``, ``profiling_name``, ``input_sizes``,
+    ``input_dtypes``, ``time_created_ns``, ``state``, ``frames``: the Python stack that called it, ...), as torch
+    dumps them on a timeout; None where torch has no Flight Recorder."""
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
+    if dump is None:
+        return None
+    try:  # torch's own pickle, of this process: the format its dumps on timeout and its analyzer use
+        return pickle.loads(dump(True, True, False)).get("entries", [])
+    except (RuntimeError, ValueError, pickle.UnpicklingError):
+        return None
+
+
+def set_pg_timeout(timeout: timedelta) -> bool:
+    """Sets the default process group's timeout for the collectives to come; False where torch cannot."""
+    set_timeout = getattr(distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:
+        return False
+    try:
+        set_timeout(timeout)
+    except (RuntimeError, ValueError, AttributeError):
+        return False
+    return True

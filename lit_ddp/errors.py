@@ -8,6 +8,8 @@ reported in one line before any rank starts; 143 (128 + SIGTERM) stopped by SIGT
 """
 
 import enum
+import os
+import sys
 
 PROG = "lit-ddp-fit"
 
@@ -16,6 +18,14 @@ EXIT_USAGE = 2
 # report, trace_report, forecast: the text printed, the picture asked for not written (its folder not writable;
 # without matplotlib they say how to get it and exit 0); --no-plot asks for none.
 EXIT_NO_PICTURE = 1
+
+
+def prog() -> str:
+    """How a message of a training process begins: ``lit-ddp-fit`` where the CLI runs (``python -m lit_ddp.fit``,
+    the console script, and the ranks they start), ``lit_ddp`` in a user's own script."""
+    argv0 = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    cli = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fit.py")
+    return PROG if argv0 == cli or os.path.basename(argv0) == PROG else "lit_ddp"
 
 
 class Ending(enum.IntEnum):
@@ -49,6 +59,11 @@ class NonFiniteLossError(RuntimeError):
     """The loss became NaN or Inf on at least one rank; raised on every rank at the same step."""
 
 
+class UnevenDataError(RuntimeError):
+    """Ranks whose training data ends at different batches of an epoch (``StepSync(uneven="error")``); raised on
+    every rank at the same step, before any rank has run out."""
+
+
 class RecordError(ValueError):
     """A run record (``phases.json``, ``comm.json``) that cannot be read: one line naming the file and why."""
 
@@ -58,4 +73,5 @@ class ForecastError(ValueError):
 
 
 # Raised on every rank at the same step, so one report (rank 0's) is enough; each with its exit code.
-AGREED_ERRORS = {SyncError: EXIT_FAILED, NonFiniteLossError: EXIT_FAILED, UnusedParametersError: EXIT_USAGE}
+AGREED_ERRORS = {SyncError: EXIT_FAILED, NonFiniteLossError: EXIT_FAILED, UnusedParametersError: EXIT_USAGE,
+                 UnevenDataError: EXIT_FAILED}  # fmt: skip

@@ -4,6 +4,7 @@
     python -m lit_ddp.report runs/mini_train_profile/version_0 --forecast 8,64,512 --link nvlink+ib400
     python -m lit_ddp.report --trace DIR --json trace.json
     python -m lit_ddp.report RUN_A --compare RUN_B                  # row by row, beyond the noise
+    python -m lit_ddp.report --flight-recorder DIR                  # why a job hung, from its ranks' dumps
 
 Reads ``phases.json`` (PhaseTimer) and ``comm.json`` (CommMonitor) from a run directory (``lit_ddp.records.schema``),
 prints the same tables the callbacks print at the end of training (``lit_ddp.analysis.phases``), and writes
@@ -14,6 +15,7 @@ per-rank ``torch.profiler`` traces instead (``lit_ddp.trace_report``). The pictu
 """
 
 import argparse
+import pickle
 import sys
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from lit_ddp import forecast, trace_report
 from lit_ddp.analysis import plots
 from lit_ddp.analysis.comm import comm_table
 from lit_ddp.analysis.compare import compare_dirs
+from lit_ddp.analysis.flight_recorder import flight_recorder_text
 from lit_ddp.analysis.memory import oom_line
 from lit_ddp.analysis.phases import phase_table
 from lit_ddp.errors import RecordError
@@ -37,8 +40,22 @@ def main(argv: list[str] | None = None) -> int:
     group = parser.add_argument_group("profiler traces")
     group.add_argument("--trace", type=Path, metavar="DIR", help="read the per-rank torch.profiler traces under DIR")
     group.add_argument("--json", type=Path, metavar="OUT", help="with --trace: write every figure as JSON (us)")
+    parser.add_argument(
+        "--flight-recorder",
+        type=Path,
+        metavar="DIR",
+        help="compare the per-rank Flight Recorder dumps in DIR (lit_ddp.analysis.flight_recorder)",
+    )
     forecast.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.flight_recorder is not None:
+        if not args.flight_recorder.is_dir():
+            parser.error(f"--flight-recorder {args.flight_recorder}: not a directory")
+        try:
+            print(flight_recorder_text(args.flight_recorder))
+        except (OSError, ValueError, pickle.UnpicklingError, KeyError) as err:
+            parser.error(f"--flight-recorder: {err}")
+        return 0
     if args.trace is not None:
         if args.run_dir is not None or args.forecast:
             parser.error("--trace DIR reads traces alone: give no run directory or --forecast with it")

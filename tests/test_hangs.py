@@ -1,56 +1,119 @@
-"""A collective that times out names the ranks that never arrived, on every rank that did."""
+"""Why it hung: each failing rank's report of its collectives, compared into one line that names the divergence
+(``lit_ddp.analysis.divergence``, ``lit_ddp.run.hangs``); and the real cases, on 2 CPU ranks of a user's script
+(``tests/hang_scripts.py``)."""
 
+import json
+import re
 import threading
+import time
+from contextlib import ExitStack
 
 import pytest
 import torch.distributed as dist
 
-from lit_ddp import _torch
+from lit_ddp import _lightning
+from lit_ddp.analysis.divergence import Collective, RankReport, divergences, never_arrived
+from lit_ddp.measure.collectives import CollectiveRecord, user_frame
 from lit_ddp.run import hangs
+from tests.runner import start_module
+
+LOG_LINE = "logkeys.py:21 training_step: self.log('rare_metric', loss, sync_dist=True)"
 
 
-def test_every_rank_that_arrived_names_the_ones_that_did_not(monkeypatch):
+def grads(seq: int, step: int) -> Collective:
+    return Collective(seq, "all_reduce", [[9]], "Float", step, "backward", bucket=0)
+
+
+def test_a_collective_called_by_one_rank_only_is_named_with_its_line():
+    rank0 = RankReport(0, 1.0, "timeout", collectives=[grads(7, 2), grads(9, 3)])
+    rank1 = RankReport(
+        1,
+        1.0,
+        "timeout",
+        collectives=[grads(7, 2), Collective(9, "barrier", [[]], "", 3, "training_step", where=LOG_LINE)],
+    )
+    assert divergences({0: rank0, 1: rank1}, 2) == [
+        "collective #9 diverged: rank 0 called all_reduce Float[9] (DDP gradient bucket 0) at step 3, backward; "
+        f"rank 1 called barrier at step 3, training_step ({LOG_LINE})"
+    ]
+
+
+def test_a_rank_that_raised_is_named_with_its_error_where_the_others_waited():
+    rank0 = RankReport(0, 2.0, "collective error", collectives=[grads(7, 2), grads(9, 3)])
+    rank1 = RankReport(1, 1.0, "exception", "RuntimeError: boom", "x.py:3 training_step: raise", 3, "training_step",
+                       [grads(7, 2)])  # fmt: skip
+    assert divergences({0: rank0, 1: rank1}, 2) == [
+        "collective #9: rank 0 called all_reduce Float[9] (DDP gradient bucket 0) at step 3, backward; rank 1 never "
+        "arrived: it raised RuntimeError: boom at step 3, training_step (x.py:3 training_step: raise)"
+    ]
+
+
+def test_a_rank_that_sent_no_report_is_late_not_diverged():
+    rank0 = RankReport(0, 1.0, "timeout", collectives=[grads(7, 2), grads(9, 3)])
+    assert divergences({0: rank0}, 2) == []
+    assert never_arrived({0: rank0}, 2, "the collective of step 3") == (
+        "rank(s) [1] never arrived at the collective of step 3; rank(s) [0] waited there until the timeout (in "
+        "collective #9, all_reduce Float[9] (DDP gradient bucket 0) at step 3, backward; rank(s) [1] sent no "
+        "report: late, not diverged)"
+    )
+    assert never_arrived({0: rank0, 1: rank0}, 2, "x") is None
+
+
+def test_with_several_nodes_each_rank_is_named_with_its_node():
+    line = never_arrived({0: RankReport(0, 1.0, "timeout")}, 4, "the collective of step 9", ranks_per_node=2)
+    assert line == ("rank(s) [1, 2, 3] (nodes 0, 1) never arrived at the collective of step 9; rank(s) [0] (node 0) "
+                    "waited there until the timeout")  # fmt: skip
+
+
+def test_ranks_that_agree_give_no_line():
+    same = [grads(7, 2), grads(9, 3)]
+    assert divergences({0: RankReport(0, 1.0, "timeout", collectives=same),
+                        1: RankReport(1, 1.0, "timeout", collectives=list(same))}, 2) == []  # fmt: skip
+
+
+def test_a_report_survives_the_store():
+    report = RankReport(1, 1.5, "exception", "E: x", "a.py:1 f: g()", 3, "backward", [grads(9, 3)])
+    assert RankReport.from_json(report.as_json()) == report
+
+
+def test_the_record_puts_each_flight_recorder_entry_in_its_step_and_phase():
+    record = CollectiveRecord()
+    record.mark(0, "training_step")
+    record.mark(0, "backward")
+    after_backward = time.time_ns()
+    record.mark(0, "the end of the step")
+    entries = [{"collective_seq_id": 1, "profiling_name": "gloo:all_reduce", "input_sizes": [[9]],
+                "input_dtypes": ["Float"], "time_created_ns": after_backward, "pg_id": 0},
+               {"collective_seq_id": 2, "profiling_name": "gloo:all_gather", "input_sizes": [[3]],
+                "input_dtypes": ["Double"], "time_created_ns": time.time_ns(), "pg_id": 0}]  # fmt: skip
+    first, second = record.collectives(entries, waited="u.py:9 f: g()")
+    assert (first.step, first.phase, first.bucket, first.where) == (0, "backward", 0, "")
+    assert (second.op, second.phase, second.bucket, second.where) == ("all_gather", "the end of the step", None,
+                                                                      "u.py:9 f: g()")  # fmt: skip
+
+
+def test_the_user_frame_is_the_innermost_outside_the_libraries():
+    import traceback
+
+    import lightning
+
+    lib = traceback.FrameSummary(lightning.__file__, 10, "log", line="x")
+    mine = traceback.FrameSummary("/home/u/logkeys.py", 21, "training_step", line="self.log('rare_metric')")
+    assert user_frame([mine, lib]) == "logkeys.py:21 training_step: self.log('rare_metric')"
+    assert user_frame([lib]) == ""
+
+
+def test_every_rank_that_failed_sees_every_report(monkeypatch):
     store = dist.HashStore()
-    monkeypatch.setattr(_torch, "default_store", lambda: store)
-    monkeypatch.setattr(hangs, "WAIT_S", 1.0)
-    errors = {rank: RuntimeError("Timed out waiting 10000ms for recv operation to complete") for rank in (0, 2)}
-    where = "the all-reduce of bucket 1 in step 7"
-    threads = [threading.Thread(target=hangs.name_absent_ranks, args=(errors[r], r, 3, 7, where)) for r in errors]
+    reports = {r: RankReport(r, float(r), "timeout", collectives=[grads(9, 3)]) for r in (0, 2)}
+    seen = {}
+    threads = [threading.Thread(target=lambda r=r: seen.setdefault(r, hangs.exchange(store, reports[r], 3, 1.0)))
+               for r in reports]  # fmt: skip
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=10)
-    for rank, error in errors.items():
-        assert str(error) == ("rank(s) [1] never arrived at the all-reduce of bucket 1 in step 7; rank(s) [0, 2] "
-                              "waited there until the timeout: Timed out waiting 10000ms for recv operation to "
-                              "complete"), rank  # fmt: skip
-
-
-@pytest.mark.parametrize("message", ["out of memory", "loss is nan"])
-def test_other_errors_are_left_as_they_are(monkeypatch, message):
-    monkeypatch.setattr(_torch, "default_store", lambda: pytest.fail("no store for a non-timeout"))
-    error = RuntimeError(message)
-    hangs.name_absent_ranks(error, 0, 2, 3)
-    assert str(error) == message
-
-
-def test_when_everyone_arrived_nothing_is_added(monkeypatch):
-    store = dist.HashStore()
-    monkeypatch.setattr(_torch, "default_store", lambda: store)
-    store.set("lit_ddp/arrived/3/the collective of step 3/1", "1")
-    error = RuntimeError("Timed out")
-    hangs.name_absent_ranks(error, 0, 2, 3)
-    assert str(error) == "Timed out"
-
-
-def test_with_several_nodes_each_rank_is_named_with_its_node(monkeypatch):
-    store = dist.HashStore()
-    monkeypatch.setattr(_torch, "default_store", lambda: store)
-    monkeypatch.setattr(hangs, "WAIT_S", 0.5)
-    error = RuntimeError("Timed out")
-    hangs.name_absent_ranks(error, 0, 4, 9, ranks_per_node=2)  # ranks 1..3 never mark themselves
-    assert str(error) == ("rank(s) [1, 2, 3] (nodes 0, 1) never arrived at the collective of step 9; rank(s) [0] "
-                          "(node 0) waited there until the timeout: Timed out")  # fmt: skip
+    assert seen[0] == seen[2] == reports  # rank 1 never wrote one: left out after the wait
 
 
 class SilentStore:
@@ -60,9 +123,6 @@ class SilentStore:
     def __init__(self) -> None:
         self.released = threading.Event()
 
-    def set_timeout(self, timeout) -> None:
-        pass
-
     def set(self, key, value) -> None:
         self.released.wait()
 
@@ -71,21 +131,108 @@ class SilentStore:
         return True
 
 
-def test_a_rank_cut_off_from_the_store_names_the_node_that_hosts_it_and_returns(monkeypatch):
-    """Node 1 of 2 (2 ranks each) behind a cut link: its rank 3 names rank 0's node, whose store did not answer,
-    instead of waiting on the store for ever (the call is left blocked in a daemon thread)."""
+def test_a_rank_cut_off_from_the_store_returns(monkeypatch):
+    """The call is left blocked in a daemon thread instead of waiting on the store for ever."""
     store = SilentStore()
-    monkeypatch.setattr(_torch, "default_store", lambda: store)
     monkeypatch.setattr(hangs, "ANSWER_S", 0.2)
-    error = RuntimeError("Timed out waiting 10000ms for recv operation to complete")
     try:
-        naming = threading.Thread(target=hangs.name_absent_ranks, args=(error, 3, 4, 12, None, 2), daemon=True)
-        naming.start()
-        naming.join(timeout=30)
-        assert not naming.is_alive(), "name_absent_ranks waited on a store that never answers"
+        start = time.monotonic()
+        assert hangs.exchange_unless_cut_off(store, RankReport(3, 0.0, "timeout"), 4) is None
+        assert time.monotonic() - start < 5
     finally:
         store.released.set()
-    assert str(error) == ("rank(s) [0, 1] (node 0) lost at the collective of step 12: the rendezvous store they "
-                          "host did not answer for 0.2 s either (a network partition, or their node is down); "
-                          "rank(s) [3] (node 1) waited there until the timeout: Timed out waiting 10000ms for recv "
-                          "operation to complete")  # fmt: skip
+
+
+def test_the_first_cause_is_the_earliest_own_error_not_the_first_report(tmp_path):
+    for rank, failed_at, consequence in [(0, 1.0, True), (1, 2.0, False)]:  # rank 0: "Connection closed by peer"
+        path = tmp_path / f"rank{rank}.json"
+        path.write_text(json.dumps({"pid": 100 + rank, "failed_at": failed_at, "message": "Traceback: ...",
+                                    "consequence": consequence}))  # fmt: skip
+    first = _lightning.first_failure(tmp_path)
+    assert (first.rank, first.pid) == (1, 101)
+    (tmp_path / "rank1.json").unlink()
+    assert _lightning.first_failure(tmp_path).rank == 0  # only consequences: the earliest
+
+
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        (
+            RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234"),
+            "collective error",
+        ),
+        (RuntimeError("[unbound_buffer.cc:78] Timed out waiting 10000ms for recv operation to complete"), "timeout"),
+        (RuntimeError("injected failure on rank 1"), "exception"),
+    ],
+)
+def test_what_a_failure_is(error, kind):
+    assert hangs.failure_kind(error) == kind
+
+
+# The real cases: a user's script, 2 CPU ranks, LitDDPStrategy(timeout_s=TIMEOUT_S), all at once.
+TIMEOUT_S = 10
+CASES = ("logkeys", "log_dict", "gather_rank0", "raise", "sleep")
+
+
+@pytest.fixture(scope="module")
+def hung_runs(tmp_path_factory) -> dict[str, tuple[int, float, str]]:
+    """Each case's exit code, seconds from start to exit, and stderr."""
+    with ExitStack() as stack:
+        start = time.monotonic()
+        runs = {case: stack.enter_context(start_module("tests.hang_scripts", case, "--timeout-s", str(TIMEOUT_S),
+                                                       cwd=tmp_path_factory.mktemp(case)))
+                for case in CASES}  # fmt: skip
+        ended = {}
+        for case, run in runs.items():
+            code = run.wait(timeout=180)
+            ended[case] = (code, time.monotonic() - start, run.stderr)
+    return ended
+
+
+def last_line(stderr: str) -> str:
+    return [line for line in stderr.strip().splitlines() if line.strip()][-1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("case", "pattern"),
+    [
+        ("logkeys", r"collective #\d+ diverged: rank 0 called all_reduce Float\[9\] \(DDP gradient bucket 0\) at "
+                    r"step 3, backward; rank 1 called barrier at step 3, training_step \(hang_scripts.py:\d+ "
+                    r"training_step: self.log\(\"rare_metric\", loss, sync_dist=True\)\)"),
+        ("log_dict", r"collective #\d+ diverged: .*rank 1 called .* at step 3, training_step \(hang_scripts.py:\d+ "
+                     r"training_step: self.log_dict\(metrics, sync_dist=True\)\)"),
+        ("gather_rank0", r"collective #\d+ diverged: rank 0 called all_gather Float\[\] at step 3, training_step "
+                         r"\(hang_scripts.py:\d+ training_step: self.all_gather\(loss\)\); rank 1 called all_reduce "
+                         r"Float\[9\] \(DDP gradient bucket 0\) at step 3, backward"),
+        ("sleep", r"rank\(s\) \[1\] never arrived at the collective of step 3; rank\(s\) \[0\] waited there until the "
+                  r"timeout \(in collective #\d+, all_reduce Float\[9\] \(DDP gradient bucket 0\) at step 3, backward; "
+                  r"rank\(s\) \[1\] sent no report: late, not diverged\)"),
+    ],
+)  # fmt: skip
+def test_a_hang_ends_naming_the_divergence(hung_runs, case, pattern):
+    code, seconds, stderr = hung_runs[case]
+    assert code == 1
+    assert re.search(pattern, last_line(stderr)), stderr[-3000:]
+    assert seconds < TIMEOUT_S + 60
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_hung_rank_says_where_it_hangs(hung_runs):
+    _, _, stderr = hung_runs["sleep"]
+    line = (
+        r"^lit_ddp: rank 1: SIGTERM after \d+ s without a step boundary \(hung at hang_scripts.py:\d+ "
+        r"training_step: time.sleep\(3600\)\): exiting at once$"
+    )
+    assert re.search(line, stderr, re.M), stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_rank_that_raises_between_two_collectives_ends_the_job_with_its_own_error(hung_runs):
+    code, seconds, stderr = hung_runs["raise"]
+    assert code == 1
+    assert last_line(stderr) == "RuntimeError: injected failure on rank 1 between two collectives", stderr[-3000:]
+    assert "lit-ddp-fit" not in stderr  # a user's script: messages name lit_ddp

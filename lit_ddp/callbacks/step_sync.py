@@ -29,9 +29,12 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_ddp import _lightning
-from lit_ddp.callbacks.shared import all_gather, exit_cleanly, is_last_step, profiled_steps
-from lit_ddp.errors import PROG, Ending
+from lit_ddp.callbacks.collective_recorder import CollectiveRecorder
+from lit_ddp.callbacks.shared import all_gather, exit_cleanly, is_last_step, profiled_steps, say
+from lit_ddp.errors import Ending, prog
 from lit_ddp.measure.step_marks import OptimizerSteps
+from lit_ddp.run import hangs
+from lit_ddp.run.even_epochs import EvenEpochs, Uneven
 
 
 @dataclass
@@ -94,16 +97,23 @@ class StepSync(Callback):
     Args:
         sigterm_every_n_steps: Check for SIGTERM at least every n steps (a step that gathers anyway always
             checks). Between checks a step that nobody else needs has no collective and no host read.
+        uneven: Ranks whose data ends at different batches of an epoch: ``stop`` ends every rank's epoch at the
+            last batch every rank has and says so; ``error`` raises ``UnevenDataError`` on every rank, before any
+            runs out (``lit_ddp.run.even_epochs``).
     """
 
     # Rank 0's, sent back to a launching parent (ddp_fork/ddp_spawn): a SIGTERM that reached a rank but not the
     # parent ends the run there too (``lit_ddp._lightning.CarryBackLauncher``).
     carried_back = ("ending",)
 
-    def __init__(self, sigterm_every_n_steps: PositiveInt = 10) -> None:
+    def __init__(self, sigterm_every_n_steps: PositiveInt = 10, uneven: Uneven = "stop") -> None:
         if sigterm_every_n_steps < 1:
             raise ValueError(f"`StepSync(sigterm_every_n_steps={sigterm_every_n_steps!r})` must be >= 1")
+        if uneven not in ("stop", "error"):
+            raise ValueError(f"`StepSync(uneven={uneven!r})` must be 'stop' or 'error'")
         self.sigterm_every_n_steps = sigterm_every_n_steps
+        self.uneven = uneven
+        self._even: Optional[EvenEpochs] = None
         self._slots: dict[str, _Slot] = {}
         self._in_flight: Optional[_InFlight] = None
         self._host_copy: Optional[_HostCopy] = None  # made in setup, on CUDA
@@ -158,6 +168,7 @@ class StepSync(Callback):
         if stage != "fit":
             return
         exit_cleanly(trainer)
+        CollectiveRecorder.attach(trainer, before=self)  # its mark at a step's end comes before the gather
         self._device = trainer.strategy.root_device
         self._host_copy = _HostCopy(self._device) if self._device.type == "cuda" else None
         self._sigterm, self.ending, self._in_flight = False, Ending.FINISHED, None
@@ -177,8 +188,10 @@ class StepSync(Callback):
         def notify(signum, frame) -> None:
             stuck = time.monotonic() - self._alive_at
             if stuck > hung_after_s / 2:  # hung: no step boundary will ever read the flag
-                print(f"{PROG}: rank {trainer.global_rank}: SIGTERM after {stuck:.0f} s without a step boundary "
-                      "(hung): exiting at once", file=sys.stderr, flush=True)  # fmt: skip
+                where = hangs.hung_at(frame)
+                state = "failed, reporting" if where is None else f"hung{f' at {where}' if where else ''}"
+                print(f"{prog()}: rank {trainer.global_rank}: SIGTERM after {stuck:.0f} s without a step boundary "
+                      f"({state}): exiting at once", file=sys.stderr, flush=True)  # fmt: skip
                 sys.stdout.flush()
                 os._exit(143)
             launcher = trainer.strategy.launcher
@@ -193,10 +206,13 @@ class StepSync(Callback):
         self._alive_at = time.monotonic()
         if trainer.world_size > 1:
             _lightning.disable_sigterm_broadcast(trainer)
+            self._even = EvenEpochs(self.uneven, trainer.accumulate_grad_batches, lambda text: say(trainer, text))
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._steps.batch_start(trainer)
+        if self._even is not None:
+            self._even.batch_start(trainer)
 
     @override
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
@@ -208,6 +224,8 @@ class StepSync(Callback):
         if not self._steps.ended(trainer):  # a micro-batch
             return
         self._finish(trainer)  # the previous step's gather: long done by now
+        if self._even is not None:
+            self._even.step_end(trainer, self.put)
         if trainer.world_size == 1:  # nobody to agree with: this rank's own flags decide, no tensor needed
             if self._slots:
                 self._send(trainer)

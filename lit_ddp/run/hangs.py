@@ -1,26 +1,44 @@
-"""Who never arrived, when a collective times out: named on every rank that did arrive.
+"""Why it hung, when a collective times out or fails: the live ranks compare their records and name the cause.
 
-    python -m lit_ddp.fit --devices 2 --trainer.strategy.timeout_s 10    # a rank that hangs: the others say which
+    python tests/hang_scripts.py logkeys     # rank 1 logs a key rank 0 does not: one line names rank 1's call
 
-A collective that times out says only that this rank waited; the ranks that never came say nothing (they are
-hung). So every rank that times out writes "I was here" into the job's rendezvous store (it is not the process
-group that just failed), waits a few seconds for the others to do the same, and names the ranks that did not
-in its error, with the step and, when CommMonitor is on, the bucket whose all-reduce it waited for. Nothing of
-this runs before a timeout. A rank cut off from the store (it lives on rank 0's node) cannot ask it: the store's
-client has no timeout of its own there, so its calls are bounded here, and that rank names rank 0's node as lost.
+A collective that times out says only that this rank waited. So every rank that fails (a timeout, a collective
+error, or an exception of its own) writes its report (``lit_ddp.analysis.divergence.RankReport``: its last
+collectives from its record, what it was doing, the user's line) into the job's rendezvous store, which is not
+the process group that just failed; a rank whose collective failed waits a few seconds for the others' and then
+compares them (``divergences``): one line per divergence, printed once and put at the front of its error. A rank
+that raised on its own only leaves its report (its own error is the cause) and goes. Nothing of this runs
+before a failure. A rank cut off from the store (it lives on rank 0's node) cannot ask it: the store's client
+has no timeout of its own there, so its calls are bounded here, and that rank names rank 0's node as lost.
 """
 
+import json
 import threading
 import time
 from datetime import timedelta
-from typing import Optional
+from typing import Optional, Protocol, runtime_checkable
 
 import torch.distributed as dist
+from lightning.pytorch import Trainer
 
 from lit_ddp import _torch
+from lit_ddp.analysis.divergence import RankReport, divergences, never_arrived, ranks_named
+from lit_ddp.measure.collectives import CollectiveRecord, frame_of
+from lit_ddp.run.roles import NamesPendingCollective
 
-WAIT_S = 5.0  # for the other ranks that arrived to time out too and say so
+WAIT_S = 5.0  # for the other ranks that failed to fail too and leave their reports
 ANSWER_S = 2.0  # for the store's first answer: without one, this rank is cut off from it
+KEY = "lit_ddp/failure/"  # + rank: that rank's report, as JSON
+# Words of an error that a rank sees because another failed: a peer's socket closed (its process died).
+COLLECTIVE_FAILURES = ("connection closed", "connection reset", "broken pipe", "gloo", "nccl")
+FAILING = threading.Event()  # this process is reporting a failure (not hung, whatever its last step boundary)
+
+
+@runtime_checkable
+class KeepsCollectiveRecord(Protocol):
+    """A callback with this rank's record of its collectives (CollectiveRecorder)."""
+
+    collective_record: CollectiveRecord
 
 
 def is_timeout(exception: BaseException) -> bool:
@@ -28,23 +46,47 @@ def is_timeout(exception: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
-def absent_ranks(store: dist.Store, rank: int, world_size: int, tag: str, wait_s: float = WAIT_S,
-                 answered: Optional[threading.Event] = None) -> list[int]:  # fmt: skip
-    """Marks ``rank`` present under ``tag`` and returns the ranks not marked within ``wait_s`` seconds; sets
-    ``answered`` once the store has answered."""
-    store.set(f"{tag}/{rank}", "1")
+def failure_kind(exception: BaseException) -> str:
+    """``timeout``, ``collective error`` (a peer's socket closed: its process died), or ``exception``."""
+    if is_timeout(exception):
+        return "timeout"
+    text = str(exception).lower()
+    if isinstance(exception, dist.DistError) or any(word in text for word in COLLECTIVE_FAILURES):
+        return "collective error"
+    return "exception"
+
+
+def first_line(exception: BaseException) -> str:
+    text = str(exception).strip().splitlines()
+    return f"{type(exception).__name__}: {text[0] if text else ''}"[:300]
+
+
+def rank_report(trainer: Trainer, kind: str, error: str, where: str) -> RankReport:
+    record = next((c.collective_record for c in trainer.callbacks if isinstance(c, KeepsCollectiveRecord)), None)
+    if record is None:
+        return RankReport(trainer.global_rank, time.time(), kind, error, where, trainer.global_step)
+    return record.report(trainer.global_rank, kind, error, where)
+
+
+def exchange(store: dist.Store, report: RankReport, world_size: int, wait_s: float = WAIT_S,
+             answered: Optional[threading.Event] = None) -> dict[int, RankReport]:  # fmt: skip
+    """Writes ``report`` and returns every rank's that is there within ``wait_s`` (not waiting for the others
+    when ``wait_s`` is 0); sets ``answered`` once the store has answered."""
+    store.set(f"{KEY}{report.rank}", json.dumps(report.as_json()))
     deadline = time.monotonic() + wait_s
     while True:
-        absent = [r for r in range(world_size) if not store.check([f"{tag}/{r}"])]
+        present = [r for r in range(world_size) if store.check([f"{KEY}{r}"])]
         if answered is not None:
             answered.set()
-        if not absent or time.monotonic() > deadline:
-            return absent
+        if len(present) == world_size or time.monotonic() >= deadline:
+            break
         time.sleep(0.1)
+    return {r: RankReport.from_json(json.loads(store.get(f"{KEY}{r}"))) for r in present}
 
 
-def absent_ranks_unless_cut_off(store: dist.Store, rank: int, world_size: int, tag: str) -> Optional[list[int]]:
-    """``absent_ranks``, or None when the store gives no answer within ``ANSWER_S`` (or none in the end).
+def exchange_unless_cut_off(store: dist.Store, report: RankReport, world_size: int,
+                            wait_s: float = WAIT_S) -> Optional[dict[int, RankReport]]:  # fmt: skip
+    """``exchange``, or None when the store gives no answer within ``ANSWER_S`` (or none in the end).
 
     ``TCPStore.check`` and ``set`` wait for the store's reply without a timeout (``set_timeout`` bounds ``get`` and
     ``wait`` only), and a store behind a cut link never replies: TCP retransmits for some 15 minutes. So the calls
@@ -54,7 +96,7 @@ def absent_ranks_unless_cut_off(store: dist.Store, rank: int, world_size: int, t
 
     def run() -> None:
         try:
-            result.append(absent_ranks(store, rank, world_size, tag, WAIT_S, answered))
+            result.append(exchange(store, report, world_size, wait_s, answered))
         except Exception as err:  # handed to the caller
             result.append(err)
         finally:
@@ -64,7 +106,7 @@ def absent_ranks_unless_cut_off(store: dist.Store, rank: int, world_size: int, t
     thread.start()
     if not answered.wait(ANSWER_S):
         return None
-    thread.join(WAIT_S + ANSWER_S)
+    thread.join(wait_s + ANSWER_S)
     if not result:
         return None
     if isinstance(result[0], Exception):
@@ -72,47 +114,59 @@ def absent_ranks_unless_cut_off(store: dist.Store, rank: int, world_size: int, t
     return result[0]
 
 
-def _ranks(ranks: list[int], ranks_per_node: Optional[int]) -> str:
-    """``rank(s) [1]``, and with several nodes ``rank(s) [1] (node 1)``."""
-    if not ranks_per_node:
-        return f"rank(s) {ranks}"
-    nodes = sorted({r // ranks_per_node for r in ranks})
-    return f"rank(s) {ranks} (node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))})"
+def _prepend(exception: BaseException, line: str) -> None:
+    exception.args = (f"{line}: {exception.args[0] if exception.args else ''}", *exception.args[1:])
 
 
-def name_absent_ranks(exception: BaseException, rank: int, world_size: int, step: int,
-                      where: Optional[str] = None, ranks_per_node: Optional[int] = None) -> None:  # fmt: skip
-    """On a timeout, puts the ranks that never arrived (at ``where``, in ``step``) at the front of the
-    exception's message; once per exception, never raising itself, and never waiting more than
-    ``WAIT_S + 2 * ANSWER_S``. ``ranks_per_node`` (several nodes only) adds each rank's node:
-    ``rank // ranks_per_node``, as Lightning and torchrun number them."""
-    if world_size < 2 or getattr(exception, "lit_ddp_named", False) or not is_timeout(exception):
+def diagnose(trainer: Trainer, exception: BaseException, ranks_per_node: Optional[int] = None) -> None:
+    """On every rank that fails, once per exception, never raising itself and never waiting more than
+    ``WAIT_S + 2 * ANSWER_S``: leaves this rank's report; after a timeout or a collective error, compares the
+    reports there, prints the divergence (the lowest such rank does) and puts it at the front of the error.
+    ``ranks_per_node`` (several nodes only) adds each rank's node: ``rank // ranks_per_node``."""
+    world_size, rank = trainer.world_size, trainer.global_rank
+    if getattr(exception, "lit_ddp_named", False):
+        return
+    kind = failure_kind(exception)
+    # A peer's failure seen from here, not a cause of its own (the launcher ends the job with the first cause).
+    exception.lit_ddp_consequence = kind != "exception"
+    if world_size < 2:
         return
     store = _torch.default_store()
     if store is None:
         return
     exception.lit_ddp_named = True
-    place = where or f"the collective of step {step}"
+    FAILING.set()
+    report = rank_report(trainer, kind, first_line(exception), frame_of(exception.__traceback__))
     try:
         store.set_timeout(timedelta(seconds=WAIT_S))  # rank 0 hosts the store: it may be the one that hangs
-        absent = absent_ranks_unless_cut_off(store, rank, world_size, f"lit_ddp/arrived/{step}/{place}")
+        reports = exchange_unless_cut_off(store, report, world_size, 0.0 if kind == "exception" else WAIT_S)
     except Exception:  # the store is gone too: nothing to add
         return
-    if absent is None:
+    if kind == "exception":
+        return  # this rank's own error is the cause; its report tells the others
+    if reports is None:
         # The store never answered: its host, rank 0's node, is out of this rank's reach (a partition, or it is
         # down). Every rank there is lost to this one; of the others nothing can be learned without the store.
         host_ranks = list(range(ranks_per_node or 1))
-        if rank in host_ranks:
-            return
-        line = (f"{_ranks(host_ranks, ranks_per_node)} lost at {place}: the rendezvous store they host did not "
-                f"answer for {ANSWER_S:g} s either (a network partition, or their node is down); "
-                f"{_ranks([rank], ranks_per_node)} waited there until the timeout")  # fmt: skip
-        exception.args = (f"{line}: {exception.args[0] if exception.args else ''}", *exception.args[1:])
+        if rank not in host_ranks:
+            _prepend(exception, f"{ranks_named(host_ranks, ranks_per_node)} lost at the collective of step "
+                                f"{report.step}: the rendezvous store they host did not answer for {ANSWER_S:g} s "
+                                "either (a network partition, or their node is down); "
+                                f"{ranks_named([rank], ranks_per_node)} waited there until the timeout")  # fmt: skip
         return
-    if absent:
-        present = [r for r in range(world_size) if r not in absent]
-        line = (
-            f"{_ranks(absent, ranks_per_node)} never arrived at {place}; {_ranks(present, ranks_per_node)} "
-            "waited there until the timeout"
-        )
-        exception.args = (f"{line}: {exception.args[0] if exception.args else ''}", *exception.args[1:])
+    lines = divergences(reports, world_size)
+    if not lines:
+        where = next((w for c in trainer.callbacks if isinstance(c, NamesPendingCollective) and (w := c.waiting_for())),
+                     f"the collective of step {report.step}")  # fmt: skip
+        line = never_arrived(reports, world_size, where, ranks_per_node)
+        lines = [line] if line else []
+    if not lines:
+        return
+    _prepend(exception, lines[0])  # the job's last line (the launcher's, or the rank's traceback) carries it
+
+
+def hung_at(frame) -> Optional[str]:
+    """From a hung rank's SIGTERM handler: the user's line of its stack (``""`` when it holds none); None when this
+    rank is not hung but reporting a failure of its own (``diagnose``), which the launcher's SIGTERM cut short.
+    (Its peers have given up on it by then: nobody reads the store any more.)"""
+    return None if FAILING.is_set() else frame_of(frame=frame)

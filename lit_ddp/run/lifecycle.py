@@ -24,7 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from lit_ddp import _lightning
-from lit_ddp.errors import AGREED_ERRORS, EXIT_FAILED, EXIT_USAGE, PROG, Ending, UsageError
+from lit_ddp.errors import AGREED_ERRORS, EXIT_FAILED, EXIT_USAGE, PROG, Ending, UsageError, prog
 
 TRACEBACK_LINES = 12  # of a failed rank's traceback, shown before the line that names the rank
 # The launcher's pid, in the environment of the ranks it starts (see launcher_pid_for_children).
@@ -85,7 +85,7 @@ def stop_launched_ranks(strategy, first_rank: int, wait_s: float = 1.0) -> None:
             break
         time.sleep(0.05)
     for dead in exited:
-        print(f"{PROG}: rank {dead.rank} exited with code {dead.code}", file=sys.stderr)
+        print(f"{prog()}: rank {dead.rank} exited with code {dead.code}", file=sys.stderr)
     strategy.launcher.kill(signal.SIGKILL)
 
 

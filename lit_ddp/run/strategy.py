@@ -31,9 +31,9 @@ from lit_ddp.measure.gradients import check_all_used
 from lit_ddp.run import console, launchers, lifecycle
 from lit_ddp.run.checkpointing import AtomicCheckpointIO
 from lit_ddp.run.ddp_options import buffer_sync, powersgd
-from lit_ddp.run.hangs import name_absent_ranks
+from lit_ddp.run.hangs import diagnose
 from lit_ddp.run.rendezvous import init_loopback_process_group
-from lit_ddp.run.roles import NamesPendingCollective, ReportsOutOfMemory
+from lit_ddp.run.roles import ReportsOutOfMemory
 
 # Lightning's default is torch's 30 minutes: a hung rank would stall the job that long (docs/architecture.md).
 DEFAULT_TIMEOUT = timedelta(seconds=60)
@@ -283,10 +283,8 @@ class LitDDPStrategy(DDPStrategy):
             raise
 
     def _name_absent_ranks(self, exception: BaseException) -> None:
-        trainer = self.lightning_module.trainer
-        where = next((c.waiting_for() for c in trainer.callbacks if isinstance(c, NamesPendingCollective)), None)
         per_node = self.num_processes if self.num_nodes > 1 else None  # several nodes: name each rank's node
-        name_absent_ranks(exception, self.global_rank, self.world_size, trainer.global_step, where, per_node)
+        diagnose(self.lightning_module.trainer, exception, per_node)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -1,0 +1,140 @@
+"""torch's Flight Recorder entries as lit_ddp's collectives, and dumps that any job wrote, read back and compared.
+
+    python -m lit_ddp.report --flight-recorder DIR     # DIR: one dump per rank, <prefix><rank> (torch's pickles)
+
+A dump is what ``torch._C._distributed_c10d._dump_fr_trace()`` returns (NCCL writes one per rank on a timeout,
+``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` with ``TORCH_FR_DUMP_TEMP_FILE``): the process group's last collectives, each
+with its sequence number, op, sizes, dtypes, state and the Python stack that called it. Read DDP-aware: an
+all-reduce called from autograd's backward is a gradient bucket's (numbered in its backward), each backward pass
+is a step (counted from the oldest entry a dump still holds; a pass ends where its first bucket's size comes round
+again), and the user's line is the innermost frame outside
+torch, Lightning and lit_ddp. The ranks' records are then compared as a live job's are
+(``lit_ddp.analysis.divergence``). A dump is a pickle: read only dumps you trust.
+"""
+
+import json
+import linecache
+import os
+import pickle
+import re
+from pathlib import Path
+from typing import Any, NamedTuple, Optional
+
+import lightning
+import torch
+
+from lit_ddp.analysis.divergence import Collective, RankReport, divergences, never_arrived
+
+# Where library frames live: the user's line is the innermost frame outside them (and Python's own).
+LIT_DDP = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LIBRARIES = tuple(
+    os.path.dirname(os.path.abspath(p)) + os.sep for p in (torch.__file__, lightning.__file__, os.__file__)
+)
+LIBRARIES += (LIT_DDP + os.sep,)
+BACKWARD = "run_backward"  # autograd's engine in a frame's name: DDP's reducer launched the all-reduce there
+
+
+class Frame(NamedTuple):
+    filename: str
+    lineno: int
+    name: str
+    line: str = ""
+
+
+def user_frame(frames: list[Frame]) -> str:
+    """``logkeys.py:21 training_step: self.log('rare_metric', ...)``: the innermost frame outside the libraries
+    (``frames`` from the outermost in, as ``traceback.extract_tb`` gives them), or ``""``."""
+    for frame in reversed(frames):
+        path = os.path.abspath(frame.filename)
+        if path.startswith(LIBRARIES) or "site-packages" in path or not path.endswith(".py"):
+            continue
+        line = (frame.line or linecache.getline(path, frame.lineno)).split("  #")[0].strip()
+        return f"{os.path.basename(path)}:{frame.lineno} {frame.name}: {line}"
+    return ""
+
+
+def _frames(entry: dict[str, Any]) -> list[Frame]:
+    """An entry's Python stack, outermost first (Flight Recorder lists it innermost first)."""
+    return [Frame(f.get("filename", ""), int(f.get("line", 0)), f.get("name", "")) for f in entry.get("frames") or []][
+        ::-1
+    ]
+
+
+def in_backward(entry: dict[str, Any]) -> bool:
+    return any(BACKWARD in f.get("name", "") or BACKWARD in f.get("filename", "") for f in entry.get("frames") or [])
+
+
+def collective_of(entry: dict[str, Any], step: Optional[int] = None, phase: str = "",
+                  bucket: Optional[int] = None) -> Collective:  # fmt: skip
+    """One Flight Recorder entry as a collective."""
+    op = str(entry.get("profiling_name", "")).rpartition(":")[2]
+    dtypes = entry.get("input_dtypes") or [""]
+    sizes = [list(s) for s in entry.get("input_sizes") or []]
+    where = "" if bucket is not None else user_frame(_frames(entry))  # a bucket's line is autograd's
+    return Collective(int(entry["collective_seq_id"]), op, sizes, dtypes[0], step, phase, bucket, where)
+
+
+def default_group(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The default process group's collectives (group 0; point-to-point sends are numbered apart)."""
+    return [e for e in entries if str(e.get("pg_id", 0)) == "0" and not e.get("is_p2p")]
+
+
+def dump_report(rank: int, dump: dict[str, Any]) -> RankReport:
+    """A rank's dump as its report: buckets named, steps counted by backward passes."""
+    collectives: list[Collective] = []
+    step, bucket, first_sizes = -1, -1, None
+    for entry in default_group(dump.get("entries", [])):
+        backward = in_backward(entry) and "all_reduce" in str(entry.get("profiling_name", ""))
+        sizes = entry.get("input_sizes")
+        # A new backward pass: after other collectives, or where the pass's first bucket comes round again (DDP
+        # all-reduces its buckets in one order each step; two buckets of one size would split a step in two).
+        if backward and (bucket < 0 or sizes == first_sizes):
+            step, bucket, first_sizes = step + 1, -1, sizes
+        bucket = bucket + 1 if backward else -1
+        phase = "backward" if backward else ("after the backward" if step >= 0 else "before the first backward")
+        collectives.append(collective_of(entry, step if step >= 0 else None, phase, bucket if backward else None))
+    last = collectives[-1] if collectives else None
+    return RankReport(rank, 0.0, "dump", "", last.where if last else "", last.step if last else None,
+                      last.phase if last else "", collectives)  # fmt: skip
+
+
+def read_dump(path: Path) -> dict[str, Any]:
+    """torch's pickle, or the JSON of ``_dump_fr_trace_json``."""
+    data = path.read_bytes()
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, ValueError):
+        return pickle.loads(data)
+
+
+def read_dumps(directory: Path) -> dict[int, dict[str, Any]]:
+    """Every rank's dump in ``directory``: files whose names end in the rank (``<prefix><rank>``, an extension
+    allowed)."""
+    dumps = {}
+    for path in sorted(directory.iterdir()):
+        match = re.search(r"(\d+)(\.\w+)?$", path.name)
+        if path.is_file() and match:
+            dumps[int(match.group(1))] = read_dump(path)
+    return dumps
+
+
+def flight_recorder_text(directory: Path) -> str:
+    """What ``python -m lit_ddp.report --flight-recorder DIR`` prints."""
+    dumps = read_dumps(directory)
+    if not dumps:
+        raise ValueError(f"{directory}: no Flight Recorder dump (files named <prefix><rank>)")
+    reports = {rank: dump_report(rank, dump) for rank, dump in dumps.items()}
+    world_size = max(reports) + 1
+    lines = [f"Flight Recorder dumps of {len(reports)} rank(s) in {directory}:"]
+    for rank, report in sorted(reports.items()):
+        buckets = sum(c.bucket is not None for c in report.collectives)
+        steps = len({c.step for c in report.collectives if c.bucket is not None})
+        last = report.collectives[-1] if report.collectives else None
+        state = next((e.get("state") for e in reversed(default_group(dumps[rank].get("entries", [])))), "")
+        lines.append(f"rank {rank}: {len(report.collectives)} collectives ({buckets} DDP gradient bucket all-reduces "
+                     f"in {steps} backward pass(es)); the last, #{last.seq if last else '-'}: "
+                     f"{last.call() if last else '-'} ({state})")  # fmt: skip
+    found = divergences(reports, world_size) or [
+        never_arrived(reports, world_size, "the last collective") or "every rank's record agrees"
+    ]
+    return "\n".join([*lines, *found])

@@ -1,0 +1,129 @@
+"""A user's own script that hangs DDP the ways users report, one case per name: run as the user would run it.
+
+    python tests/hang_scripts.py logkeys                   # rank 1 logs a key rank 0 does not (lightning#19106)
+    python tests/hang_scripts.py uneven_shards             # rank 0 has 8 batches an epoch, rank 1 5 (#3325)
+    python tests/hang_scripts.py uneven_shards --uneven error
+
+A plain ``Trainer`` with ``LitDDPStrategy(timeout_s=...)`` on 2 CPU ranks and the tool's callbacks; each rank
+prints ``rank R: batches B`` (the batches it trained, by epoch) when training ends, for the tests to read.
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+if __name__ == "__main__" and not __package__:  # run as a file: the repository on sys.path, not tests/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from lit_ddp.callbacks import LossMonitor, StepSync  # noqa: E402
+from lit_ddp.callbacks.collective_recorder import CollectiveRecorder  # noqa: E402
+from lit_ddp.run.strategy import LitDDPStrategy  # noqa: E402
+
+DIM = 8
+
+
+class Shard(IterableDataset):
+    """``batches`` batches of 4 rows on this rank (no length: an ``IterableDataset`` sharded by rank)."""
+
+    def __init__(self, batches: dict[int, int]) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        rank = int(os.environ.get("LOCAL_RANK", 0))
+        for i in range(self.batches[rank]):
+            x = torch.full((4, DIM), i / 8)
+            yield x, x.sum(1, keepdim=True)
+
+
+class RankSized(Dataset):
+    """``rows[rank]`` rows on each rank, a length asked in the rank (the ranks fork from one process)."""
+
+    def __init__(self, rows: dict[int, int]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return self.rows[int(os.environ.get("LOCAL_RANK", 0))]
+
+    def __getitem__(self, i: int):
+        x = torch.full((DIM,), i / 32)
+        return x, x.sum(0, keepdim=True)
+
+
+class Case(LightningModule):
+    def __init__(self, case: str, fault_step: int = 3) -> None:
+        super().__init__()
+        self.case, self.fault_step = case, fault_step
+        self.layer = torch.nn.Linear(DIM, 1)
+        self.trained: dict[int, int] = {}
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.layer(x), y)
+        self.trained[self.current_epoch] = self.trained.get(self.current_epoch, 0) + 1
+        at_fault = self.global_step == self.fault_step and self.global_rank == 1
+        if self.case == "logkeys":
+            self.log("loss", loss, sync_dist=True)
+            if at_fault:
+                self.log("rare_metric", loss, sync_dist=True)
+        elif self.case == "log_dict":
+            metrics = {"loss": loss, **({"rare_metric": loss} if at_fault else {})}
+            self.log_dict(metrics, sync_dist=True)
+        elif self.case == "gather_rank0" and self.global_step == self.fault_step and self.global_rank == 0:
+            self.all_gather(loss)
+        elif self.case == "raise" and self.global_step == self.fault_step:
+            self.all_gather(loss)  # a collective every rank runs, then rank 1 raises before the gradients' all-reduce
+            if self.global_rank == 1:
+                raise RuntimeError("injected failure on rank 1 between two collectives")
+        elif self.case == "sleep" and at_fault:
+            time.sleep(3600)
+        return loss
+
+    def on_train_end(self) -> None:
+        print(f"rank {self.global_rank}: batches {[self.trained[e] for e in sorted(self.trained)]}", flush=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def loader(case: str) -> DataLoader:
+    if case == "uneven_shards":
+        return DataLoader(Shard({0: 8, 1: 5}), batch_size=None)
+    # Sized: each rank its own rows, as a user who shards by hand does (use_distributed_sampler=False).
+    return DataLoader(RankSized({0: 32, 1: 20 if case == "uneven_sized" else 32}), batch_size=4)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("case", choices=["logkeys", "log_dict", "gather_rank0", "raise", "sleep", "uneven_shards",
+                                         "uneven_sized", "even"])  # fmt: skip
+    parser.add_argument("--uneven", default="stop", choices=["stop", "error"])
+    parser.add_argument("--timeout-s", type=float, default=20)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--strategy", default="lit", choices=["lit", "ddp"], help="ddp: Lightning's own DDPStrategy")
+    args = parser.parse_args()
+    callbacks = [LossMonitor(), StepSync(uneven=args.uneven)]
+    if args.strategy == "ddp":  # the callbacks alone: the recorder shortens Lightning's 30-minute timeout
+        callbacks.append(CollectiveRecorder(timeout_s=args.timeout_s))
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=LitDDPStrategy(timeout_s=args.timeout_s) if args.strategy == "lit" else "ddp",
+        max_epochs=args.epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(Case(args.case), loader(args.case))
+
+
+if __name__ == "__main__":
+    main()

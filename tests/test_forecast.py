@@ -437,3 +437,18 @@ def test_under_srun_the_probe_takes_slurms_ranks_and_elsewhere_none(monkeypatch,
         allreduce_probe.main(["--max-bytes", "1K"])
     assert exit_info.value.code == 2
     assert "error: under srun: You set `--ntasks=4`" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(10)
+def test_hierarchical_at_node_counts_that_are_not_powers_of_two():
+    """The tree across nodes is ceil(log2(m)) levels deep: 3 nodes need 2 levels, as 4 do; 5 nodes need 3."""
+    intra = Link("fast", busbw_gbps=100.0, hop_latency_us=1.0, source="test")
+    inter = Link("net", busbw_gbps=10.0, hop_latency_us=10.0, source="test")
+    topo = Topology(intra, inter, gpus_per_node=4)
+    s = 8e6
+    # 3 nodes (12 ranks): latency 2(3) x 1 + 2 x 2 x 10 = 46 us; inter 2(2)/3 x (8e6/4) / 1e7 = 0.2667 ms.
+    assert links.allreduce_ms(s, 12, topo) == pytest.approx(0.046 + 0.8 / 3)
+    # 5 nodes (20 ranks): 6 + 2 x 3 x 10 = 66 us; inter 2(4)/5 x 2e6 / 1e7 = 0.32 ms.
+    assert links.allreduce_ms(s, 20, topo) == pytest.approx(0.066 + 0.32)
+    # Latency alone (no bytes): 3 nodes pay what 4 do, more than 2.
+    assert links.allreduce_ms(0, 8, topo) < links.allreduce_ms(0, 12, topo) == links.allreduce_ms(0, 16, topo)

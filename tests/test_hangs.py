@@ -1,6 +1,7 @@
 """A collective that times out names the ranks that never arrived, on every rank that did."""
 
 import threading
+from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
@@ -89,3 +90,27 @@ def test_a_rank_cut_off_from_the_store_names_the_node_that_hosts_it_and_returns(
                           "host did not answer for 0.2 s either (a network partition, or their node is down); "
                           "rank(s) [3] (node 1) waited there until the timeout: Timed out waiting 10000ms for recv "
                           "operation to complete")  # fmt: skip
+
+
+def test_rank_0_that_hangs_while_its_store_still_answers_is_named(monkeypatch):
+    """Rank 0 hosts the store: its server thread answers while its training thread hangs, so ranks 1 and 2 of 3
+    reach the store and must name rank 0, not take it for present (nor for cut off: the store answered)."""
+    from tests.runner import free_port
+
+    port, timeout = free_port(), timedelta(seconds=10)
+    server = dist.TCPStore("127.0.0.1", port, 3, True, timeout=timeout, wait_for_workers=False)  # noqa: F841
+    clients = {f"rank{r}": dist.TCPStore("127.0.0.1", port, 3, False, timeout=timeout) for r in (1, 2)}
+    monkeypatch.setattr(_torch, "default_store", lambda: clients[threading.current_thread().name])
+    monkeypatch.setattr(hangs, "WAIT_S", 1.0)
+    errors = {rank: RuntimeError("Timed out waiting 10000ms for recv operation to complete") for rank in (1, 2)}
+    threads = [threading.Thread(target=hangs.name_absent_ranks, args=(errors[r], r, 3, 4), name=f"rank{r}")
+               for r in errors]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    for rank, error in errors.items():
+        assert str(error) == (
+            "rank(s) [0] never arrived at the collective of step 4; rank(s) [1, 2] waited there "
+            "until the timeout: Timed out waiting 10000ms for recv operation to complete"
+        ), rank

@@ -286,3 +286,24 @@ def test_a_forked_rank_out_of_memory_says_so_before_the_job_ends(tmp_path):
                             str(path.relative_to(tmp_path))), line), line  # fmt: skip
     assert path.is_file() and not (path.parent / "oom_rank0.json").exists()
     assert result.stderr.index(line) < result.stderr.index("rank 1 exited with code 1: OutOfMemoryError")
+
+
+@pytest.mark.timeout(30)
+def test_frozen_parameters_hold_no_gradient_and_no_optimizer_state():
+    """A model whose first layer is frozen (fine-tuning): its parameters are held, but gradients, what a step holds
+    and the out-of-memory holders count the trainable layer's gradients only."""
+    from lit_ddp.analysis.memory import holders
+
+    net = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))  # 576 + 272 bytes of float32 parameters
+    net[0].requires_grad_(False)
+    optimizer = torch.optim.Adam(p for p in net.parameters() if p.requires_grad)
+    before = memory.ddp_memory(net, [optimizer], allocated_only=True)
+    assert (before.parameters, before.gradients, before.optimizer_state) == (848, 0, 0)  # no gradient yet
+    net(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    for allocated_only in (False, True):  # the trainable layer's gradients, allocated or counted
+        held = memory.ddp_memory(net, [optimizer], allocated_only=allocated_only)
+        assert (held.parameters, held.gradients) == (848, 272), allocated_only
+    # Adam keeps exp_avg and exp_avg_sq per trainable parameter, and a 4-byte step count each.
+    assert held.optimizer_state == 2 * 272 + 2 * 4 and held.held == 848 + 272 + 552
+    assert holders(held, None) == [("parameters", 848), ("optimizer state", 552), ("gradients", 272)]

@@ -189,3 +189,25 @@ def test_a_rank_last_under_the_required_share_is_no_straggler_however_late(steps
     assert line.startswith("no straggler ("), line
     named = stragglers.find_straggler(late_at(9, late_ms=500.0))
     assert (named.rank, named.share) == (1, 0.75), stragglers.verdict_line(named)
+
+
+def three_ranks(late_ms: list[list[float]], step_ms: float = 1000.0) -> CommRecord:
+    """Three ranks, one bucket, one row per step: rank r hands it over ``late_ms[r][s]`` after step s starts."""
+    from tests.records import comm_record
+
+    rows = [[StepBuckets(s, [1000], [2.0], [0.0], 0.0, 0.0, [(step_ms * s + late[s]) / 1e3]) for s in range(len(late))]
+            for late in late_ms]  # fmt: skip
+    return comm_record(rows, param_bytes=1000)
+
+
+def test_with_three_ranks_unevenly_late_lateness_is_against_the_latest_of_the_others():
+    """Rank 2 is 250 ms behind rank 0 at every step; rank 1 is 500 ms behind at 10 of the 12 steady steps and
+    100 ms at the other 2 (where rank 2 is last). Rank 1's lateness is against rank 2, not rank 0: 250 ms, at
+    10/12 of the all-reduces."""
+    steps = 13  # step 0 is not steady
+    late = [[0.0] * steps, [100.0 if s in (3, 7) else 500.0 for s in range(steps)], [250.0] * steps]
+    found = stragglers.find_straggler(three_ranks(late))
+    assert found.rank == 1, stragglers.verdict_line(found)
+    assert found.late_ms == pytest.approx(250.0) and found.share == pytest.approx(10 / 12)
+    # Each rank waits for the last one: rank 0 the 500 ms (median), rank 2 the 250 ms.
+    assert found.wait_ms == pytest.approx([500.0, 0.0, 250.0])

@@ -462,3 +462,42 @@ def test_a_json_out_is_refused_in_one_line(monkeypatch, capsys):
         code == 2
         and err == "lit-ddp-tune: error: --out tuned.json: the config is YAML (every trial goes beside it, as .json)\n"
     )
+
+
+def test_a_change_slower_beyond_the_noise_is_not_kept_however_much_less_it_holds():
+    """The memory tie-break holds only within the noise: gradient_as_bucket_view holding 40% less, but whose
+    fastest round (12.5 ms) is slower than the user's slowest (11.5 ms), is not kept."""
+
+    def measure(knobs: Knobs) -> Trial:
+        held = 600 if knobs.gradient_as_bucket_view else 1000
+        rounds = (1, 2, 3) if knobs.comm_hook == "noop" else (12.5, 13, 13.5) if knobs.gradient_as_bucket_view else (
+            10.5, 11, 11.5)  # fmt: skip
+        return Trial(knobs, list(rounds), ddp_bytes=held, seconds=1.0)
+
+    outcome = search(measure, model(grad_bytes=(1000,), optimizer_impls=()), BASE, budget_s=100)
+    assert Knobs(gradient_as_bucket_view=True) in [t.knobs for t in outcome.trials]  # it was measured ...
+    assert outcome.best.knobs == BASE  # ... and not kept
+
+
+def test_a_powersgd_start_step_of_ones_own_is_when_torchs_powersgd_starts_compressing():
+    """``--trainer.strategy.init_args.powersgd_start_step 4`` reaches the PowerSGD state registered on DDP: steps
+    0-3 all-reduce plainly (no error feedback kept), step 4 compresses (torch keeps each matrix's error)."""
+    from lit_ddp import _lightning
+
+    given = {"powersgd_rank": 1, "powersgd_start_step": 4}
+    options = [arg for k, v in given.items() for arg in (f"--trainer.strategy.init_args.{k}", str(v))]
+    strategy = build_cli(["--trainer.accelerator", "cpu", "--devices", "2", *options]).trainer.strategy
+    configured = _lightning.configured_comm_hook(strategy)
+    assert (configured.state.matrix_approximation_rank, configured.state.start_powerSGD_iter) == (1, 4)
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(nn.Linear(32, 32, bias=False))
+        _lightning.register_comm_hook(ddp, configured.state, configured.hook, configured.wrapper)
+        compressed = []
+        for _ in range(6):
+            ddp(torch.randn(4, 32)).sum().backward()
+            compressed.append(bool(configured.state.error_dict))
+        assert compressed == [False] * 4 + [True] * 2
+    finally:
+        dist.destroy_process_group()

@@ -3,10 +3,11 @@
 import dataclasses
 import re
 
+import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
 
-from lit_ddp.analysis.comm import comm_table
+from lit_ddp.analysis.comm import comm_summary, comm_table
 from lit_ddp.callbacks import CommMonitor, LossMonitor, PhaseTimer, StepSync, SyncCheck
 from lit_ddp.records.schema import CommRecord, DDPMemory, RankComm, RunMeta, StepBuckets
 
@@ -132,3 +133,49 @@ def test_the_all_reduce_table_says_every_line_its_record_calls_for():
          "of the bytes above), and DDP searches the autograd graph for them after every forward: remove them, "
          "or keep find_unused_parameters=True (the set changes, so static_graph cannot replace it)"),
     ]  # fmt: skip
+
+
+def test_a_record_without_summaries_reads_its_steps_and_says_only_what_applies():
+    """Summaries lost (each figure then from the kept steps with the final layout); a layout DDP never rebuilt,
+    float32 on the wire at 32-true, no accumulation, five unused parameters (no "more") and no gradient bytes known."""
+    from tests.records import comm_record
+
+    record = comm_record([buckets(0)], param_bytes=0)
+    record = dataclasses.replace(record, first_layout=[1000, 2000], wire_dtype="float32", find_unused_parameters=True,
+                                 unused=list("abcde"), unused_bytes=10)  # fmt: skip
+    record.ranks[0].summaries = {}
+    medians = [comm_summary(record, 0, name).median for name in ("total_ms", "bucket1.ms", "bucket0.ready_ms")]
+    assert medians == pytest.approx([3.0, 2.0, 1.0], rel=0.005)
+    assert comm_summary(record, 0, "exposed_ms").median == pytest.approx(0.8, rel=0.005)
+    assert comm_table(record).splitlines()[0] == (
+        "Gradient all-reduce per step (1 ranks, compression none, rank 0, steady median):"
+    )
+    assert comm_table(record).splitlines()[4:] == [
+        ("2 bucket(s), 3,000 bytes reduced per step (0 bytes of gradients); each rank sends 2(n-1)/n x S = 0 bytes "
+         "in a ring all-reduce."),
+        "communication 2.50 ms per step, of which 0.80 ms exposed (not hidden under backward compute)",
+        ("find_unused_parameters=True: 5 parameter(s), 10 bytes (0% of the gradients), got no gradient in the last "
+         "step (the set changes between steps): a, b, c, d, e. They are all-reduced all the same (zeros, 0% of the "
+         "bytes above), and DDP searches the autograd graph for them after every forward: remove them, or keep "
+         "find_unused_parameters=True (the set changes, so static_graph cannot replace it)"),
+    ]  # fmt: skip
+    mixed = dataclasses.replace(record, meta=dataclasses.replace(record.meta, precision="bf16-mixed"),
+                                wire_dtype="bfloat16", find_unused_parameters=False)  # fmt: skip
+    assert "bfloat16 on the wire" in comm_table(mixed) and "16 bits" not in comm_table(mixed)
+
+
+def test_the_straggler_verdict_is_the_comm_tables_only_without_the_phase_table():
+    """Rank 1 is 500 ms late at every step of 1000: named; with phases.json the phase table says so instead."""
+    from tests.records import comm_record, phase_record
+
+    def row(rank: int, step: int) -> StepBuckets:
+        return StepBuckets(step, [1000], [2.0], [0.0], 2.0, 2.0, [step + 0.5 * rank])
+
+    record = comm_record([[row(r, s) for s in range(8)] for r in (0, 1)], param_bytes=1000)
+    alone = comm_table(record)
+    assert alone.splitlines()[-1].startswith("straggler: rank 1 arrives 500.0 ms late at 100% of all-reduces")
+    assert re.search(r"^0\s+1,000\s+2\.00 ms\s+500 kB/s\s+500 kB/s\s+500\.00 ms$", alone, re.M), alone
+    phases = phase_record([[(1.0, 1.0, 1.0, 1.0)] * 8] * 2)
+    assert "straggler" not in comm_table(record, phases)
+    untimed = comm_record([[dataclasses.replace(row(0, s), ms=[0.0]) for s in range(8)]], param_bytes=1000)
+    assert re.search(r"^0\s+1,000\s+0\.00 ms\s+-\s+-$", comm_table(untimed), re.M), comm_table(untimed)

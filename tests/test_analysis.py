@@ -1,16 +1,18 @@
 """The tables' numbers, on hand-made records, and the callbacks outside fit."""
 
+import dataclasses
 import random
 import re
 
+import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
 
 from lit_ddp import report
-from lit_ddp.analysis.comm import comm_table
+from lit_ddp.analysis.comm import comm_summary, comm_table
 from lit_ddp.analysis.phases import MEASURE, verdict
 from lit_ddp.callbacks import CommMonitor, LossMonitor, PhaseTimer, StepSync, SyncCheck
-from lit_ddp.records.schema import CommRecord, RankComm, RunMeta, StepBuckets, load_run, save
+from lit_ddp.records.schema import CommRecord, DDPMemory, RankComm, RunMeta, StepBuckets, load_run, save
 from lit_ddp.scaling.advice import wire_savings
 from tests import records
 from tests.records import phase_record
@@ -145,3 +147,127 @@ def test_the_measured_two_node_run_is_communication_bound_with_the_fp16_figure(c
         "fp16 compression (CommMonitor(compression=fp16): half the bytes): step 746.24 ms -> ~"
         in capsys.readouterr().out
     )
+
+
+def buckets(rank: int, micro_batches: int = 1, synced: tuple[int, ...] = (0,)) -> list[StepBuckets]:
+    """Step 0 on DDP's initial layout (one 3,000-byte bucket), steps 1-5 on two buckets of 1,000 and 2,000 bytes:
+    rank r's first all-reduce takes 1 + r ms, its second 2 ms; rank 1 hands the first over 1 ms after rank 0."""
+    rows = [StepBuckets(0, [3000], [9.0], [1.0], 9.0, 9.0, [0.0], micro_batches, list(synced))]
+    for s in range(1, 6):
+        rows.append(StepBuckets(s, [1000, 2000], [1.0 + rank, 2.0], [1.0, 3.0], 2.5, 0.5 + s * 0.1,
+                                [s + 0.001 * rank, s + 0.002], micro_batches, list(synced)))  # fmt: skip
+    return rows
+
+
+def test_the_all_reduce_table_says_every_line_its_record_calls_for():
+    """One rank under bf16-mixed (float32 on the wire), accumulating 4 micro-batches under no_sync, 6 parameters
+    without a gradient in every step and DDP's memory known; then two ranks whose every micro-batch all-reduces
+    bfloat16 (no straggler), with find_unused_parameters finding nothing, or two parameters in the last step."""
+    from tests.records import comm_record
+
+    one = comm_record([buckets(0, 4, (3,))], param_bytes=3000)
+    one = dataclasses.replace(
+        one, meta=dataclasses.replace(one.meta, precision="bf16-mixed"), wire_dtype="float32",
+        find_unused_parameters=True, unused=[f"p{i}" for i in range(6)], unused_bytes=300, unused_every_step=True,
+        ddp_memory=DDPMemory(6000, 3000, [1000, 2000], False, 12000, 1 << 20),
+    )  # fmt: skip
+    assert comm_table(one).splitlines() == [
+        ("Gradient all-reduce per step (1 ranks, float32 on the wire, compression none, rank 0, steady "
+         "median):"),
+        "bucket  bytes     time      algbw     busbw",
+        "0       1,000  1.00 ms  1.00 MB/s  0.00 B/s",
+        "1       2,000  2.00 ms  1.00 MB/s  0.00 B/s",
+        ("2 bucket(s) (step 0 ran on DDP's initial 1 bucket(s)), 3,000 bytes reduced per step (3,000 bytes of "
+         "gradients); each rank sends 2(n-1)/n x S = 0 bytes in a ring all-reduce."),
+        "communication 2.50 ms per step, of which 0.80 ms exposed (not hidden under backward compute)",
+        ("bf16-mixed runs the matmuls in 16 bits but keeps the parameters and their gradients in float32: the "
+         "all-reduce moves float32 (CommMonitor(compression: bf16) would halve it)"),
+        ("gradient accumulation: 4 micro-batches per step; only the last one's backward all-reduced "
+         "(micro-batch 3), the other 3 ran under DDP's no_sync: the bytes above move once per 4 micro-batches"),
+        ("find_unused_parameters=True: 6 parameter(s), 300 bytes (10% of the gradients), got no gradient in "
+         "every step: p0, p1, p2, p3, p4 and 1 more. They are all-reduced all the same (zeros, 10% of the "
+         "bytes above), and DDP searches the autograd graph for them after every forward: remove them, or "
+         "static_graph=True, since the same ones are unused every step"),
+        ("Memory per rank (exact, from the live objects): parameters 6,000 bytes; gradients 3,000 bytes (a "
+         "tensor per parameter); DDP's 2 gradient bucket(s) 3,000 bytes [1,000, 2,000]; optimizer state 12,000 "
+         "bytes; held 24,000 bytes (24.0 kB) before activations."),
+        ("The buckets are a second copy of the gradients: --trainer.strategy.gradient_as_bucket_view true "
+         "gives back 3,000 bytes (3.00 kB) per rank."),
+        "bucket_cap_mb (1 MiB now) changes how the 3,000 bytes split (largest bucket 2,000), not their sum.",
+        ("fp16/bf16 compression (CommMonitor(compression)) would halve the bytes on the wire but add a "
+         "half-size copy of each bucket while it is all-reduced (1,000 bytes for the largest)."),
+    ]  # fmt: skip
+    two = comm_record([buckets(0, 2, (0, 1)), buckets(1, 2, (0, 1))], param_bytes=3000, compression="bf16")
+    two = dataclasses.replace(two, wire_dtype="bfloat16", find_unused_parameters=True, clock_offset_s=[0.0, 0.0],
+                              clock_error_s=[0.0, 0.0])  # fmt: skip
+    assert comm_table(two).splitlines() == [
+        ("Gradient all-reduce per step (2 ranks, bfloat16 on the wire, compression bf16, all ranks, steady "
+         "median):"),
+        "bucket  bytes  transfer      algbw      busbw     wait",
+        "0       1,000   1.00 ms  1.00 MB/s  1.00 MB/s  1.00 ms",
+        "1       2,000   2.00 ms  1.00 MB/s  1.00 MB/s  0.00 ms",
+        ("2 bucket(s) (step 0 ran on DDP's initial 1 bucket(s)), 3,000 bytes reduced per step (3,000 bytes of "
+         "gradients); each rank sends 2(n-1)/n x S = 3,000 bytes in a ring all-reduce."),
+        "communication 2.50 ms per step, of which 0.80 ms exposed (not hidden under backward compute)",
+        ("gradient accumulation: 2 micro-batches per step, and micro-batches [0, 1] all-reduced: 2x the bytes "
+         "above per step (no no_sync)"),
+        ("find_unused_parameters=True, and every parameter got a gradient: DDP's search of the autograd graph "
+         "after every forward finds nothing; turn it off"),
+        ("no straggler (the last rank to arrive at an all-reduce is 0.5 ms behind the first, median; a "
+         "straggler must be 200.0 ms late at 75% of them)"),
+    ]  # fmt: skip
+    three = dataclasses.replace(two, unused=["a", "b"], unused_bytes=600, unused_every_step=False, wire_dtype=None,
+                                compression=None)  # fmt: skip
+    assert [comm_table(three).splitlines()[i] for i in (0, 7)] == [
+        "Gradient all-reduce per step (2 ranks, compression none, all ranks, steady median):",
+        ("find_unused_parameters=True: 2 parameter(s), 600 bytes (20% of the gradients), got no gradient in "
+         "the last step (the set changes between steps): a, b. They are all-reduced all the same (zeros, 20% "
+         "of the bytes above), and DDP searches the autograd graph for them after every forward: remove them, "
+         "or keep find_unused_parameters=True (the set changes, so static_graph cannot replace it)"),
+    ]  # fmt: skip
+
+
+def test_a_record_without_summaries_reads_its_steps_and_says_only_what_applies():
+    """Summaries lost (each figure then from the kept steps with the final layout); a layout DDP never rebuilt,
+    float32 on the wire at 32-true, no accumulation, five unused parameters (no "more") and no gradient bytes known."""
+    from tests.records import comm_record
+
+    record = comm_record([buckets(0)], param_bytes=0)
+    record = dataclasses.replace(record, first_layout=[1000, 2000], wire_dtype="float32", find_unused_parameters=True,
+                                 unused=list("abcde"), unused_bytes=10)  # fmt: skip
+    record.ranks[0].summaries = {}
+    medians = [comm_summary(record, 0, name).median for name in ("total_ms", "bucket1.ms", "bucket0.ready_ms")]
+    assert medians == pytest.approx([3.0, 2.0, 1.0], rel=0.005)
+    assert comm_summary(record, 0, "exposed_ms").median == pytest.approx(0.8, rel=0.005)
+    assert comm_table(record).splitlines()[0] == (
+        "Gradient all-reduce per step (1 ranks, compression none, rank 0, steady median):"
+    )
+    assert comm_table(record).splitlines()[4:] == [
+        ("2 bucket(s), 3,000 bytes reduced per step (0 bytes of gradients); each rank sends 2(n-1)/n x S = 0 bytes "
+         "in a ring all-reduce."),
+        "communication 2.50 ms per step, of which 0.80 ms exposed (not hidden under backward compute)",
+        ("find_unused_parameters=True: 5 parameter(s), 10 bytes (0% of the gradients), got no gradient in the last "
+         "step (the set changes between steps): a, b, c, d, e. They are all-reduced all the same (zeros, 0% of the "
+         "bytes above), and DDP searches the autograd graph for them after every forward: remove them, or keep "
+         "find_unused_parameters=True (the set changes, so static_graph cannot replace it)"),
+    ]  # fmt: skip
+    mixed = dataclasses.replace(record, meta=dataclasses.replace(record.meta, precision="bf16-mixed"),
+                                wire_dtype="bfloat16", find_unused_parameters=False)  # fmt: skip
+    assert "bfloat16 on the wire" in comm_table(mixed) and "16 bits" not in comm_table(mixed)
+
+
+def test_the_straggler_verdict_is_the_comm_tables_only_without_the_phase_table():
+    """Rank 1 is 500 ms late at every step of 1000: named; with phases.json the phase table says so instead."""
+    from tests.records import comm_record, phase_record
+
+    def row(rank: int, step: int) -> StepBuckets:
+        return StepBuckets(step, [1000], [2.0], [0.0], 2.0, 2.0, [step + 0.5 * rank])
+
+    record = comm_record([[row(r, s) for s in range(8)] for r in (0, 1)], param_bytes=1000)
+    alone = comm_table(record)
+    assert alone.splitlines()[-1].startswith("straggler: rank 1 arrives 500.0 ms late at 100% of all-reduces")
+    assert re.search(r"^0\s+1,000\s+2\.00 ms\s+500 kB/s\s+500 kB/s\s+500\.00 ms$", alone, re.M), alone
+    phases = phase_record([[(1.0, 1.0, 1.0, 1.0)] * 8] * 2)
+    assert "straggler" not in comm_table(record, phases)
+    untimed = comm_record([[dataclasses.replace(row(0, s), ms=[0.0]) for s in range(8)]], param_bytes=1000)
+    assert re.search(r"^0\s+1,000\s+0\.00 ms\s+-\s+-$", comm_table(untimed), re.M), comm_table(untimed)

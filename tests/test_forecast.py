@@ -440,3 +440,74 @@ def test_under_srun_the_probe_takes_slurms_ranks_and_elsewhere_none(monkeypatch,
         allreduce_probe.main(["--max-bytes", "1K"])
     assert exit_info.value.code == 2
     assert "error: under srun: You set `--ntasks=4`" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(10)
+def test_hierarchical_at_node_counts_that_are_not_powers_of_two():
+    """The tree across nodes is ceil(log2(m)) levels deep: 3 nodes need 2 levels, as 4 do; 5 nodes need 3."""
+    intra = Link("fast", busbw_gbps=100.0, hop_latency_us=1.0, source="test")
+    inter = Link("net", busbw_gbps=10.0, hop_latency_us=10.0, source="test")
+    topo = Topology(intra, inter, gpus_per_node=4)
+    s = 8e6
+    # 3 nodes (12 ranks): latency 2(3) x 1 + 2 x 2 x 10 = 46 us; inter 2(2)/3 x (8e6/4) / 1e7 = 0.2667 ms.
+    assert links.allreduce_ms(s, 12, topo) == pytest.approx(0.046 + 0.8 / 3)
+    # 5 nodes (20 ranks): 6 + 2 x 3 x 10 = 66 us; inter 2(4)/5 x 2e6 / 1e7 = 0.32 ms.
+    assert links.allreduce_ms(s, 20, topo) == pytest.approx(0.066 + 0.32)
+    # Latency alone (no bytes): 3 nodes pay what 4 do, more than 2.
+    assert links.allreduce_ms(0, 8, topo) < links.allreduce_ms(0, 12, topo) == links.allreduce_ms(0, 16, topo)
+
+
+@pytest.mark.timeout(10)
+def test_the_probe_fit_takes_its_bandwidth_from_the_large_sizes_alone():
+    """The small sizes twice as fast as the model (a shaped link's burst) move no figure read off the large ones
+    (a sixteenth of the largest up); two sizes are enough; a size that took no time is left out."""
+    exact = links.fit_probe(probe_points(2, hop_us=40.0, busbw=1.0), 2)
+    burst = links.fit_probe(probe_points(2, hop_us=40.0, busbw=1.0, noise=(0.5,) * 12 + (1.0,) * 5), 2)
+    assert burst.busbw_gbps == pytest.approx(1.0, rel=1e-9) and exact.busbw_gbps == pytest.approx(1.0, rel=1e-9)
+    assert (exact.name, exact.source) == ("measured", "")
+    two = links.fit_probe(probe_points(2, hop_us=40.0, busbw=1.0)[-2:], 2)
+    assert (two.busbw_gbps, two.hop_latency_us) == (pytest.approx(1.0), pytest.approx(40.0))
+    untimed = ProbePoint(512, 0.0, 0.0, 0.0)  # a size too small for the clock
+    assert links.fit_probe([untimed, *probe_points(2, hop_us=40.0, busbw=1.0)], 2) == exact
+    # The large sizes all alike (noise): the slope over every size, by relative error, serves instead.
+    flat_top = [*probe_points(2, hop_us=40.0, busbw=1.0)[:12], *[ProbePoint(2**k, 70.0, 0.0, 0.0)
+                                                                  for k in range(22, 27)]]  # fmt: skip
+    assert links.fit_probe(flat_top, 2).busbw_gbps > 0
+    with pytest.raises(ForecastError, match=r"^the probe's times do not grow with size \(slope 0.0 ms/byte\)"):
+        links.fit_probe([ProbePoint(2**k, 1.0, 0.0, 0.0) for k in range(10, 14)], 2)
+
+
+@pytest.mark.timeout(10)
+def test_the_hierarchical_latency_counts_each_hop_at_its_own_latency():
+    intra = Link("fast", busbw_gbps=100.0, hop_latency_us=2.0, source="test")
+    inter = Link("net", busbw_gbps=10.0, hop_latency_us=10.0, source="test")
+    # 2 nodes of 4 and no bytes: 2(3) x 2 us + 2 x 1 x 10 us.
+    assert links.allreduce_ms(0, 8, Topology(intra, inter, gpus_per_node=4)) == pytest.approx(0.032)
+
+
+@pytest.mark.timeout(10)
+def test_a_probe_file_is_named_in_every_link_it_gives_and_every_error(tmp_path):
+    probe = tmp_path / "probe.json"
+    rows = [p.__dict__ for p in probe_points(2, 5.0, 2.0)]
+    probe.write_text(json.dumps({"backend": "gloo", "world_size": 2, "rows": rows}))
+    topo = links.topology(("measured", None), 2, probe)
+    assert topo.intra is topo.inter and topo.gpus_per_node == 2  # one machine: one link, named once
+    assert topo.intra.source == f"fit to {probe}: gloo, 2 ranks, 17 sizes 1,024..67,108,864 bytes"
+    across = {"backend": "nccl", "nodes": 2, "world_size": 4, "rows": rows, "intra_node": {"world_size": 2,
+              "rows": rows}, "inter_node": {"world_size": 2, "rows": rows[:5]}}  # fmt: skip
+    probe.write_text(json.dumps(across))
+    assert links.load_probe(probe).source == f"fit to {probe} within a node: nccl, 2 ranks, 17 sizes " \
+        "1,024..67,108,864 bytes"  # fmt: skip
+    assert links.load_probe(probe, "inter").source == f"fit to {probe} between nodes: nccl, 2 ranks, 5 sizes " \
+        "1,024..16,384 bytes"  # fmt: skip
+    within = links.topology(("measured", None), 2, probe, across_nodes=False)
+    assert within.gpus_per_node == 2
+    with pytest.raises(ForecastError, match=r"^--link measured needs a probe: --probe probe.json \(python -m "
+                       r"lit_ddp.allreduce_probe --out probe.json\)$"):  # fmt: skip
+        links.topology(("measured", None), 2, None)
+    probe.write_text("{")
+    with pytest.raises(ForecastError, match=f"^{probe} is not JSON: Expecting"):
+        links.load_probe(probe)
+    probe.write_text(json.dumps({"rows": [{"nbytes": 1}]}))
+    with pytest.raises(ForecastError, match=rf"^{probe} is not an allreduce_probe JSON \(TypeError\("):
+        links.load_probe(probe)

@@ -312,3 +312,100 @@ def test_a_forked_rank_out_of_memory_says_so_before_the_job_ends(tmp_path):
                             str(path.relative_to(tmp_path))), line), line  # fmt: skip
     assert path.is_file() and not (path.parent / "oom_rank0.json").exists()
     assert result.stderr.index(line) < result.stderr.index("rank 1 exited with code 1: OutOfMemoryError")
+
+
+@pytest.mark.timeout(30)
+def test_frozen_parameters_hold_no_gradient_and_no_optimizer_state():
+    """A model whose first layer is frozen (fine-tuning): its parameters are held, but gradients, what a step holds
+    and the out-of-memory holders count the trainable layer's gradients only."""
+    from lit_ddp.analysis.memory import holders
+
+    net = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))  # 576 + 272 bytes of float32 parameters
+    net[0].requires_grad_(False)
+    optimizer = torch.optim.Adam(p for p in net.parameters() if p.requires_grad)
+    before = memory.ddp_memory(net, [optimizer], allocated_only=True)
+    assert (before.parameters, before.gradients, before.optimizer_state) == (848, 0, 0)  # no gradient yet
+    net(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    for allocated_only in (False, True):  # the trainable layer's gradients, allocated or counted
+        held = memory.ddp_memory(net, [optimizer], allocated_only=allocated_only)
+        assert (held.parameters, held.gradients) == (848, 272), allocated_only
+    # Adam keeps exp_avg and exp_avg_sq per trainable parameter, and a 4-byte step count each.
+    assert held.optimizer_state == 2 * 272 + 2 * 4 and held.held == 848 + 272 + 552
+    assert holders(held, None) == [("parameters", 848), ("optimizer state", 552), ("gradients", 272)]
+
+
+def memory_steps(scale: int) -> list[record.StepMemory]:
+    """Steps 2-4 starting from 1 kB x ``scale``; each phase's peak and what it retained, the backward's peak a byte
+    higher each step."""
+    return [record.StepMemory(s, 1000 * scale, {"forward": 3000 * scale + s, "backward": 5000 * scale + s,
+                                                 "update": 2500 * scale, "step": 5000 * scale + s},
+                              {"forward": 2000 * scale, "backward": 1500 * scale, "update": 1200 * scale,
+                               "step": 1200 * scale}) for s in (2, 3, 4)]  # fmt: skip
+
+
+@pytest.mark.timeout(10)
+def test_the_memory_columns_are_the_highest_ranks_medians_and_the_line_says_whose_and_over_what():
+    from lit_ddp.analysis import memory as text
+    from tests.records import phase_record
+
+    phases = phase_record([[(1.0, 2.0, 0.5, 0.1)] * 5] * 2)
+    assert not text.has_memory(phases)
+    phases.ranks[0].memory, phases.ranks[1].memory = memory_steps(1), memory_steps(2)
+    phases.memory_source = "cpu_profiler"
+    assert text.has_memory(phases) and text.highest_rank(phases) == 1
+    assert text.memory_cells(phases) == [("6.00 kB", "4.00 kB"), ("10.0 kB", "3.00 kB"), ("5.00 kB", "2.40 kB"),
+                                         ("-", "-"), ("-", "-"), ("10.0 kB", "2.40 kB")]  # PHASES' order # fmt: skip
+    said = ("peak = the most held at once in the phase, retained = held at its end; the step peaked at 10.0 kB "
+            "median, 10.0 kB max, starting from 2.00 kB")  # fmt: skip
+    assert text.memory_line(phases) == (
+        "Memory (rank 1, the highest; steps 2-4; the CPU allocator's events in the profiled steps (torch.profiler, "
+        "profile_memory=True), on top of what parameters, gradients, DDP's buckets and optimizer state held at each "
+        f"step's start): {said}")  # fmt: skip
+    phases.memory_source = "cuda_allocator"
+    assert text.memory_line(phases) == ("Memory (rank 1, the highest; 3 step(s); the CUDA caching allocator: bytes "
+                                        f"of live tensors, its peak reset at each phase boundary): {said}")  # fmt: skip
+    phases.ranks[1].memory, phases.memory_source = phases.ranks[1].memory[:1], "elsewhere"
+    assert text.memory_line(phases).startswith("Memory (rank 1, the highest; step 2; elsewhere): peak = ")
+    # A summary over every step, where the rank kept one, is taken over the steps it kept.
+    phases.ranks[1].memory_summaries = {"peak.step": record.Sketch.of([1e9]), "start": record.Sketch.of([])}
+    assert text.memory_summary(phases, 1, "peak.step").median == 1e9
+    assert text.memory_summary(phases, 1, "start").median == 2000
+
+
+@pytest.mark.timeout(10)
+def test_ddps_own_memory_says_what_the_bucket_view_and_compression_change():
+    from lit_ddp.analysis.memory import ddp_memory_lines, holders
+
+    view = record.DDPMemory(6000, 3000, [1000, 2000, *[500] * 7], True, 12000, 0, "bf16")
+    assert ddp_memory_lines(view).splitlines() == [
+        "Memory per rank (exact, from the live objects): parameters 6,000 bytes; gradients 3,000 bytes (views into "
+        "the buckets); DDP's 9 gradient bucket(s) 6,500 bytes [1,000, 2,000, 500, 500, 500, 500, 500, 500, ...]; "
+        "optimizer state 12,000 bytes; held 24,500 bytes (24.5 kB) before activations.",
+        "gradient_as_bucket_view is on: the gradients are the buckets, saving 6,500 bytes.",
+        "bucket_cap_mb (its cap now) changes how the 6,500 bytes split (largest bucket 2,000), not their sum.",
+        "bf16 compression halves the bytes on the wire, not in memory: the buckets stay in the parameters' dtype and "
+        "each all-reduce casts a copy (1,000 bytes for the largest bucket) for its time on the wire.",
+    ]  # fmt: skip
+    assert ddp_memory_lines(record.DDPMemory(6000, 3000, [], False, 0, 0)) == (
+        "Memory per rank (exact, from the live objects): parameters 6,000 bytes; gradients 3,000 bytes (a tensor per "
+        "parameter); DDP's 0 gradient bucket(s) 0 bytes []; optimizer state 0 bytes; held 9,000 bytes (9.00 kB) "
+        "before activations.")  # fmt: skip
+    # The bucket view's gradients hold nothing of their own; the rest is never below zero.
+    assert holders(record.DDPMemory(6000, 3000, [3000], True, 0, 0), 5000) == [("parameters", 6000),
+                                                                                ("DDP's buckets", 3000)]  # fmt: skip
+
+
+@pytest.mark.timeout(10)
+def test_the_out_of_memory_line_names_the_step_the_peak_and_the_holders_largest_first():
+    held = record.DDPMemory(6000, 3000, [3000], False, 12000, 1 << 20)
+    oom = record.OutOfMemory(record.RunMeta(2, "cuda", "H100", "nccl", "cuda_event", "32-true", "2", "2"), 1, 7,
+                             "backward", "CUDA out of memory", held, allocated=40000, peak=39000, peak_step=6,
+                             peak_phase="forward", snapshot="snap.pickle")  # fmt: skip
+    assert oom_line(oom, "runs/x/oom_rank1.json") == (
+        "rank 1 ran out of memory in step 7, backward (CUDA out of memory); memory peaked at 39.0 kB in step 6, "
+        "forward; held then: the rest (activations, workspace) 16.0 kB, optimizer state 12.0 kB, parameters 6.00 kB, "
+        "gradients 3.00 kB, DDP's buckets 3.00 kB; record: runs/x/oom_rank1.json; snapshot: snap.pickle")  # fmt: skip
+    cpu = record.OutOfMemory(oom.meta, 0, 3, "forward", "boom", record.DDPMemory(0, 0, [], False, 0, 0))
+    assert oom_line(cpu) == ("rank 0 ran out of memory in step 3, forward (boom); held then: nothing the tool sees "
+                             "(the rest is not measured on CPU)")  # fmt: skip

@@ -270,3 +270,28 @@ def test_report_exits_2_with_that_one_line(tmp_path, capsys):
     assert exit_info.value.code == 2, captured.err
     assert captured.err.splitlines()[-1] == f"python -m lit_ddp.report: error: {refused.value}"
     assert captured.out == ""
+
+
+@pytest.mark.timeout(10)
+def test_a_comm_record_with_every_field_set_and_distinct_survives_a_json_round_trip(tmp_path):
+    """Every field of ``comm.json`` away from its default and unlike its neighbours (the clock offsets and their
+    errors, the first and final layouts, each rank's arrivals): a reader that swaps two of them fails here."""
+    _, comm = records()
+    for rank in comm.ranks:
+        for row in rank.rows:
+            row.arrival_s = [100.0 + rank.rank + 0.25 * row.step + 0.01 * b for b in range(len(row.bytes))]
+    held = record.DDPMemory(parameters=2000, gradients=1600, buckets=[400, 600], gradient_as_bucket_view=True,
+                            optimizer_state=3200, bucket_cap=1 << 20, compression="bf16")  # fmt: skip
+    full = dataclasses.replace(
+        comm, clock_offset_s=[0.0, 0.0125], clock_error_s=[0.0004, 0.0007], find_unused_parameters=True,
+        unused=["head.bias"], unused_bytes=16, unused_every_step=True, straggler={"rank": 1, "cause": "update"},
+        wire_dtype="torch.bfloat16", ddp_memory=held,
+    )  # fmt: skip
+    defaults = record.CommRecord(comm.meta, [], [], 0)
+    for f in dataclasses.fields(record.CommRecord):
+        if f.name not in ("meta", "kind"):
+            assert getattr(full, f.name) != getattr(defaults, f.name), f"{f.name} is left at its default"
+    lists = [full.layout, full.first_layout, full.profiled_steps, full.clock_offset_s, full.clock_error_s]
+    assert len({json.dumps(v) for v in lists}) == len(lists)  # no two alike: a swap shows
+    loaded = record.load(record.save(full, tmp_path / "comm.json"))
+    assert plain(loaded) == plain(full)

@@ -245,3 +245,81 @@ def test_lateness_that_comes_in_a_spell_is_within_the_noise_where_a_steady_one_i
     assert found.rank is None and found.late_low_ms < stragglers.MIN_LATE_MS, stragglers.verdict_line(found)
     steady = [[120.0 * s for s in steps], [120.0 * s + 44.0 + (s % 3) for s in steps]]
     assert stragglers.find_straggler(record(steady, [[5.0] * len(steps)] * 2)).rank == 1
+
+
+def three_ranks_late(late_ms: list[list[float]], step_ms: float = 1000.0) -> CommRecord:
+    """Three ranks, one bucket, one row per step: rank r hands it over ``late_ms[r][s]`` after step s starts."""
+    from tests.records import comm_record
+
+    rows = [[StepBuckets(s, [1000], [2.0], [0.0], 0.0, 0.0, [(step_ms * s + late[s]) / 1e3]) for s in range(len(late))]
+            for late in late_ms]  # fmt: skip
+    return comm_record(rows, param_bytes=1000)
+
+
+def test_with_three_ranks_unevenly_late_lateness_is_against_the_latest_of_the_others():
+    """Rank 2 is 250 ms behind rank 0 at every step; rank 1 is 500 ms behind at 10 of the 12 steady steps and
+    100 ms at the other 2 (where rank 2 is last). Rank 1's lateness is against rank 2, not rank 0: 250 ms, at
+    10/12 of the all-reduces."""
+    steps = 13  # step 0 is not steady
+    late = [[0.0] * steps, [100.0 if s in (3, 7) else 500.0 for s in range(steps)], [250.0] * steps]
+    found = stragglers.find_straggler(three_ranks_late(late))
+    assert found.rank == 1, stragglers.verdict_line(found)
+    assert found.late_ms == pytest.approx(250.0) and found.share == pytest.approx(10 / 12)
+    # Each rank waits for the last one: rank 0 the 500 ms (median), rank 2 the 250 ms.
+    assert found.wait_ms == pytest.approx([500.0, 0.0, 250.0])
+
+
+def test_the_verdict_names_the_phase_the_straggler_loses_its_time_in_and_who_waits_how_long():
+    """Rank 1 of the three above is late because its update takes 500 ms more; each rank's backward holds its wait
+    at the all-reduce, which the phase's excess leaves out (backward is level once the waits are taken off)."""
+    from tests.records import phase_record
+
+    steps = 13
+    late = [[0.0] * steps, [100.0 if s in (3, 7) else 500.0 for s in range(steps)], [250.0] * steps]
+    comm = three_ranks_late(late)
+    waits = [[max(r[s] for r in late) - late[rank][s] for s in range(steps)] for rank in range(3)]
+    phases = phase_record([[(10.0, 20.0 + waits[rank][s], 505.0 if rank == 1 else 5.0, 1.0) for s in range(steps)]
+                           for rank in range(3)])  # fmt: skip
+    found = stragglers.find_straggler(comm, phases)
+    assert (found.rank, found.cause, found.steps) == (1, "update", 12)
+    assert found.cause_extra_ms == pytest.approx(500.0)
+    assert found.extra_ms == pytest.approx({"forward": 0.0, "backward": 0.0, "update": 500.0, "data": 0.0,
+                                            "other": 0.0})  # fmt: skip
+    assert (found.transfer_ms, found.transfer_per_bucket_ms, found.wait_per_bucket_ms) == (2.0, [2.0], [500.0])
+    assert (found.spread_ms, found.threshold_ms) == (500.0, pytest.approx(200.0))  # a fifth of the 1000 ms step
+    assert stragglers.verdict_line(found) == (
+        "straggler: rank 1 arrives 250.0 ms late at 83% of all-reduces; its update phase is +500.0 ms over the "
+        "other ranks' median; rank(s) 0, 2 wait 500.0, 250.0 ms per step; the all-reduce itself takes 2.0 ms"
+    )
+    assert stragglers.find_straggler(comm, phase_record([[(1.0, 1.0, 1.0, 1.0)] * steps] * 2)).cause is None
+
+
+def test_lateness_within_three_clock_errors_names_no_straggler():
+    """The same arrivals with each rank's clock known to 100 ms only: 250 ms late is under the 300 ms the clocks
+    cannot tell apart."""
+    steps = 13
+    comm = three_ranks_late([[0.0] * steps, [100.0 if s in (3, 7) else 500.0 for s in range(steps)], [250.0] * steps])
+    comm.clock_error_s = [0.0, 0.1, 0.05]
+    found = stragglers.find_straggler(comm)
+    assert found.rank is None and found.threshold_ms == pytest.approx(300.0)
+    assert stragglers.verdict_line(found) == (
+        "no straggler (the last rank to arrive at an all-reduce is 500.0 ms behind the first, median; a straggler "
+        "must be 300.0 ms late at 75% of them)"
+    )
+
+
+def test_only_steady_steps_every_rank_kept_with_the_final_layout_count():
+    """A profiled step, a step one rank kept no arrival for and a step on another layout are left out; one rank
+    alone, or no common step, has no verdict."""
+    from tests.records import comm_record
+
+    def row(rank: int, step: int) -> StepBuckets:
+        arrival = [] if (rank, step) == (2, 4) else [(1000.0 * step + (300.0 if rank == 1 else 0.0)) / 1e3]
+        return StepBuckets(step, [999] if step == 6 else [1000], [2.0], [0.0], 0.0, 0.0, arrival)
+
+    comm = comm_record([[row(r, s) for s in range(10)] for r in range(3)], param_bytes=1000, profiled=[2])
+    found = stragglers.find_straggler(comm)
+    assert found.steps == 6 and found.rank == 1  # steps 1, 3, 5, 7, 8, 9
+    assert stragglers.find_straggler(comm_record([[row(0, s) for s in range(10)]], param_bytes=1000)) is None
+    late_only = comm_record([[row(r, s) for s in (0, 2)] for r in range(3)], param_bytes=1000, profiled=[2])
+    assert stragglers.find_straggler(late_only) is None

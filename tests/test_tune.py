@@ -298,3 +298,27 @@ def test_a_json_out_is_refused_in_one_line(monkeypatch, capsys):
         code == 2
         and err == "lit-ddp-tune: error: --out tuned.json: the config is YAML (every trial goes beside it, as .json)\n"
     )
+
+
+def test_a_powersgd_start_step_of_ones_own_is_when_torchs_powersgd_starts_compressing():
+    """``--trainer.strategy.init_args.powersgd_start_step 4`` reaches the PowerSGD state registered on DDP: steps
+    0-3 all-reduce plainly (no error feedback kept), step 4 compresses (torch keeps each matrix's error)."""
+    from lit_ddp import _lightning
+
+    given = {"powersgd_rank": 1, "powersgd_start_step": 4}
+    options = [arg for k, v in given.items() for arg in (f"--trainer.strategy.init_args.{k}", str(v))]
+    strategy = build_cli(["--trainer.accelerator", "cpu", "--devices", "2", *options]).trainer.strategy
+    configured = _lightning.configured_comm_hook(strategy)
+    assert (configured.state.matrix_approximation_rank, configured.state.start_powerSGD_iter) == (1, 4)
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(nn.Linear(32, 32, bias=False))
+        _lightning.register_comm_hook(ddp, configured.state, configured.hook, configured.wrapper)
+        compressed = []
+        for _ in range(6):
+            ddp(torch.randn(4, 32)).sum().backward()
+            compressed.append(bool(configured.state.error_dict))
+        assert compressed == [False] * 4 + [True] * 2
+    finally:
+        dist.destroy_process_group()

@@ -213,8 +213,8 @@ def test_the_all_reduce_table_says_every_line_its_record_calls_for():
          "above per step (no no_sync)"),
         ("find_unused_parameters=True, and every parameter got a gradient: DDP's search of the autograd graph "
          "after every forward finds nothing; turn it off"),
-        ("no straggler (the last rank to arrive at an all-reduce is 0.5 ms behind the first, median; a "
-         "straggler must be 200.0 ms late at 75% of them)"),
+        ("no straggler (the rank the others wait for most is 0.5 ms late at 50% of all-reduces, median within 0.0 to "
+         "1.0 ms; a straggler is last at 75% of them, late beyond the noise, by a median above 200.0 ms)"),
     ]  # fmt: skip
     three = dataclasses.replace(two, unused=["a", "b"], unused_bytes=600, unused_every_step=False, wire_dtype=None,
                                 compression=None)  # fmt: skip

@@ -270,6 +270,6 @@ def test_a_nodes_link_is_its_fastest_pair_and_a_slow_one_is_named_from_three_nod
 def test_a_node_is_judged_against_the_other_nodes_links_without_its_own():
     """Node 0 at 50 against the others' 100 and 60 (median 80): below 75% of it, so slow; counted in, its own link
     would pull the median to 60, and 50 would pass (above 45)."""
-    from lit_ddp.allreduce_probe import slow_nodes
+    from lit_ddp.measure.allreduce import slow_nodes
 
     assert slow_nodes([50.0, 100.0, 60.0]) == [0]

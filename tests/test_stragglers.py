@@ -288,8 +288,9 @@ def test_the_verdict_names_the_phase_the_straggler_loses_its_time_in_and_who_wai
     assert (found.transfer_ms, found.transfer_per_bucket_ms, found.wait_per_bucket_ms) == (2.0, [2.0], [500.0])
     assert (found.spread_ms, found.threshold_ms) == (500.0, pytest.approx(200.0))  # a fifth of the 1000 ms step
     assert stragglers.verdict_line(found) == (
-        "straggler: rank 1 arrives 250.0 ms late at 83% of all-reduces; its update phase is +500.0 ms over the "
-        "other ranks' median; rank(s) 0, 2 wait 500.0, 250.0 ms per step; the all-reduce itself takes 2.0 ms"
+        "straggler: rank 1 arrives 250.0 ms late at 83% of all-reduces (median within 250.0 to 250.0 ms); its update "
+        "phase is +500.0 ms over the other ranks' median; rank(s) 0, 2 wait 500.0, 250.0 ms per step; the all-reduce "
+        "itself takes 2.0 ms"
     )
     assert stragglers.find_straggler(comm, phase_record([[(1.0, 1.0, 1.0, 1.0)] * steps] * 2)).cause is None
 
@@ -303,8 +304,8 @@ def test_lateness_within_three_clock_errors_names_no_straggler():
     found = stragglers.find_straggler(comm)
     assert found.rank is None and found.threshold_ms == pytest.approx(300.0)
     assert stragglers.verdict_line(found) == (
-        "no straggler (the last rank to arrive at an all-reduce is 500.0 ms behind the first, median; a straggler "
-        "must be 300.0 ms late at 75% of them)"
+        "no straggler (the rank the others wait for most is 250.0 ms late at 83% of all-reduces, median within 250.0 "
+        "to 250.0 ms; a straggler is last at 75% of them, late beyond the noise, by a median above 300.0 ms)"
     )
 
 

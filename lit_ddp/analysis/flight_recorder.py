@@ -12,6 +12,7 @@ torch, Lightning and lit_ddp. The ranks' records are then compared as a live job
 (``lit_ddp.analysis.divergence``). A dump is a pickle: read only dumps you trust.
 """
 
+import importlib.util
 import json
 import linecache
 import os
@@ -20,15 +21,14 @@ import re
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
-import lightning
-import torch
-
 from lit_ddp.analysis.divergence import Collective, RankReport, divergences, never_arrived
 
 # Where library frames live: the user's line is the innermost frame outside them (and Python's own).
 LIT_DDP = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Found, not imported: reading a dump must not start Lightning (seconds of import).
 LIBRARIES = tuple(
-    os.path.dirname(os.path.abspath(p)) + os.sep for p in (torch.__file__, lightning.__file__, os.__file__)
+    os.path.dirname(os.path.abspath(p)) + os.sep
+    for p in (importlib.util.find_spec("torch").origin, importlib.util.find_spec("lightning").origin, os.__file__)
 )
 LIBRARIES += (LIT_DDP + os.sep,)
 BACKWARD = "run_backward"  # autograd's engine in a frame's name: DDP's reducer launched the all-reduce there

@@ -140,9 +140,9 @@ def test_a_cut_link_ends_every_rank_naming_whom_it_lost_and_the_job_resumes_bit_
     still = [r for r in (0, 1) if r not in gone]
     assert not still, f"rank(s) {still} still running {bound} s after the cut"
     (out0, err0), (out1, err1) = outs
-    assert re.search(r"rank\(s\) \[1\] \(node 1\) never arrived at the collective of step 3[01]; rank\(s\) \[0\] "
+    assert re.search(r"rank\(s\) \[1\] \(node 1\) never arrived at the collective of step (29|3[01]); rank\(s\) \[0\] "
                      r"\(node 0\) waited there until the timeout", err0), err0[-3000:]  # fmt: skip
-    assert re.search(r"rank\(s\) \[0\] \(node 0\) lost at the collective of step 3[01]: the rendezvous store they "
+    assert re.search(r"rank\(s\) \[0\] \(node 0\) lost at the collective of step (29|3[01]): the rendezvous store they "
                      r"host did not answer .* rank\(s\) \[1\] \(node 1\) waited there", err1), err1[-3000:]  # fmt: skip
     for err, pid in zip((err0, err1), pids, strict=True):
         assert f"failed (exitcode: 1) local_rank: 0 (pid: {pid})" in err

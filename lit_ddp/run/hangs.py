@@ -136,6 +136,8 @@ def diagnose(trainer: Trainer, exception: BaseException, ranks_per_node: Optiona
         return
     exception.lit_ddp_named = True
     FAILING.set()
+    if ranks_per_node is None and trainer.num_nodes > 1:  # several nodes: name each rank's node
+        ranks_per_node = trainer.num_devices
     report = rank_report(trainer, kind, first_line(exception), frame_of(exception.__traceback__))
     try:
         store.set_timeout(timedelta(seconds=WAIT_S))  # rank 0 hosts the store: it may be the one that hangs

@@ -193,6 +193,15 @@ def test_a_rank_last_under_the_required_share_is_no_straggler_however_late(steps
     assert (named.rank, named.share) == (1, 0.75), stragglers.verdict_line(named)
 
 
+def test_too_few_steps_to_tell_says_so_in_a_sentence():
+    """4 steps (3 after the warm-up), rank 1 late at every one: too few for an interval, so no one is named, and
+    the line says it cannot tell (the notebook's short runs print it)."""
+    found = stragglers.find_straggler(record([[100.0 * s for s in range(4)], [100.0 * s + 25.0 for s in range(4)]],
+                                             [[27.0] * 4, [2.0] * 4]))  # fmt: skip
+    assert found.rank is None and found.steps == 3  # the first step is the warm-up
+    assert stragglers.verdict_line(found).startswith("no straggler: can't tell, 3 step(s) are too few ("), found
+
+
 def three_ranks(late_ms: float, seed: int = 0, steps: int = 30, spells: bool = False):
     """Hand-made records of 3 ranks, a 50 ms step with one bucket, seeded noise: rank 1's backward is ``late_ms``
     longer, so its bucket is handed over that much later and the others wait for it in their backward.

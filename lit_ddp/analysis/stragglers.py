@@ -168,9 +168,8 @@ def verdict_line(found: Straggler) -> str:
         bar = (f"a straggler is last at {STRAGGLER_SHARE:.0%} of them, late beyond the noise, by a median above "
                f"{found.threshold_ms:.1f} ms")  # fmt: skip
         if math.isinf(found.late_low_ms):
-            why = f"{found.steps} step(s) are too few to tell"
-        else:
-            why = f"{late}, median within {found.late_low_ms:.1f} to {found.late_high_ms:.1f} ms"
+            return f"no straggler: can't tell, {found.steps} step(s) are too few ({bar})"
+        why = f"{late}, median within {found.late_low_ms:.1f} to {found.late_high_ms:.1f} ms"
         return f"no straggler (the rank the others wait for most is {why}; {bar})"
     waiting = [r for r in range(len(found.wait_ms)) if r != found.rank]
     waits = ", ".join(f"{found.wait_ms[r]:.1f}" for r in waiting)

@@ -13,6 +13,8 @@ has no timeout of its own there, so its calls are bounded here, and that rank na
 """
 
 import json
+import os
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -20,9 +22,10 @@ from typing import Optional, Protocol, runtime_checkable
 
 import torch.distributed as dist
 from lightning.pytorch import Trainer
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from lit_ddp import _torch
-from lit_ddp.analysis.divergence import RankReport, divergences, never_arrived, ranks_named
+from lit_ddp.analysis.divergence import RankReport, divergences, first_cause, never_arrived, ranks_named
 from lit_ddp.measure.collectives import CollectiveRecord, frame_of
 from lit_ddp.run.roles import NamesPendingCollective
 
@@ -114,6 +117,15 @@ def exchange_unless_cut_off(store: dist.Store, report: RankReport, world_size: i
     return result[0]
 
 
+def leave_error_file() -> None:
+    """Under torchrun, in a rank that raised on its own (inside its ``except``): its traceback and time in the
+    error file torchrun names (``TORCHELASTIC_ERROR_FILE``), as ``@record`` would. torchrun's summary then shows
+    it as the root cause, the earliest error file's, instead of "To enable traceback see ..."; a peer's timeout or
+    closed connection leaves none (a consequence)."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        ErrorHandler().record_exception(sys.exc_info()[1] or RuntimeError("unknown"))
+
+
 def _prepend(exception: BaseException, line: str) -> None:
     exception.args = (f"{line}: {exception.args[0] if exception.args else ''}", *exception.args[1:])
 
@@ -131,6 +143,8 @@ def diagnose(trainer: Trainer, exception: BaseException, ranks_per_node: Optiona
     exception.lit_ddp_consequence = kind != "exception"
     if world_size < 2:
         return
+    if kind == "exception":
+        leave_error_file()
     store = _torch.default_store()
     if store is None:
         return
@@ -162,6 +176,13 @@ def diagnose(trainer: Trainer, exception: BaseException, ranks_per_node: Optiona
                      f"the collective of step {report.step}")  # fmt: skip
         line = never_arrived(reports, world_size, where, ranks_per_node)
         lines = [line] if line else []
+    cause = first_cause(reports)
+    if cause is not None and cause.kind == "exception" and cause.rank != rank:
+        # A peer raised on its own: its error is the job's cause, first on the line this rank's traceback ends
+        # with (under the `ddp` launcher and torchrun, this rank's error is the job's last line).
+        where = f" ({cause.where})" if cause.where else ""
+        then = f"; rank {rank} failed because of it: {lines[0]}" if lines else ""
+        lines = [f"rank {cause.rank} raised first: {cause.error}{where}{then}"]
     if not lines:
         return
     _prepend(exception, lines[0])  # the job's last line (the launcher's, or the rank's traceback) carries it

@@ -2,6 +2,7 @@
 more than rank 0: what ``python -m lit_ddp.report --flight-recorder DIR`` reads.
 
     python -m tests.flight_dumps DIR       # DIR/fr_trace_rank0, DIR/fr_trace_rank1 (torch's own pickles)
+                                           # and DIR/json/fr_trace_rank{0,1}.json (torch's JSON)
 """
 
 import os
@@ -26,6 +27,8 @@ def rank_main(rank: int, directory: str, port: int) -> None:
         dist.all_reduce(torch.ones(1), async_op=True)  # rank 0 never calls it: the job would hang here
     dump = torch._C._distributed_c10d._dump_fr_trace()  # what NCCL writes on a timeout (TORCH_NCCL_DUMP_ON_TIMEOUT)
     Path(directory, f"fr_trace_rank{rank}").write_bytes(dump)
+    Path(directory, "json").mkdir(exist_ok=True)  # torch's JSON of the same: no Python stacks
+    Path(directory, "json", f"fr_trace_rank{rank}.json").write_bytes(torch._C._distributed_c10d._dump_fr_trace_json())
     sys.stdout.flush()
     os._exit(0)  # the unmatched collective would keep the process group from closing
 

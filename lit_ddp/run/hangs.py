@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Optional, Protocol, runtime_checkable
 
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from lit_ddp import _torch
 from lit_ddp.analysis.divergence import RankReport, divergences, first_cause, never_arrived, ranks_named
+from lit_ddp.analysis.flight_recorder import dumps_divergence
 from lit_ddp.measure.collectives import CollectiveRecord, frame_of
 from lit_ddp.run.roles import NamesPendingCollective
 
@@ -186,6 +188,48 @@ def diagnose(trainer: Trainer, exception: BaseException, ranks_per_node: Optiona
     if not lines:
         return
     _prepend(exception, lines[0])  # the job's last line (the launcher's, or the rank's traceback) carries it
+
+
+# NCCL's Flight Recorder dumps on a watchdog timeout where these are set: each setting under every name torch 2.11
+# to 2.14 reads for it (the TORCH_FR_* names are 2.13's, the TORCH_NCCL_* ones their older aliases, still read).
+# C++ stacks (TORCH_FR_CPP_STACK / TORCH_NCCL_TRACE_CPP_STACK) stay off: a cost at every collective, and the
+# diagnosis names the Python frames, which torch records without them.
+NCCL_DUMP_SETTINGS = {
+    ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): "2000",  # entries kept (torch 2.13's default)
+    ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
+    ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"): "nccl_trace_rank_",  # in the folder; + rank
+}
+FLIGHT_RECORDER_DIR = "flight_recorder"  # under the Trainer's default_root_dir
+
+
+def prepare_nccl_dumps(backend: str, root_dir: str, environ=os.environ) -> Optional[Path]:
+    """Before the process group is made (in the launcher, so that the ranks it starts inherit it): where the
+    backend is NCCL, the settings above that the user left unset, the dumps' prefix in ``root_dir``/flight_recorder.
+    Returns the folder the dumps go to (made here), or None: not NCCL, or no dump on a timeout (the user's
+    ``TORCH_NCCL_DUMP_ON_TIMEOUT=0`` or ``TORCH_FR_BUFFER_SIZE=0``)."""
+    if "nccl" not in backend:
+        return None
+    directory = Path(root_dir, FLIGHT_RECORDER_DIR).resolve()
+    for names, value in NCCL_DUMP_SETTINGS.items():
+        if not any(name in environ for name in names):
+            value = str(directory / value) if names[0] == "TORCH_FR_DUMP_TEMP_FILE" else value
+            environ.update(dict.fromkeys(names, value))
+    buffer = environ.get("TORCH_FR_BUFFER_SIZE", environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0"))
+    if environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT") in ("0", "false", "False") or buffer.strip() in ("", "0"):
+        return None
+    directory = Path(environ.get("TORCH_FR_DUMP_TEMP_FILE") or environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]).parent
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def dumps_diagnosis(directory: Optional[Path], since: float) -> Optional[str]:
+    """After the ranks died (NCCL's watchdog aborts a rank whose collective timed out, before any Python handler
+    runs): the divergence that the Flight Recorder dumps written into ``directory`` since ``since`` show, with the
+    folder named; None without such dumps."""
+    if directory is None or not directory.is_dir():
+        return None
+    line = dumps_divergence(directory, since)
+    return f"{line} (NCCL's Flight Recorder dumps in {directory})" if line else None
 
 
 def hung_at(frame) -> Optional[str]:

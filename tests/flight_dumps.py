@@ -3,6 +3,7 @@ more than rank 0: what ``python -m lit_ddp.report --flight-recorder DIR`` reads.
 
     python -m tests.flight_dumps DIR       # DIR/fr_trace_rank0, DIR/fr_trace_rank1 (torch's own pickles)
                                            # and DIR/json/fr_trace_rank{0,1}.json (torch's JSON)
+    python -m tests.flight_dumps DIR --nccl  # one GPU, world 1: DIR/nccl_trace_rank_0, NCCL's own pickle
 """
 
 import os
@@ -33,7 +34,21 @@ def rank_main(rank: int, directory: str, port: int) -> None:
     os._exit(0)  # the unmatched collective would keep the process group from closing
 
 
+def nccl_main(directory: str, port: int) -> None:
+    """One GPU, world 1, NCCL: the dump NCCL's watchdog would write (``_dump_nccl_trace``, a CUDA build's)."""
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1).cuda(), device_ids=[0])
+    for _ in range(STEPS):
+        model(torch.randn(4, 8, device="cuda")).sum().backward()
+    torch.cuda.synchronize()
+    Path(directory, "nccl_trace_rank_0").write_bytes(torch._C._distributed_c10d._dump_nccl_trace())
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(rank_main, args=(str(out), free_port()), nprocs=2, start_method="fork")
+    if sys.argv[2:] == ["--nccl"]:
+        nccl_main(str(out), free_port())
+    else:
+        mp.start_processes(rank_main, args=(str(out), free_port()), nprocs=2, start_method="fork")

@@ -109,14 +109,15 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=20)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--strategy", default="lit", choices=["lit", "ddp"], help="ddp: Lightning's own DDPStrategy")
-    parser.add_argument("--start-method", default="auto", choices=["auto", "popen"],
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"], help="gpu: NCCL")
+    parser.add_argument("--start-method", default="auto", choices=["auto", "popen", "spawn"],
                         help="popen: Lightning's `ddp` launcher (the script again for rank 1)")  # fmt: skip
     args = parser.parse_args()
     callbacks = [LossMonitor(), StepSync(uneven=args.uneven)]
     if args.strategy == "ddp":  # the callbacks alone: the recorder shortens Lightning's 30-minute timeout
         callbacks.append(CollectiveRecorder(timeout_s=args.timeout_s))
     trainer = Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=2,
         strategy=LitDDPStrategy(timeout_s=args.timeout_s, start_method=args.start_method)
         if args.strategy == "lit"

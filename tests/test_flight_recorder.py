@@ -4,14 +4,21 @@ job whose rank 1 calls one collective more (``tests/flight_dumps.py``)."""
 import os
 import pickle
 import re
+from pathlib import Path
 
 import pytest
+import torch
 from torch.multiprocessing import ProcessExitedException
 
 from lit_ddp import report
 from lit_ddp.analysis import flight_recorder
 from lit_ddp.run import hangs, launchers, lifecycle
+from tests import flight_dumps
 from tests.runner import run_module
+
+# The line of tests/flight_dumps.py that calls the collective rank 0 never calls.
+LINE = next(i for i, text in enumerate(Path(flight_dumps.__file__).read_text().splitlines(), 1)
+            if "dist.all_reduce(torch.ones(1), async_op=True)" in text)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +42,8 @@ def test_the_dumps_are_read_ddp_aware_and_compared(dumps, capsys):
     assert re.match(rank0, lines[1]), lines
     last = int(re.search(r"#(\d+)", lines[1]).group(1))
     assert lines[3] == (
-        f"collective #{last + 1}: rank 1 called all_reduce Float[1] at step 2, after the backward (flight_dumps.py:27 "
-        "rank_main: dist.all_reduce(torch.ones(1), async_op=True)); rank 0 never arrived: it had called only up to "
+        f"collective #{last + 1}: rank 1 called all_reduce Float[1] at step 2, after the backward "
+        f"(flight_dumps.py:{LINE} rank_main: dist.all_reduce(torch.ones(1), async_op=True)); rank 0 never arrived: it had called only up to "
         f"#{last}, all_reduce Float[9] (DDP gradient bucket 0) at step 2, backward"
     )
 
@@ -125,3 +132,31 @@ def test_nccl_is_told_to_dump_into_the_run_folder_where_the_user_said_nothing(tm
     assert {k: environ[k] for k in mine} == mine and "TORCH_FR_BUFFER_SIZE" not in environ
     assert environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert hangs.prepare_nccl_dumps("nccl", str(tmp_path), {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a GPU")
+@pytest.mark.timeout(120)
+def test_a_real_nccl_dump_on_one_gpu_is_read_ddp_aware(tmp_path, capsys):
+    """NCCL's own pickle (world 1: a dump, not a hang): its Python stacks name DDP's buckets and the steps."""
+    result = run_module("tests.flight_dumps", str(tmp_path), "--nccl", cwd=tmp_path, timeout=90)
+    assert result.returncode == 0, result.stderr
+    assert report.main(["--flight-recorder", str(tmp_path)]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert re.match(r"rank 0: \d+ collectives \(3 DDP gradient bucket all-reduces in 3 backward pass\(es\)\)", line)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a hang under NCCL needs 2 GPUs")
+@pytest.mark.timeout(240)
+def test_a_hang_under_nccl_is_named_from_the_dumps_on_timeout(tmp_path):
+    """Rank 1 sleeps in its step; rank 0's bucket all-reduce times out in NCCL's watchdog, which dumps (both ranks:
+    it signals the other through the store) and aborts the rank before any Python handler runs. The ddp_spawn
+    launcher survives and names what the dumps in the run's folder show."""
+    result = run_module("tests.hang_scripts", "sleep", "--timeout-s", "20", "--accelerator", "gpu",
+                        "--start-method", "spawn", cwd=tmp_path, timeout=200)  # fmt: skip
+    assert result.returncode != 0
+    assert (tmp_path / "flight_recorder").is_dir(), result.stderr[-3000:]
+    assert re.search(r"collective #\d+: rank 0 called all_reduce Float\[9\] \(DDP gradient bucket 0\) at step 3, "
+                     r"backward; rank 1 never arrived: .*\(NCCL's Flight Recorder dumps in ", result.stderr), (
+        result.stderr[-3000:]
+    )  # fmt: skip

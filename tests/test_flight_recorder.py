@@ -43,8 +43,8 @@ def test_the_dumps_are_read_ddp_aware_and_compared(dumps, capsys):
     last = int(re.search(r"#(\d+)", lines[1]).group(1))
     assert lines[3] == (
         f"collective #{last + 1}: rank 1 called all_reduce Float[1] at step 2, after the backward "
-        f"(flight_dumps.py:{LINE} rank_main: dist.all_reduce(torch.ones(1), async_op=True)); rank 0 never arrived: it had called only up to "
-        f"#{last}, all_reduce Float[9] (DDP gradient bucket 0) at step 2, backward"
+        f"(flight_dumps.py:{LINE} rank_main: dist.all_reduce(torch.ones(1), async_op=True)); rank 0 never arrived: "
+        f"it had called only up to #{last}, all_reduce Float[9] (DDP gradient bucket 0) at step 2, backward"
     )
 
 

@@ -53,7 +53,7 @@ class MultiProcessingLauncher(_lightning.CarryBackLauncher):
     def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
         self.started, self.dumps = time.time(), None
         if trainer is not None:
-            self.dumps = hangs.prepare_nccl_dumps(_lightning.process_group_backend(self._strategy),
+            self.dumps = hangs.prepare_nccl_dumps(_lightning.process_group_backend(trainer.strategy),
                                                   trainer.default_root_dir)  # fmt: skip
         with lifecycle.launcher_pid_for_children():
             return super().launch(function, *args, trainer=trainer, **kwargs)

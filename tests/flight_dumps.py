@@ -41,7 +41,7 @@ def nccl_main(directory: str, port: int) -> None:
     for _ in range(STEPS):
         model(torch.randn(4, 8, device="cuda")).sum().backward()
     torch.cuda.synchronize()
-    Path(directory, "nccl_trace_rank_0").write_bytes(torch._C._distributed_c10d._dump_nccl_trace())
+    Path(directory, "nccl_trace_rank_0").write_bytes(torch._C._distributed_c10d._dump_nccl_trace(True, True, False))
     dist.destroy_process_group()
 
 

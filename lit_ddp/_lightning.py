@@ -30,7 +30,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer import call as trainer_call
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
-from torch.multiprocessing import ProcessRaisedException
+from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 
 class PrivateName(NamedTuple):
@@ -75,6 +75,7 @@ PRIVATE_NAMES = [
     ),
     PrivateName(_PrefetchDataFetcher, "prefetch_batches", "how many it fetches ahead at each epoch's start"),
     PrivateName(_DataFetcher, "iterator", "the loader's iterator it refills from (emptied where the epoch ends)"),
+    PrivateName(DDPStrategy, "_get_process_group_backend", "nccl or gloo, before the group is made (NCCL's dumps)"),
 ]
 
 
@@ -136,6 +137,13 @@ def end_epoch_after(trainer: Trainer, batches: int) -> None:
             trainer.val_check_batch = max(1, int(end * trainer.val_check_interval))  # as Lightning's setup_data
     if batches == 0:  # the current batch is the last: set before the step decides to accumulate or to step
         epoch_loop.batch_progress.is_last_batch = True
+
+
+def process_group_backend(strategy: Any) -> str:
+    """The backend the strategy will make its process group with (``nccl``, ``gloo``, ...), before it does; ``""``
+    for a strategy that makes none."""
+    get = getattr(strategy, "_get_process_group_backend", None)
+    return get() if get is not None else ""
 
 
 def process_group_timeout(strategy: Any) -> Optional[timedelta]:
@@ -242,8 +250,20 @@ class CarryBackLauncher(_MultiProcessingLauncher):
             if first is None or first.rank == err.error_index:
                 raise
             raise ProcessRaisedException(first.message, first.rank, first.pid) from None
+        except ProcessExitedException as err:  # killed, before any Python handler ran (NCCL's watchdog aborts)
+            why = self.why_exited()
+            if why is None:
+                raise
+            exited = ProcessExitedException(f"{why}: {err}", err.error_index, err.error_pid, err.exit_code,
+                                            err.signal_name)  # fmt: skip
+            exited.lit_ddp_diagnosis = why
+            raise exited from None
         finally:
             shutil.rmtree(self.failures, ignore_errors=True)
+
+    def why_exited(self) -> Optional[str]:
+        """Why a rank was killed, from what the ranks left behind (``lit_ddp.run.launchers``: NCCL's dumps)."""
+        return None
 
     def _wrapping_function(self, process_idx: int, trainer: Optional[Trainer], *args: Any, **kwargs: Any) -> None:
         try:

@@ -3,6 +3,7 @@
     python tests/hang_scripts.py logkeys                   # rank 1 logs a key rank 0 does not (lightning#19106)
     python tests/hang_scripts.py uneven_shards             # rank 0 has 8 batches an epoch, rank 1 5 (#3325)
     python tests/hang_scripts.py uneven_shards --uneven error
+    python tests/hang_scripts.py raise --start-method popen    # Lightning's `ddp` launcher (or under torchrun)
 
 A plain ``Trainer`` with ``LitDDPStrategy(timeout_s=...)`` on 2 CPU ranks and the tool's callbacks; each rank
 prints ``rank R: batches B`` (the batches it trained, by epoch) when training ends, for the tests to read.
@@ -82,6 +83,8 @@ class Case(LightningModule):
                 raise RuntimeError("injected failure on rank 1 between two collectives")
         elif self.case == "sleep" and at_fault:
             time.sleep(3600)
+        elif self.case == "sleep_rank0" and self.global_step == self.fault_step and self.global_rank == 0:
+            time.sleep(3600)  # rank 0 hosts the store: its server answers while this thread sleeps
         return loss
 
     def on_train_end(self) -> None:
@@ -100,20 +103,25 @@ def loader(case: str) -> DataLoader:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("case", choices=["logkeys", "log_dict", "gather_rank0", "raise", "sleep", "uneven_shards",
-                                         "uneven_sized", "even"])  # fmt: skip
+    parser.add_argument("case", choices=["logkeys", "log_dict", "gather_rank0", "raise", "sleep", "sleep_rank0",
+                                         "uneven_shards", "uneven_sized", "even"])  # fmt: skip
     parser.add_argument("--uneven", default="stop", choices=["stop", "error"])
     parser.add_argument("--timeout-s", type=float, default=20)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--strategy", default="lit", choices=["lit", "ddp"], help="ddp: Lightning's own DDPStrategy")
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"], help="gpu: NCCL")
+    parser.add_argument("--start-method", default="auto", choices=["auto", "popen", "spawn"],
+                        help="popen: Lightning's `ddp` launcher (the script again for rank 1)")  # fmt: skip
     args = parser.parse_args()
     callbacks = [LossMonitor(), StepSync(uneven=args.uneven)]
     if args.strategy == "ddp":  # the callbacks alone: the recorder shortens Lightning's 30-minute timeout
         callbacks.append(CollectiveRecorder(timeout_s=args.timeout_s))
     trainer = Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=2,
-        strategy=LitDDPStrategy(timeout_s=args.timeout_s) if args.strategy == "lit" else "ddp",
+        strategy=LitDDPStrategy(timeout_s=args.timeout_s, start_method=args.start_method)
+        if args.strategy == "lit"
+        else "ddp",
         max_epochs=args.epochs,
         logger=False,
         enable_checkpointing=False,

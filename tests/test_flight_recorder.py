@@ -1,12 +1,24 @@
 """``python -m lit_ddp.report --flight-recorder DIR`` on dumps that real torch code writes here: a 2-rank gloo DDP
 job whose rank 1 calls one collective more (``tests/flight_dumps.py``)."""
 
+import os
+import pickle
 import re
+from pathlib import Path
 
 import pytest
+import torch
+from torch.multiprocessing import ProcessExitedException
 
 from lit_ddp import report
+from lit_ddp.analysis import flight_recorder
+from lit_ddp.run import hangs, launchers, lifecycle
+from tests import flight_dumps
 from tests.runner import run_module
+
+# The line of tests/flight_dumps.py that calls the collective rank 0 never calls.
+LINE = next(i for i, text in enumerate(Path(flight_dumps.__file__).read_text().splitlines(), 1)
+            if "dist.all_reduce(torch.ones(1), async_op=True)" in text)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -14,7 +26,7 @@ def dumps(tmp_path_factory):
     directory = tmp_path_factory.mktemp("fr")
     result = run_module("tests.flight_dumps", str(directory), cwd=directory, timeout=90)
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in directory.iterdir()) == ["fr_trace_rank0", "fr_trace_rank1"]
+    assert sorted(p.name for p in directory.iterdir()) == ["fr_trace_rank0", "fr_trace_rank1", "json"]
     return directory
 
 
@@ -30,9 +42,9 @@ def test_the_dumps_are_read_ddp_aware_and_compared(dumps, capsys):
     assert re.match(rank0, lines[1]), lines
     last = int(re.search(r"#(\d+)", lines[1]).group(1))
     assert lines[3] == (
-        f"collective #{last + 1}: rank 1 called all_reduce Float[1] at step 2, after the backward (flight_dumps.py:26 "
-        "rank_main: dist.all_reduce(torch.ones(1), async_op=True)); rank 0 never arrived: it had called only up to "
-        f"#{last}, all_reduce Float[9] (DDP gradient bucket 0) at step 2, backward"
+        f"collective #{last + 1}: rank 1 called all_reduce Float[1] at step 2, after the backward "
+        f"(flight_dumps.py:{LINE} rank_main: dist.all_reduce(torch.ones(1), async_op=True)); rank 0 never arrived: "
+        f"it had called only up to #{last}, all_reduce Float[9] (DDP gradient bucket 0) at step 2, backward"
     )
 
 
@@ -41,3 +53,112 @@ def test_a_folder_without_dumps_is_one_line(tmp_path, capsys):
         report.main(["--flight-recorder", str(tmp_path)])
     assert exit_.value.code == 2
     assert f"--flight-recorder: {tmp_path}: no Flight Recorder dump" in capsys.readouterr().err
+
+
+def as_nccl_writes_it(dump: dict) -> dict:
+    """A real dump in the form NCCL's watchdog pickles it on a timeout: the same Flight Recorder entries (torch's
+    FlightRecorder is one for both backends) named ``nccl:<op>``, the default group keyed ``"0"``, the ops that
+    completed with their ``duration_ms``, the last one ``started``, and NCCL's ``nccl_comm_state`` (as torch's own
+    tests build theirs: test/distributed/flight_recorder/test_fr_analysis.py's ``create_one_entry``)."""
+    entries = [dict(e) for e in dump["entries"]]
+    for entry in entries:
+        entry["profiling_name"] = "nccl:" + entry["profiling_name"].partition(":")[2]
+        entry["state"], entry["duration_ms"] = "completed", 0.1
+    entries[-1]["state"], entries[-1]["duration_ms"] = "started", None
+    config = {"0" if name == "" else name: group for name, group in dump["pg_config"].items()}
+    return {**dump, "pg_config": config, "entries": entries, "nccl_comm_state": {}}
+
+
+@pytest.mark.timeout(120)
+def test_nccl_pickles_and_torchs_json_are_read_too(dumps, tmp_path, capsys):
+    assert report.main(["--flight-recorder", str(dumps)]) == 0
+    gloo = capsys.readouterr().out.splitlines()
+    nccl = tmp_path / "nccl"
+    nccl.mkdir()
+    for rank in (0, 1):
+        dump = pickle.loads((dumps / f"fr_trace_rank{rank}").read_bytes())
+        (nccl / f"nccl_trace_rank_{rank}").write_bytes(pickle.dumps(as_nccl_writes_it(dump)))
+    assert report.main(["--flight-recorder", str(nccl)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].replace("(started)", "(scheduled)") == gloo[1] and lines[3] == gloo[3]
+    assert flight_recorder.dumps_divergence(nccl) == gloo[3]
+
+    assert report.main(["--flight-recorder", str(dumps / "json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "(JSON dumps hold no Python stacks: DDP's buckets, the steps and the user's lines are not named)"
+    assert re.match(r"collective #(\d+): rank 1 called all_reduce Float\[1\]; rank 0 never arrived: it had called "
+                    r"only up to #\d+, all_reduce Float\[9\]$", lines[-1]), lines  # fmt: skip
+
+
+def test_only_the_dumps_of_this_job_are_read(dumps, tmp_path):
+    """The launcher reads the dumps written since its ranks started: an older job's in the folder are not its."""
+    for rank in (0, 1):
+        path = tmp_path / f"nccl_trace_rank_{rank}"
+        path.write_bytes((dumps / f"fr_trace_rank{rank}").read_bytes())
+        os.utime(path, (1000.0, 1000.0))
+    assert hangs.dumps_diagnosis(tmp_path, since=2000.0) is None
+    line = hangs.dumps_diagnosis(tmp_path, since=0.0)
+    assert line.startswith("collective #") and line.endswith(f"(NCCL's Flight Recorder dumps in {tmp_path})")
+
+
+def test_a_killed_rank_is_explained_by_the_dumps(dumps, tmp_path, capsys):
+    """A ddp_spawn rank that NCCL's watchdog aborted: the launcher's exception, and lit_ddp.fit's line, carry what
+    the dumps show."""
+    launcher = object.__new__(launchers.MultiProcessingLauncher)
+    launcher.dumps, launcher.started = dumps, 0.0
+    why = launcher.why_exited()
+    assert why == hangs.dumps_diagnosis(dumps, 0.0) and why.startswith("collective #")
+
+    def run():
+        err = ProcessExitedException("process 1 terminated with signal SIGABRT", 1, 99, -6, "SIGABRT")
+        err.lit_ddp_diagnosis = why
+        raise err
+
+    assert lifecycle.exit_code(run, prog="lit_ddp") == 1
+    assert capsys.readouterr().err == f"lit_ddp: rank 1 exited with signal SIGABRT: {why}\n"
+
+
+def test_nccl_is_told_to_dump_into_the_run_folder_where_the_user_said_nothing(tmp_path):
+    environ: dict[str, str] = {}
+    assert hangs.prepare_nccl_dumps("gloo", str(tmp_path), environ) is None and environ == {}
+    folder = hangs.prepare_nccl_dumps("nccl", str(tmp_path), environ)
+    assert folder == (tmp_path / "flight_recorder").resolve() and folder.is_dir()
+    assert environ == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                       "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": f"{folder}/nccl_trace_rank_",
+                       "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{folder}/nccl_trace_rank_"}  # fmt: skip
+    mine = {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "mine" / "trace_"), "TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}
+    environ = dict(mine)
+    assert hangs.prepare_nccl_dumps("cpu:gloo,cuda:nccl", str(tmp_path), environ) == tmp_path / "mine"
+    assert {k: environ[k] for k in mine} == mine and "TORCH_FR_BUFFER_SIZE" not in environ
+    assert environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert hangs.prepare_nccl_dumps("nccl", str(tmp_path), {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a GPU")
+@pytest.mark.timeout(120)
+def test_a_real_nccl_dump_on_one_gpu_is_read_ddp_aware(tmp_path, capsys):
+    """NCCL's own pickle (world 1: a dump, not a hang): its Python stacks name DDP's buckets and the steps."""
+    result = run_module("tests.flight_dumps", str(tmp_path), "--nccl", cwd=tmp_path, timeout=90)
+    assert result.returncode == 0, result.stderr
+    assert report.main(["--flight-recorder", str(tmp_path)]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert re.match(r"rank 0: \d+ collectives \(3 DDP gradient bucket all-reduces in 3 backward pass\(es\)\)", line)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a hang under NCCL needs 2 GPUs")
+@pytest.mark.timeout(240)
+def test_a_hang_under_nccl_is_named_from_the_dumps_on_timeout(tmp_path):
+    """Rank 1 sleeps in its step; rank 0's bucket all-reduce times out in NCCL's watchdog, which dumps (both ranks:
+    it signals the other through the store) and aborts the rank before any Python handler runs. The ddp_spawn
+    launcher survives and names what the dumps in the run's folder show."""
+    result = run_module("tests.hang_scripts", "sleep", "--timeout-s", "20", "--accelerator", "gpu",
+                        "--start-method", "spawn", cwd=tmp_path, timeout=200)  # fmt: skip
+    assert result.returncode != 0
+    assert (tmp_path / "flight_recorder").is_dir(), result.stderr[-3000:]
+    # Both ranks' dumps: "collective #N: rank 0 called ...; rank 1 never arrived: it had called only up to ...";
+    # rank 0's only (no coordinated dump): "rank(s) [1] never arrived at the last collective; ...".
+    line = next((x for x in result.stderr.splitlines() if "(NCCL's Flight Recorder dumps in " in x), "")
+    assert "never arrived" in line, result.stderr[-3000:]
+    assert re.search(r"(rank 0 called|in collective #\d+,) all_reduce Float\[9\] \(DDP gradient bucket 0\) at step 3, "
+                     r"backward", line), line  # fmt: skip

@@ -7,6 +7,7 @@ import re
 import threading
 import time
 from contextlib import ExitStack
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -171,21 +172,28 @@ def test_what_a_failure_is(error, kind):
 
 # The real cases: a user's script, 2 CPU ranks, LitDDPStrategy(timeout_s=TIMEOUT_S), all at once.
 TIMEOUT_S = 10
-CASES = ("logkeys", "log_dict", "gather_rank0", "raise", "sleep")
+SCRIPT = str(Path(__file__).with_name("hang_scripts.py"))
+# Each run: the command after ``python -m`` (ddp_fork, the CPU's default, unless the name says otherwise).
+RUNS = {
+    **{case: ("tests.hang_scripts", case) for case in ("logkeys", "log_dict", "gather_rank0", "raise", "sleep")},
+    "sleep_rank0": ("tests.hang_scripts", "sleep_rank0"),  # rank 0, the store's host, is the one that never arrives
+    "raise_popen": ("tests.hang_scripts", "raise", "--start-method", "popen"),  # Lightning's `ddp` launcher
+    "raise_torchrun": ("torch.distributed.run", "--nproc-per-node", "2", SCRIPT, "raise"),
+}
 
 
 @pytest.fixture(scope="module")
 def hung_runs(tmp_path_factory) -> dict[str, tuple[int, float, str]]:
-    """Each case's exit code, seconds from start to exit, and stderr."""
+    """Each run's exit code, seconds from start to exit, and stderr."""
     with ExitStack() as stack:
         start = time.monotonic()
-        runs = {case: stack.enter_context(start_module("tests.hang_scripts", case, "--timeout-s", str(TIMEOUT_S),
-                                                       cwd=tmp_path_factory.mktemp(case)))
-                for case in CASES}  # fmt: skip
+        runs = {name: stack.enter_context(start_module(*command, "--timeout-s", str(TIMEOUT_S),
+                                                       cwd=tmp_path_factory.mktemp(name)))
+                for name, command in RUNS.items()}  # fmt: skip
         ended = {}
-        for case, run in runs.items():
+        for name, run in runs.items():
             code = run.wait(timeout=180)
-            ended[case] = (code, time.monotonic() - start, run.stderr)
+            ended[name] = (code, time.monotonic() - start, run.stderr)
     return ended
 
 
@@ -236,3 +244,46 @@ def test_a_rank_that_raises_between_two_collectives_ends_the_job_with_its_own_er
     assert code == 1
     assert last_line(stderr) == "RuntimeError: injected failure on rank 1 between two collectives", stderr[-3000:]
     assert "lit-ddp-fit" not in stderr  # a user's script: messages name lit_ddp
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_hang_in_which_rank_0_never_arrives_names_rank_0(hung_runs):
+    """Rank 0 hosts the store, whose server keeps answering while rank 0's training thread sleeps: rank 1's report
+    is there, rank 0's never comes, and rank 1's line names rank 0 as the one that never arrived."""
+    code, seconds, stderr = hung_runs["sleep_rank0"]
+    assert code == 1
+    assert re.search(
+        r"^RuntimeError: rank\(s\) \[0\] never arrived at the collective of step 3; rank\(s\) \[1\] waited there "
+        r"until the timeout \(in collective #\d+, all_reduce Float\[9\] \(DDP gradient bucket 0\) at step 3, "
+        r"backward; rank\(s\) \[0\] sent no report: late, not diverged\)",
+        last_line(stderr),
+    ), stderr[-3000:]
+    assert seconds < TIMEOUT_S + 60
+
+
+RAISED = r"rank 1 raised first: RuntimeError: injected failure on rank 1 between two collectives \(hang_scripts.py:"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_under_the_ddp_launcher_the_job_ends_with_the_rank_that_raised(hung_runs):
+    """Rank 0 trains in the launching process: its own error (a closed connection) is the job's last line, and it
+    leads with rank 1's, the first cause, from rank 1's report in the store."""
+    code, seconds, stderr = hung_runs["raise_popen"]
+    assert code == 1
+    assert re.match(r"^\[rank0\]: RuntimeError: " + RAISED + r"\d+ training_step: raise RuntimeError\(.*\)\); rank 0 "
+                    r"failed because of it: collective #\d+: ", last_line(stderr)), stderr[-3000:]  # fmt: skip
+    assert seconds < TIMEOUT_S + 60
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_under_torchrun_the_root_cause_is_the_rank_that_raised(hung_runs):
+    """torchrun's summary names the earliest error file's rank as the root cause: rank 1 leaves one (its own error),
+    rank 0 (a consequence) none; its traceback is shown there, not "To enable traceback see ..."."""
+    code, _, stderr = hung_runs["raise_torchrun"]
+    assert code == 1
+    root = stderr.partition("Root Cause (first observed failure):")[2]
+    assert "rank      : 1 (local_rank: 1)" in root, stderr[-3000:]
+    assert "RuntimeError: injected failure on rank 1 between two collectives" in root, stderr[-3000:]

@@ -82,7 +82,7 @@ def default_group(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def dump_report(rank: int, dump: dict[str, Any]) -> RankReport:
     """A rank's dump as its report: buckets named, steps counted by backward passes."""
     collectives: list[Collective] = []
-    step, bucket, first_sizes = -1, -1, None
+    step, bucket, first_sizes, framed = -1, -1, None, has_frames(dump)
     for entry in default_group(dump.get("entries", [])):
         backward = in_backward(entry) and "all_reduce" in str(entry.get("profiling_name", ""))
         sizes = entry.get("input_sizes")
@@ -92,6 +92,7 @@ def dump_report(rank: int, dump: dict[str, Any]) -> RankReport:
             step, bucket, first_sizes = step + 1, -1, sizes
         bucket = bucket + 1 if backward else -1
         phase = "backward" if backward else ("after the backward" if step >= 0 else "before the first backward")
+        phase = phase if framed else ""  # no stacks (a JSON dump): no backward to tell the phase by
         collectives.append(collective_of(entry, step if step >= 0 else None, phase, bucket if backward else None))
     last = collectives[-1] if collectives else None
     return RankReport(rank, 0.0, "dump", "", last.where if last else "", last.step if last else None,
@@ -107,15 +108,45 @@ def read_dump(path: Path) -> dict[str, Any]:
         return pickle.loads(data)
 
 
-def read_dumps(directory: Path) -> dict[int, dict[str, Any]]:
+def read_dumps(directory: Path, since: float = 0.0) -> dict[int, dict[str, Any]]:
     """Every rank's dump in ``directory``: files whose names end in the rank (``<prefix><rank>``, an extension
-    allowed)."""
+    allowed), written at ``since`` (``time.time()``) or later."""
     dumps = {}
     for path in sorted(directory.iterdir()):
         match = re.search(r"(\d+)(\.\w+)?$", path.name)
-        if path.is_file() and match:
+        if path.is_file() and match and path.stat().st_mtime >= since:
             dumps[int(match.group(1))] = read_dump(path)
     return dumps
+
+
+def has_frames(dump: dict[str, Any]) -> bool:
+    """Whether the dump holds the Python stacks (torch's pickles do; its JSON, ``_dump_fr_trace_json`` and
+    NCCL's ``dump_nccl_trace_json``, holds none: no bucket, step or user's line can be named from it)."""
+    return any(entry.get("frames") for entry in dump.get("entries", []))
+
+
+def dumps_divergence(directory: Path, since: float = 0.0) -> Optional[str]:
+    """The first divergence of the dumps in ``directory`` written since ``since``, or the ranks that left no dump;
+    None without dumps, or when they agree and every rank left one."""
+    dumps = read_dumps(directory, since)
+    if not dumps:
+        return None
+    reports = {rank: dump_report(rank, dump) for rank, dump in dumps.items()}
+    world_size = max(_world_size(dumps), max(reports) + 1)
+    found = divergences(reports, world_size)
+    return found[0] if found else never_arrived(reports, world_size, "the last collective")
+
+
+def _world_size(dumps: dict[int, dict[str, Any]]) -> int:
+    """The default group's size as a dump's ``pg_config`` gives it (its ranks), 0 where it does not."""
+    for dump in dumps.values():
+        for name, group in (dump.get("pg_config") or {}).items():  # keyed "0" under NCCL, "" under gloo
+            if isinstance(group, dict) and (str(name) in ("0", "") or group.get("desc") == "default_pg"):
+                try:
+                    return len(json.loads(group["ranks"]) if isinstance(group["ranks"], str) else group["ranks"])
+                except (KeyError, TypeError, ValueError):
+                    return 0
+    return 0
 
 
 def flight_recorder_text(directory: Path) -> str:
@@ -124,8 +155,10 @@ def flight_recorder_text(directory: Path) -> str:
     if not dumps:
         raise ValueError(f"{directory}: no Flight Recorder dump (files named <prefix><rank>)")
     reports = {rank: dump_report(rank, dump) for rank, dump in dumps.items()}
-    world_size = max(reports) + 1
+    world_size = max(_world_size(dumps), max(reports) + 1)
     lines = [f"Flight Recorder dumps of {len(reports)} rank(s) in {directory}:"]
+    if not all(has_frames(d) for d in dumps.values()):
+        lines.append("(JSON dumps hold no Python stacks: DDP's buckets, the steps and the user's lines are not named)")
     for rank, report in sorted(reports.items()):
         buckets = sum(c.bucket is not None for c in report.collectives)
         steps = len({c.step for c in report.collectives if c.bucket is not None})

@@ -13,16 +13,21 @@ has no timeout of its own there, so its calls are bounded here, and that rank na
 """
 
 import json
+import os
+import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Optional, Protocol, runtime_checkable
 
 import torch.distributed as dist
 from lightning.pytorch import Trainer
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from lit_ddp import _torch
-from lit_ddp.analysis.divergence import RankReport, divergences, never_arrived, ranks_named
+from lit_ddp.analysis.divergence import RankReport, divergences, first_cause, never_arrived, ranks_named
+from lit_ddp.analysis.flight_recorder import dumps_divergence
 from lit_ddp.measure.collectives import CollectiveRecord, frame_of
 from lit_ddp.run.roles import NamesPendingCollective
 
@@ -114,6 +119,15 @@ def exchange_unless_cut_off(store: dist.Store, report: RankReport, world_size: i
     return result[0]
 
 
+def leave_error_file() -> None:
+    """Under torchrun, in a rank that raised on its own (inside its ``except``): its traceback and time in the
+    error file torchrun names (``TORCHELASTIC_ERROR_FILE``), as ``@record`` would. torchrun's summary then shows
+    it as the root cause, the earliest error file's, instead of "To enable traceback see ..."; a peer's timeout or
+    closed connection leaves none (a consequence)."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        ErrorHandler().record_exception(sys.exc_info()[1] or RuntimeError("unknown"))
+
+
 def _prepend(exception: BaseException, line: str) -> None:
     exception.args = (f"{line}: {exception.args[0] if exception.args else ''}", *exception.args[1:])
 
@@ -131,6 +145,8 @@ def diagnose(trainer: Trainer, exception: BaseException, ranks_per_node: Optiona
     exception.lit_ddp_consequence = kind != "exception"
     if world_size < 2:
         return
+    if kind == "exception":
+        leave_error_file()
     store = _torch.default_store()
     if store is None:
         return
@@ -162,9 +178,58 @@ def diagnose(trainer: Trainer, exception: BaseException, ranks_per_node: Optiona
                      f"the collective of step {report.step}")  # fmt: skip
         line = never_arrived(reports, world_size, where, ranks_per_node)
         lines = [line] if line else []
+    cause = first_cause(reports)
+    if cause is not None and cause.kind == "exception" and cause.rank != rank:
+        # A peer raised on its own: its error is the job's cause, first on the line this rank's traceback ends
+        # with (under the `ddp` launcher and torchrun, this rank's error is the job's last line).
+        where = f" ({cause.where})" if cause.where else ""
+        then = f"; rank {rank} failed because of it: {lines[0]}" if lines else ""
+        lines = [f"rank {cause.rank} raised first: {cause.error}{where}{then}"]
     if not lines:
         return
     _prepend(exception, lines[0])  # the job's last line (the launcher's, or the rank's traceback) carries it
+
+
+# NCCL's Flight Recorder dumps on a watchdog timeout where these are set: each setting under every name torch 2.11
+# to 2.14 reads for it (the TORCH_FR_* names are 2.13's, the TORCH_NCCL_* ones their older aliases, still read).
+# C++ stacks (TORCH_FR_CPP_STACK / TORCH_NCCL_TRACE_CPP_STACK) stay off: a cost at every collective, and the
+# diagnosis names the Python frames, which torch records without them.
+NCCL_DUMP_SETTINGS = {
+    ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): "2000",  # entries kept (torch 2.13's default)
+    ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
+    ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"): "nccl_trace_rank_",  # in the folder; + rank
+}
+FLIGHT_RECORDER_DIR = "flight_recorder"  # under the Trainer's default_root_dir
+
+
+def prepare_nccl_dumps(backend: str, root_dir: str, environ=os.environ) -> Optional[Path]:
+    """Before the process group is made (in the launcher, so that the ranks it starts inherit it): where the
+    backend is NCCL, the settings above that the user left unset, the dumps' prefix in ``root_dir``/flight_recorder.
+    Returns the folder the dumps go to (made here), or None: not NCCL, or no dump on a timeout (the user's
+    ``TORCH_NCCL_DUMP_ON_TIMEOUT=0`` or ``TORCH_FR_BUFFER_SIZE=0``)."""
+    if "nccl" not in backend:
+        return None
+    directory = Path(root_dir, FLIGHT_RECORDER_DIR).resolve()
+    for names, value in NCCL_DUMP_SETTINGS.items():
+        if not any(name in environ for name in names):
+            value = str(directory / value) if names[0] == "TORCH_FR_DUMP_TEMP_FILE" else value
+            environ.update(dict.fromkeys(names, value))
+    buffer = environ.get("TORCH_FR_BUFFER_SIZE", environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0"))
+    if environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT") in ("0", "false", "False") or buffer.strip() in ("", "0"):
+        return None
+    directory = Path(environ.get("TORCH_FR_DUMP_TEMP_FILE") or environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]).parent
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def dumps_diagnosis(directory: Optional[Path], since: float) -> Optional[str]:
+    """After the ranks died (NCCL's watchdog aborts a rank whose collective timed out, before any Python handler
+    runs): the divergence that the Flight Recorder dumps written into ``directory`` since ``since`` show, with the
+    folder named; None without such dumps."""
+    if directory is None or not directory.is_dir():
+        return None
+    line = dumps_divergence(directory, since)
+    return f"{line} (NCCL's Flight Recorder dumps in {directory})" if line else None
 
 
 def hung_at(frame) -> Optional[str]:

@@ -4,9 +4,14 @@ parent.
 
     python -m lit_ddp.fit --devices 2      # ddp_fork on CPUs: MultiProcessingLauncher; on GPUs: ScriptLauncher
 
+Under NCCL both set, before the ranks start, what NCCL's Flight Recorder needs to dump on a timeout into the run's
+folder (``lit_ddp.run.hangs.prepare_nccl_dumps``); a ``ddp_spawn`` launcher whose rank was killed (NCCL's watchdog
+aborts it) names the divergence that those dumps show.
+
 Both only add to Lightning's: they launch when and as Lightning does, inside ``trainer.fit``.
 """
 
+import time
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -14,7 +19,7 @@ from typing_extensions import override
 
 from lit_ddp import _lightning
 from lit_ddp.errors import ClusterSettingsError
-from lit_ddp.run import lifecycle
+from lit_ddp.run import hangs, lifecycle
 
 
 class ScriptLauncher(_lightning.SubprocessScriptLauncher):
@@ -30,6 +35,8 @@ class ScriptLauncher(_lightning.SubprocessScriptLauncher):
             self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         except ValueError as err:
             raise ClusterSettingsError(str(err)) from err
+        if trainer is not None:  # each rank under torchrun and Slurm; rank 0, for the ranks it starts, under `ddp`
+            hangs.prepare_nccl_dumps(_lightning.process_group_backend(trainer.strategy), trainer.default_root_dir)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override
@@ -44,8 +51,16 @@ class MultiProcessingLauncher(_lightning.CarryBackLauncher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
+        self.started, self.dumps = time.time(), None
+        if trainer is not None:
+            self.dumps = hangs.prepare_nccl_dumps(_lightning.process_group_backend(trainer.strategy),
+                                                  trainer.default_root_dir)  # fmt: skip
         with lifecycle.launcher_pid_for_children():
             return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    @override
+    def why_exited(self) -> Optional[str]:
+        return hangs.dumps_diagnosis(self.dumps, self.started)
 
 
 def replace_launcher(strategy) -> None:

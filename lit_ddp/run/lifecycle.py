@@ -176,7 +176,8 @@ def exit_code(run: Callable[[], Ending], prog: str = PROG) -> int:
         return EXIT_FAILED
     except ProcessExitedException as err:  # ... or died
         how = f"signal {err.signal_name}" if err.signal_name else f"code {err.exit_code}"
-        print(f"{prog}: rank {err.error_index} exited with {how}", file=sys.stderr)
+        why = getattr(err, "lit_ddp_diagnosis", None)  # what NCCL's Flight Recorder dumps show (run/launchers)
+        print(f"{prog}: rank {err.error_index} exited with {how}" + (f": {why}" if why else ""), file=sys.stderr)
         return EXIT_FAILED
     if ending is Ending.SIGTERM and rank_zero_only.rank == 0:
         print(f"{prog}: stopped by SIGTERM", file=sys.stderr)

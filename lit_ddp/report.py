@@ -35,7 +35,7 @@ from lit_ddp.scaling.advice import wire_savings
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lit_ddp.report", description=__doc__.splitlines()[0])
     parser.add_argument("run_dirs", type=Path, nargs="*", metavar="run_dir",
-                        help="a run's log directory (phases.json / comm.json); several only with --compare")  # fmt: skip
+                        help="a run's log directory (phases.json / comm.json); several with --compare")  # fmt: skip
     parser.add_argument("--no-plot", action="store_true", help="tables only")
     parser.add_argument("--compare", type=Path, nargs="+", metavar="RUN_B", help="this run (or --trace) against "
                         "another's, row by row, beyond the noise; several runs of each side allow for the variation "

@@ -146,10 +146,9 @@ def ranks_of(figures: tuple, steps: int = 8, jitter: float = 1.0) -> list[RankAn
     ranks = []
     for r in (0, 1):
         per_step = [breakdown(*(f + rng.gauss(0, jitter) if f else 0.0 for f in figures)) for _ in range(steps)]
-        total = combine(per_step)
-        ranks.append(RankAnalysis(Path(f"rank{r}.json"), r, 2, total, {},
-                                  tuple(StepAnalysis(s, True, b, {}, None) for s, b in enumerate(per_step)), ()))
-    return ranks  # fmt: skip
+        steps_of = tuple(StepAnalysis(s, True, b, {}, None) for s, b in enumerate(per_step))
+        ranks.append(RankAnalysis(Path(f"rank{r}.json"), r, 2, combine(per_step), {}, steps_of, ()))
+    return ranks
 
 
 @pytest.mark.parametrize(

@@ -129,7 +129,8 @@ def trace_verdict(analyses: Sequence[RankAnalysis]) -> str:
     gap = noise.median_interval([x - y for x, y in zip(parts[top], parts[second], strict=True)])
     by = f"{_ms(gap.estimate)} per step ({_ms(gap.low)} to {_ms(gap.high)}, 95%, {n} steps)"
     if noise.call(gap, null=LEAD_SHARE * statistics.median(span)) != "slower":
-        why = "within the noise" if not gap.excludes(0.0) else f"not beyond the noise above {LEAD_SHARE:.0%} of the span"
+        floor = f"not beyond the noise above {LEAD_SHARE:.0%} of the span"
+        why = "within the noise" if not gap.excludes(0.0) else floor
         return (f"Verdict: can't tell what bounds the GPUs, because {_PART[top]} ({_ms(medians[top])} per step) and "
                 f"{_PART[second]} ({_ms(medians[second])}), the largest, differ by {by}: {why} ({shares} of the "
                 "span); profile more steps, or python -m lit_ddp.tune measures what DDP's knobs change")  # fmt: skip

@@ -6,6 +6,7 @@ import json
 import random
 import re
 import shutil
+import statistics
 from collections.abc import Sequence
 
 import pytest
@@ -160,8 +161,14 @@ def test_several_runs_per_side_call_nothing_for_runs_moved_as_a_whole_and_find_a
     assert set(words(same).values()) == {"same"}, same
     assert "3 run(s) of B against 3 of A (each side the mean of its runs' medians)" in same
     assert compare.ONE_RUN not in same
-    one = compare.compare_runs(a[1], again[1])  # 0.9 against -0.4: one run each cannot tell that from a change
-    assert "faster" in words(one).values() and compare.ONE_RUN in one, one
+    one = compare.compare_runs(a[1], again[1])  # 0.9 against -0.4: every phase moved, update and other too
+    assert "Every phase of B is faster than A's beyond its steps' noise, update and other too" in one, one
+    assert set(words(one).values()) == {"same"} and compare.ONE_RUN in one, one
+    assert compare.whole_run_shift(a[1], again[1]) == "faster" and compare.whole_run_shift(again[1], a[1]) == "slower"
+    (alone,) = compare.compare([compare.Samples("update", "ms", *(compare.run_samples(*r)["update"][1]
+                                                                for r in (a[1], again[1])))])  # fmt: skip
+    assert alone.word == "faster"  # the rows alone would call it
+    assert compare.whole_run_shift(a[0], a_run(40, forward=12.0)) is None  # a change moves some parts, not all
     b = [a_run(30 + i, forward=12.0, moved=m) for i, m in enumerate((0.3, -0.5, 0.7))]
     dirs_a, dirs_b = save_runs(tmp_path, "a", a), save_runs(tmp_path, "b", b)
     assert report.main([*dirs_a, "--compare", *dirs_b]) == 0
@@ -190,18 +197,19 @@ def test_one_run_per_side_allows_for_how_far_its_ranks_were_seen_apart():
     assert alone.word == "slower"  # the same samples without the allowance: called
 
 
-def test_a_real_run_through_the_cli_against_itself_and_with_a_much_longer_forward(profile_run, tmp_path, capsys):
-    """The notes' profiled run (6 steady steps of a 4096-wide linear, ~400 ms each on 2 CPU ranks: wide
-    intervals), against itself and against its own record with 200 ms more in every rank's forward."""
+def test_a_real_run_through_the_cli_against_itself_and_with_a_far_longer_forward(profile_run, tmp_path, capsys):
+    """The notes' profiled run (6 steady steps of a 4096-wide linear, 0.4-0.9 s each on 2 loaded CPU ranks: wide
+    intervals), against itself and against its own record with ten of its steps more in every rank's forward."""
     assert profile_run.result.returncode == 0, profile_run.result.stderr[-2000:]
     (found,) = {p.parent for p in (profile_run.cwd / "runs").rglob("phases.json")}
     a, b = tmp_path / "a", tmp_path / "b"
     shutil.copytree(found, a), shutil.copytree(found, b)
     record = json.loads((b / "phases.json").read_text())
+    more = 10 * statistics.median(compare.run_samples(*load_run(a))["step"][1])
     for rank in record["ranks"]:
         for row in rank["rows"]:
-            row["ms"]["forward"] += 200.0
-            row["ms"]["step"] += 200.0
+            row["ms"]["forward"] += more
+            row["ms"]["step"] += more
     (b / "phases.json").write_text(json.dumps(record))
     assert report.main([str(a), "--compare", str(a)]) == 0
     same = capsys.readouterr().out

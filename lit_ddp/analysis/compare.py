@@ -12,7 +12,7 @@ The rows' samples are per step (``run_samples``, ``trace_samples``); the interva
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -59,6 +59,7 @@ class Row:
     difference: noise.Interval  # median(b) - median(a)
     word: str  # slower / faster / same
     steps: tuple[int, int]
+    whole_run: bool = False  # "same" because every phase moved with it (``whole_run_shift``), not by the noise
 
 
 def compare(
@@ -115,7 +116,7 @@ def render(title: str, notes: Sequence[str], rows: Sequence[Row]) -> str:
     """The notes (what makes the runs hard to compare) first, then the table and the summary."""
     head = [f"{note}" for note in notes]
     level = noise.family_confidence(CONFIDENCE, max(1, len(rows)))
-    small = {r.name for r in rows if r.word == "same" and r.difference.excludes(0.0)}
+    small = {r.name for r in rows if r.word == "same" and r.difference.excludes(0.0) and not r.whole_run}
     cells = [(r.name, _fmt(r.a, r.unit), _fmt(r.b, r.unit), _signed(r.difference.estimate, r.unit), _interval(r),
               r.word + ("*" if r.name in small else "")) for r in rows]  # fmt: skip
     text = table(("row", "A (median)", "B (median)", "B - A", f"interval ({level:.2%} each)", "word"), cells)
@@ -228,6 +229,22 @@ ONE_RUN = ("One run per side: each row allows for how far apart this job's ranks
            "compare them: python -m lit_ddp.report A1 A2 A3 --compare B1 B2 B3")  # fmt: skip
 
 
+def whole_run_shift(a: Run, b: Run) -> Optional[str]:
+    """``"slower"`` (``"faster"``) when every part of B's step that A has (forward, backward, update, data,
+    other) is slower (faster) than A's beyond its own steps' noise, at the level that holds for the parts
+    together: the mark of a machine that slowed (or freed) one whole run, more than of a change, which moves
+    some parts and leaves update and other alone. None otherwise, or with fewer than 3 such parts."""
+    if a[0] is None or b[0] is None:
+        return None
+    sa, sb = run_samples(a[0], None), run_samples(b[0], None)
+    parts = [p for p in PHASES if p != "step" and sa[p][1] and sb[p][1] and statistics.median(sa[p][1]) > 0]
+    if len(parts) < 3:
+        return None
+    level = noise.family_confidence(CONFIDENCE, len(parts))
+    words = {noise.call(noise.difference_interval(sa[p][1], sb[p][1], confidence=level)) for p in parts}
+    return words.pop() if len(words) == 1 and "same" not in words else None
+
+
 def compare_runs(a: Run, b: Run) -> str:
     """The comparison of two runs' records, as printed by ``python -m lit_ddp.report A --compare B``."""
     return compare_many([a], [b])
@@ -241,6 +258,11 @@ def compare_many(a_runs: Sequence[Run], b_runs: Sequence[Run]) -> str:
         notes += [f"{side}'s runs differ among themselves: {n.removeprefix('A and B differ in ')}"
                   for n in dict.fromkeys(n for r in runs[1:] for n in incompatibilities(runs[0], r))]  # fmt: skip
     if len(a_runs) == len(b_runs) == 1:
+        shift = whole_run_shift(a_runs[0], b_runs[0])
+        if shift is not None:
+            notes.append(f"Every phase of B is {shift} than A's beyond its steps' noise, update and other too: the "
+                         f"mark of a machine that {'slowed' if shift == 'slower' else 'freed'} one whole run more "
+                         "than of a change, so no time row is called (can't tell)")  # fmt: skip
         return render("Run B against run A, per step after warm-up", [*notes, ONE_RUN], run_rows(a_runs[0], b_runs[0]))
     title = (f"{len(b_runs)} run(s) of B against {len(a_runs)} of A (each side the mean of its runs' medians), per "
              "step after warm-up")  # fmt: skip
@@ -249,14 +271,17 @@ def compare_many(a_runs: Sequence[Run], b_runs: Sequence[Run]) -> str:
 
 def run_rows(a: Run, b: Run) -> list[Row]:
     """The rows both runs have (the per-bucket ones only with one bucket layout), compared, each allowing for
-    the larger of the two runs' ``run_spreads``."""
+    the larger of the two runs' ``run_spreads``; no time row called where ``whole_run_shift`` finds one."""
     sa, sb = run_samples(*a), run_samples(*b)
     same_layout = a[1] is None or b[1] is None or a[1].layout == b[1].layout
     names = [n for n in sa if n in sb and (same_layout or not n.startswith("bucket"))]
     floor = STEP_SHARE * statistics.median(sa["step"][1]) if sa.get("step", (0, []))[1] else 0.0
     spread_a, spread_b = run_spreads(*a), run_spreads(*b)
     spread = {n: max(spread_a.get(n, 0.0), spread_b.get(n, 0.0)) for n in names}
-    return compare([Samples(n, sa[n][0], sa[n][1], sb[n][1], spread[n]) for n in names], floor_ms=floor)
+    rows = compare([Samples(n, sa[n][0], sa[n][1], sb[n][1], spread[n]) for n in names], floor_ms=floor)
+    if whole_run_shift(a, b) is None:
+        return rows
+    return [replace(r, word="same", whole_run=True) if r.unit == "ms" else r for r in rows]
 
 
 def many_rows(a_runs: Sequence[Run], b_runs: Sequence[Run]) -> list[Row]:

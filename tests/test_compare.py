@@ -164,6 +164,7 @@ def test_several_runs_per_side_call_nothing_for_runs_moved_as_a_whole_and_find_a
     one = compare.compare_runs(a[1], again[1])  # 0.9 against -0.4: every phase moved, update and other too
     assert "Every phase of B is faster than A's beyond its steps' noise, update and other too" in one, one
     assert set(words(one).values()) == {"same"} and compare.ONE_RUN in one, one
+    assert one.splitlines()[-1].startswith("Summary: can't tell: every phase moved with the whole run"), one
     assert compare.whole_run_shift(a[1], again[1]) == "faster" and compare.whole_run_shift(again[1], a[1]) == "slower"
     (alone,) = compare.compare([compare.Samples("update", "ms", *(compare.run_samples(*r)["update"][1]
                                                                 for r in (a[1], again[1])))])  # fmt: skip

@@ -103,6 +103,9 @@ def _interval(row: Row) -> str:
 def summary(rows: Sequence[Row]) -> str:
     """One line: the row that changed most beyond the noise (by its share of A), and how many did."""
     called = [r for r in rows if r.word != "same"]
+    if not called and any(r.whole_run for r in rows):
+        return (f"Summary: can't tell: every phase moved with the whole run, so no time row is called ({len(rows)} "
+                "rows); compare several runs of each")  # fmt: skip
     if not called:
         return (f"Summary: no row differs beyond the noise ({len(rows)} rows, {CONFIDENCE:.0%} for all of them "
                 "together)")  # fmt: skip

@@ -3,6 +3,7 @@ wait, peak memory) A, B, B - A with its interval, and one word: ``slower`` / ``f
 ``same`` otherwise; what makes the two hard to compare comes first, a one-line summary last.
 
     python -m lit_ddp.report RUN_A --compare RUN_B
+    python -m lit_ddp.report A1 A2 A3 --compare B1 B2 B3       # several runs each: the variation between runs too
     python -m lit_ddp.report --trace TRACES_A --compare TRACES_B
 
 The rows' samples are per step (``run_samples``, ``trace_samples``); the intervals are the noise model's

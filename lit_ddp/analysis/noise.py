@@ -6,6 +6,9 @@ medians, from per-step samples in time order; and the one word ("slower", "faste
 
 A bootstrap of the median whose spread is widened by the samples' correlation time: steps next to each other
 are alike (a busy core slows a run of them), so n correlated steps tell as much as n / tau independent ones.
+Two runs made apart differ by more than their steps show (other processes, another share of the machine): one
+run per side widens the interval by what the records show of that (``drift``, ``process_spread``); several
+runs per side take the runs' medians as the samples (``runs_difference_interval``, a t interval).
 Seeded: the same samples give the same interval, so the same record gives the same words. The method, its
 assumptions, its measured false-call rate and what "same" means: docs/noise.md.
 """

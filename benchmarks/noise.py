@@ -1,6 +1,6 @@
 """How often the noise model's words are wrong, on real runs here: measured tables, not tests.
 
-    nice -n 10 python benchmarks/noise.py                 # 5 runs of 3 workloads, then the slowed runs (~8 min)
+    nice -n 10 python benchmarks/noise.py                 # 5 runs of 3 workloads, then the slowed runs (2-15 min)
     nice -n 10 python benchmarks/noise.py --repeats 3 --delays 10 --out /tmp/noise
     python benchmarks/noise.py --reuse --out /tmp/noise      # the tables again from the runs already made
 
@@ -13,7 +13,11 @@ one workload after the other in each round (so that the machine's drift falls on
 2. **Detection**: the first workload with every rank's forward ``d`` ms longer (``--delays``), each run against
    each of the undelayed runs: the share of pairs whose forward row is called ``slower``, and the median
    difference measured.
-3. **The verdict** of each run (``lit_ddp.analysis.phases.verdict``), as it begins, and the straggler named, per
+3. **Several runs per side**: the same two questions with ``report A1 A2 --compare B1 B2``
+   (``compare.many_rows``: the runs' medians, their variation between runs included): every split of a
+   workload's runs into two disjoint groups of ``--group`` runs, and the slowed runs (as one group) against every
+   group of as many plain runs.
+4. **The verdict** of each run (``lit_ddp.analysis.phases.verdict``), as it begins, and the straggler named, per
    workload: 5 runs of one workload should say one thing.
 """
 
@@ -76,12 +80,56 @@ def fit(out: Path, name: str, steps: int, *args: str, reuse: bool = False) -> Pa
     return out / name / "version_0"
 
 
+def splits(runs: list[Path], k: int) -> list[tuple[tuple[Path, ...], tuple[Path, ...]]]:
+    """Every way to take two disjoint groups of ``k`` of ``runs`` (each unordered pair of groups once)."""
+    found = []
+    for a in itertools.combinations(runs, k):
+        rest = [r for r in runs if r not in a]
+        found += [(a, b) for b in itertools.combinations(rest, k) if runs.index(a[0]) < runs.index(b[0])]
+    return found
+
+
+def several(args: argparse.Namespace, runs: dict[str, list[Path]], delayed: dict[float, list[Path]],
+            records: dict) -> str:  # fmt: skip
+    """The A/A and detection tables with several runs per side (``compare.many_rows``)."""
+    rows = []
+    for w in WORKLOADS:
+        pairs = splits(runs[w.name], args.group)
+        called = [[r.word for r in compare.many_rows([records[p] for p in a], [records[p] for p in b])]
+                  for a, b in pairs]  # fmt: skip
+        n_rows = sum(len(c) for c in called)
+        wrong = sum(word != "same" for c in called for word in c)
+        any_row = sum(any(word != "same" for word in c) for c in called)
+        rows.append((w.name, len(pairs), n_rows, f"{wrong} ({wrong / max(1, n_rows):.1%})",
+                     f"{any_row} ({any_row / max(1, len(pairs)):.0%})"))  # fmt: skip
+    text = (f"\nA/A, several runs per side: every split of {args.repeats} runs into two groups of {args.group}, "
+            f"report A1 A2 --compare B1 B2:\n")  # fmt: skip
+    text += table(("workload", "pairs", "rows", "rows called slower/faster", "pairs with any row called"), rows)
+    rows = []
+    for d, slowed in delayed.items():
+        groups = list(itertools.combinations(runs[WORKLOADS[0].name], len(slowed)))
+        found, sizes = 0, []
+        for base in groups:
+            (row,) = [r for r in compare.many_rows([records[p] for p in base], [records[p] for p in slowed])
+                      if r.name == "forward"]  # fmt: skip
+            found += row.word == "slower"
+            sizes.append(row.difference.estimate)
+        n = len(groups)
+        rows.append((f"+{d:g} ms", n, f"{found} ({found / max(1, n):.0%})",
+                     f"{sorted(sizes)[len(sizes) // 2]:+.2f} ms" if sizes else "-"))  # fmt: skip
+    k = len(next(iter(delayed.values()), []))
+    text += (f"\n\nDetection, several runs per side: the {k} slowed runs of each d against every group of {k} plain "
+             "ones:\n")  # fmt: skip
+    return text + table(("forward", "pairs", "forward called slower", "median B - A"), rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="runs of each workload (5)")
     parser.add_argument("--steps", type=int, default=40, help="steps per run (40)")
     parser.add_argument("--delays", default="2,5,10", help="forward slowdowns to detect, ms (2,5,10)")
-    parser.add_argument("--delayed-runs", type=int, default=2, help="runs of each slowdown (2)")
+    parser.add_argument("--delayed-runs", type=int, default=3, help="runs of each slowdown (3)")
+    parser.add_argument("--group", type=int, default=2, help="runs per side in the several-runs A/A (2)")
     parser.add_argument("--out", type=Path, default=Path("noise_runs"), help="where the runs go (./noise_runs)")
     parser.add_argument("--reuse", action="store_true", help="read the runs already in --out instead of rerunning")
     args = parser.parse_args(argv)
@@ -125,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         f"\nDetection: {WORKLOADS[0].name}, every rank's forward d ms longer, each slowed run against each plain one:"
     )
     print(table(("forward", "pairs", "forward called slower", "median B - A"), rows))
+
+    print(several(args, runs, delayed, records))
 
     rows = []
     for w in WORKLOADS:

@@ -4,6 +4,7 @@
     python -m lit_ddp.report runs/mini_train_profile/version_0 --forecast 8,64,512 --link nvlink+ib400
     python -m lit_ddp.report --trace DIR --json trace.json
     python -m lit_ddp.report RUN_A --compare RUN_B                  # row by row, beyond the noise
+    python -m lit_ddp.report A1 A2 A3 --compare B1 B2 B3            # several runs of each: run-to-run noise too
     python -m lit_ddp.report --flight-recorder DIR                  # why a job hung, from its ranks' dumps
 
 Reads ``phases.json`` (PhaseTimer) and ``comm.json`` (CommMonitor) from a run directory (``lit_ddp.records.schema``),
@@ -33,10 +34,12 @@ from lit_ddp.scaling.advice import wire_savings
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lit_ddp.report", description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", type=Path, nargs="?", help="a run's log directory (phases.json / comm.json)")
+    parser.add_argument("run_dirs", type=Path, nargs="*", metavar="run_dir",
+                        help="a run's log directory (phases.json / comm.json); several with --compare")  # fmt: skip
     parser.add_argument("--no-plot", action="store_true", help="tables only")
-    parser.add_argument("--compare", type=Path, metavar="RUN_B", help="this run (or --trace) against another's, "
-                        "row by row, beyond the noise")  # fmt: skip
+    parser.add_argument("--compare", type=Path, nargs="+", metavar="RUN_B", help="this run (or --trace) against "
+                        "another's, row by row, beyond the noise; several runs of each side allow for the variation "
+                        "between runs")  # fmt: skip
     group = parser.add_argument_group("profiler traces")
     group.add_argument("--trace", type=Path, metavar="DIR", help="read the per-rank torch.profiler traces under DIR")
     group.add_argument("--json", type=Path, metavar="OUT", help="with --trace: write every figure as JSON (us)")
@@ -48,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     forecast.add_arguments(parser)
     args = parser.parse_args(argv)
+    if len(args.run_dirs) > 1 and args.compare is None:
+        parser.error("several run directories go with --compare (A1 A2 --compare B1 B2)")
+    args.run_dir = args.run_dirs[0] if args.run_dirs else None
     if args.flight_recorder is not None:
         if not args.flight_recorder.is_dir():
             parser.error(f"--flight-recorder {args.flight_recorder}: not a directory")
@@ -60,17 +66,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.run_dir is not None or args.forecast:
             parser.error("--trace DIR reads traces alone: give no run directory or --forecast with it")
         if args.compare is not None:
-            return trace_report.compare(args.trace, args.compare)
+            if len(args.compare) > 1:
+                parser.error("--trace A --compare B takes one folder of traces on each side")
+            return trace_report.compare(args.trace, args.compare[0])
         return trace_report.run(args.trace, args.json, picture=not args.no_plot)
     if args.json is not None:
         parser.error("--json goes with --trace")
     if args.run_dir is None:
         parser.error("give a run directory, or --trace DIR")
-    if not args.run_dir.is_dir():
-        parser.error(f"{args.run_dir} is not a directory")
+    for run_dir in (*args.run_dirs, *(args.compare or ())):
+        if not run_dir.is_dir():
+            parser.error(f"{run_dir} is not a directory")
     if args.compare is not None:
         try:
-            print(compare_dirs(args.run_dir, args.compare))
+            print(compare_dirs(args.run_dirs, args.compare))
         except RecordError as err:
             parser.error(str(err))
         return 0

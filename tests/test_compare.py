@@ -2,9 +2,12 @@
 records a known change is found in its row and nowhere else, identical runs call no row, the set-ups' differences
 come first; on real runs, two of one job call nothing, and every rank's forward 10 ms longer is found as that."""
 
+import json
 import random
 import re
 import shutil
+import statistics
+from collections.abc import Sequence
 
 import pytest
 from lightning.pytorch.loggers import CSVLogger
@@ -20,12 +23,15 @@ from tests.test_trace import A100
 pytestmark = pytest.mark.timeout(120)
 
 
-def a_run(seed: int, forward: float = 2.0, ranks: int = 2, steps: int = 40, param_bytes: int = 263_168):
+def a_run(seed: int, forward: float = 2.0, ranks: int = 2, steps: int = 40, param_bytes: int = 263_168,
+          moved: float = 0.0, rank_backward: Sequence[float] = ()):  # fmt: skip
     """Hand-made records of ``ranks`` ranks: phases around (forward, 6, 1, 0.5) ms with seeded noise, one bucket
-    handed over together on every rank."""
+    handed over together on every rank; ``moved`` on every phase (the machine slowed the whole run), and each
+    rank's ``rank_backward`` on its backward (a process of the job slower than the others)."""
     rng = random.Random(seed)
-    per_rank = [[tuple(rng.gauss(m, 0.3) for m in (forward, 6.0, 1.0, 0.5)) for _ in range(steps)]
-                for _ in range(ranks)]  # fmt: skip
+    extra = list(rank_backward) + [0.0] * (ranks - len(rank_backward))
+    per_rank = [[tuple(rng.gauss(m + moved, 0.3) for m in (forward, 6.0 + extra[r], 1.0, 0.5)) for _ in range(steps)]
+                for r in range(ranks)]  # fmt: skip
 
     def bucket(s: int) -> StepBuckets:
         arrival = (100.0 * s + rng.gauss(0, 0.1)) / 1e3
@@ -38,7 +44,7 @@ def a_run(seed: int, forward: float = 2.0, ranks: int = 2, steps: int = 40, para
 
 def words(text: str) -> dict[str, str]:
     """``{row: word}`` of a printed comparison."""
-    table = text.split("per step after warm-up:\n")[1].split("\nSummary: ")[0].splitlines()[1:]
+    table = re.split(r"per step after warm-up( \(.*\))?:\n", text)[-1].split("\nSummary: ")[0].splitlines()[1:]
     return {re.split(r"\s{2,}", line)[0]: line.split()[-1] for line in table}
 
 
@@ -137,3 +143,78 @@ def test_a_row_that_moves_by_less_than_a_twentieth_of_the_step_is_the_same():
     assert beyond.word == "slower"  # 0.2 ms, far beyond these steps' noise...
     (floored,) = compare.compare(steady, floor_ms=compare.STEP_SHARE * 10.0)
     assert floored.word == "same"  # ... but a 10 ms step moves by 2% at most
+
+
+def save_runs(tmp_path, name: str, runs) -> list[str]:
+    dirs = []
+    for i, run in enumerate(runs):
+        d = tmp_path / f"{name}{i}"
+        save(run[0], d / "phases.json"), save(run[1], d / "comm.json")
+        dirs.append(str(d))
+    return dirs
+
+
+def test_several_runs_per_side_call_nothing_for_runs_moved_as_a_whole_and_find_a_longer_forward(tmp_path, capsys):
+    a = [a_run(10 + i, moved=m) for i, m in enumerate((0.0, 0.9, -0.6))]  # the machine moved each run as a whole
+    again = [a_run(20 + i, moved=m) for i, m in enumerate((0.5, -0.4, 0.8))]
+    same = compare.compare_many(a, again)
+    assert set(words(same).values()) == {"same"}, same
+    assert "3 run(s) of B against 3 of A (each side the mean of its runs' medians)" in same
+    assert compare.ONE_RUN not in same
+    one = compare.compare_runs(a[1], again[1])  # 0.9 against -0.4: every phase moved, update and other too
+    assert "Every phase of B is faster than A's beyond its steps' noise, update and other too" in one, one
+    assert set(words(one).values()) == {"same"} and compare.ONE_RUN in one, one
+    assert one.splitlines()[-1].startswith("Summary: can't tell: every phase moved with the whole run"), one
+    assert compare.whole_run_shift(a[1], again[1]) == "faster" and compare.whole_run_shift(again[1], a[1]) == "slower"
+    (alone,) = compare.compare([compare.Samples("update", "ms", *(compare.run_samples(*r)["update"][1]
+                                                                for r in (a[1], again[1])))])  # fmt: skip
+    assert alone.word == "faster"  # the rows alone would call it
+    assert compare.whole_run_shift(a[0], a_run(40, forward=12.0)) is None  # a change moves some parts, not all
+    b = [a_run(30 + i, forward=12.0, moved=m) for i, m in enumerate((0.3, -0.5, 0.7))]
+    dirs_a, dirs_b = save_runs(tmp_path, "a", a), save_runs(tmp_path, "b", b)
+    assert report.main([*dirs_a, "--compare", *dirs_b]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"A: {', '.join(dirs_a)}\nB: {', '.join(dirs_b)}\n"), out
+    found = words(out)
+    assert (found["forward"], found["backward"], found["update"]) == ("slower", "same", "same"), out
+    assert re.search(r"^forward\s+2\.\d\d ms\s+1[12]\.\d\d ms\s+\+(9|10)\.\d\d ms", out, re.M), out
+    with pytest.raises(SystemExit) as exit_:
+        report.main([*dirs_a])
+    assert exit_.value.code == 2
+    assert "several run directories go with --compare" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        report.main(["--trace", dirs_a[0], "--compare", *dirs_b[:2]])
+    assert "takes one folder of traces on each side" in capsys.readouterr().err
+
+
+def test_one_run_per_side_allows_for_how_far_its_ranks_were_seen_apart():
+    a, b = a_run(1, rank_backward=(0.0, 2.0)), a_run(2, rank_backward=(2.0, 2.0))  # B: rank 0's backward as rank 1's
+    spreads = compare.run_spreads(*a)
+    assert spreads["backward"] == pytest.approx(2.0, abs=0.3) and spreads["step"] >= spreads["backward"]
+    assert spreads["forward"] < 0.5
+    assert words(compare.compare_runs(a, b))["backward"] == "same"  # within what two processes of the job differ by
+    (alone,) = compare.compare([compare.Samples("backward", "ms", *(compare.run_samples(*r)["backward"][1]
+                                                                  for r in (a, b)))])  # fmt: skip
+    assert alone.word == "slower"  # the same samples without the allowance: called
+
+
+def test_a_real_run_through_the_cli_against_itself_and_with_a_far_longer_forward(profile_run, tmp_path, capsys):
+    """The notes' profiled run (6 steady steps of a 4096-wide linear, 0.4-0.9 s each on 2 loaded CPU ranks: wide
+    intervals), against itself and against its own record with ten of its steps more in every rank's forward."""
+    assert profile_run.result.returncode == 0, profile_run.result.stderr[-2000:]
+    (found,) = {p.parent for p in (profile_run.cwd / "runs").rglob("phases.json")}
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(found, a), shutil.copytree(found, b)
+    record = json.loads((b / "phases.json").read_text())
+    more = 10 * statistics.median(compare.run_samples(*load_run(a))["step"][1])
+    for rank in record["ranks"]:
+        for row in rank["rows"]:
+            row["ms"]["forward"] += more
+            row["ms"]["step"] += more
+    (b / "phases.json").write_text(json.dumps(record))
+    assert report.main([str(a), "--compare", str(a)]) == 0
+    same = capsys.readouterr().out
+    assert set(words(same).values()) == {"same"} and compare.ONE_RUN in same, same
+    assert report.main([str(a), "--compare", str(b)]) == 0
+    out = capsys.readouterr().out
+    assert (words(out)["forward"], words(out)["backward"], words(out)["update"]) == ("slower", "same", "same"), out

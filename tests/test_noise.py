@@ -96,3 +96,55 @@ def test_two_runs_made_apart_allow_for_the_drift_each_shows_within_itself():
     later = rng.normal(12, 0.2, 40)  # a third run, made when the load was up: the same job
     assert noise.call(noise.difference_interval(steady, later, between_runs=True)) == "slower"  # no run drifted
     assert noise.call(noise.difference_interval(drifting, later, between_runs=True)) == "same"
+
+
+def runs_with_offsets(rng: np.random.Generator, k: int, shift: float = 0.0) -> list[np.ndarray]:
+    """``k`` runs of 40 correlated steps, each run moved as a whole by its own draw (sd 1: the machine and the
+    processes of that run), ``shift`` on top."""
+    return [ar1(rng, 40, 0.5, centre=10 + shift + rng.normal(0, 1.0)) for _ in range(k)]
+
+
+def test_student_t_quantiles_are_the_tables():
+    for confidence, df, table_value in ((0.95, 1, 12.706), (0.95, 2, 4.303), (0.95, 4, 2.776), (0.99, 10, 3.169)):
+        assert noise.t_quantile(confidence, df) == pytest.approx(table_value, abs=1e-3)
+    assert noise.t_quantile(0.95, 10_000) == pytest.approx(1.960, abs=1e-3)
+    with pytest.raises(ValueError, match="df=0"):
+        noise.t_quantile(0.95, 0)
+
+
+def test_several_runs_per_side_allow_for_runs_that_move_as_a_whole():
+    rng = np.random.default_rng(12)
+    trials = 150
+    several = [noise.call(noise.runs_difference_interval(runs_with_offsets(rng, 3), runs_with_offsets(rng, 3),
+                                                         seed=i)) for i in range(trials)]  # fmt: skip
+    one = [noise.call(noise.difference_interval(*runs_with_offsets(rng, 2), between_runs=True, seed=i))
+           for i in range(trials)]  # fmt: skip
+    assert sum(c != "same" for c in several) / trials <= 0.08  # A/A with a between-run offset: same
+    assert sum(c != "same" for c in one) / trials > 0.1  # one run per side cannot see the offset: why it says so
+    found = [noise.runs_difference_interval(runs_with_offsets(rng, 3), runs_with_offsets(rng, 3, shift=5.0), seed=i)
+             for i in range(40)]  # fmt: skip
+    assert sum(noise.call(d) == "slower" for d in found) >= 36  # a known shift of 5 between-run sds is found
+    assert sum(d.low < 5.0 < d.high for d in found) >= 36  # and its interval holds it
+
+
+def test_several_runs_take_the_mean_of_their_medians_and_one_run_each_falls_back():
+    a = [[1.0, 2.0, 3.0, 2.0, 2.0, 2.0], [4.0, 4.0, 5.0, 4.0, 4.0, 4.0]]
+    b = [[6.0] * 6, [7.0, 7.0, 8.0, 7.0, 7.0, 7.0]]
+    d = noise.runs_difference_interval(a, b)
+    assert d.estimate == pytest.approx((6 + 7) / 2 - (2 + 4) / 2)
+    half = noise.t_quantile(0.95, 2) * math.sqrt(((2 - 3) ** 2 + (4 - 3) ** 2 + 2 * 0.5**2) / 2 * (1 / 2 + 1 / 2))
+    assert d.high - d.estimate == pytest.approx(half)  # the pooled variance of the runs' medians, t with 2 df
+    x, y = np.arange(40.0), np.arange(40.0) + 1
+    assert noise.runs_difference_interval([x], [y], spread=3.0) == noise.difference_interval(
+        x, y, between_runs=True, spread=3.0
+    )
+    assert noise.process_spread([2.0, 5.0, 3.0]) == 3.0 and noise.process_spread([2.0]) == 0.0
+    with pytest.raises(ValueError, match="spread=-1"):
+        noise.difference_interval(x, y, between_runs=True, spread=-1.0)
+
+
+def test_one_run_per_side_allows_for_how_far_the_job_s_processes_were_seen_apart():
+    rng = np.random.default_rng(6)
+    a, b = rng.normal(10, 0.1, 40), rng.normal(11, 0.1, 40)  # 1 ms apart, far beyond either run's steps
+    assert noise.call(noise.difference_interval(a, b, between_runs=True)) == "slower"
+    assert noise.call(noise.difference_interval(a, b, between_runs=True, spread=1.5)) == "same"

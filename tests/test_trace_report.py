@@ -2,6 +2,7 @@
 and exit 2 for nothing to analyse, Lightning PyTorchProfiler's CPU traces of a real 2-rank run included."""
 
 import json
+import random
 import shutil
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 
 from lit_ddp import trace_report
 from lit_ddp.analysis import trace_tables
-from lit_ddp.analysis.trace import GRADIENT, Breakdown, RankAnalysis
+from lit_ddp.analysis.trace import GRADIENT, Breakdown, RankAnalysis, StepAnalysis, analyze_rank, combine, load
 from tests.runner import run_module
 from tests.test_trace import A100, event, synthetic
 
@@ -38,7 +39,7 @@ def test_the_command_reports_the_a100_trace_and_writes_the_json(tmp_path):
     assert "Per phase, rank 0" in done.stdout and "Exposed communication" in done.stdout
     assert (
         done.stdout.count("gradient all-reduce  ") == 15
-        and "Verdict: host-bound: the GPUs were idle 77%" in done.stdout
+        and "Verdict: can't tell what bounds the GPUs: the profile holds 2 counted step(s)" in done.stdout
     )
     assert not (traces / trace_report.PICTURE).exists()
     data = json.loads((tmp_path / "out.json").read_text())
@@ -138,15 +139,43 @@ def breakdown(span: float, compute: float, comm: float, overlap: float, host: fl
     return Breakdown(span, span - idle, idle, compute, span - idle - compute, comm, overlap, None, host, kernel, other)
 
 
+def ranks_of(figures: tuple, steps: int = 8, jitter: float = 1.0) -> list[RankAnalysis]:
+    """Two ranks whose every counted step has ``figures`` (``breakdown``'s), each part with seeded noise of
+    ``jitter`` us; the totals their sum."""
+    rng = random.Random(0)
+    ranks = []
+    for r in (0, 1):
+        per_step = [breakdown(*(f + rng.gauss(0, jitter) if f else 0.0 for f in figures)) for _ in range(steps)]
+        steps_of = tuple(StepAnalysis(s, True, b, {}, None) for s, b in enumerate(per_step))
+        ranks.append(RankAnalysis(Path(f"rank{r}.json"), r, 2, combine(per_step), {}, steps_of, ()))
+    return ranks
+
+
 @pytest.mark.parametrize(
     "figures, says",
     [
-        ((100, 20, 5, 5, 70, 5, 0), "Verdict: host-bound: the GPUs were idle 75% of their span (host wait 93.3%"),
+        ((100, 20, 5, 5, 70, 5, 0), "Verdict: host-bound: the GPUs were idle 75% of their span (host wait 9"),
         ((100, 80, 10, 10, 5, 5, 0), "Verdict: GPU-bound: compute kernels ran 80%"),
         ((100, 30, 60, 10, 5, 5, 0), "Verdict: communication-bound: 50% of the span only communication ran"),
         ((100, 20, 5, 5, 10, 0, 60), "Verdict: stalled: the GPUs were idle 70% of their span with work queued"),
     ],
 )
-def test_the_verdict_names_what_bounds_the_gpus(figures, says):
-    ranks = [RankAnalysis(Path(f"rank{r}.json"), r, 2, breakdown(*figures), {}, (), ()) for r in (0, 1)]
-    assert trace_tables.trace_verdict(ranks).startswith(says)
+def test_the_verdict_names_what_bounds_the_gpus_beyond_the_noise(figures, says):
+    ranks = ranks_of(figures)
+    assert trace_tables.trace_verdict(ranks).startswith(says), trace_tables.trace_verdict(ranks)
+    assert trace_tables.trace_verdict(ranks) == trace_tables.trace_verdict(ranks_of(figures))  # seeded
+
+
+def test_two_level_parts_or_a_short_profile_can_t_tell_and_say_why():
+    level = ranks_of((100, 45, 0, 0, 45, 10, 0), jitter=5.0)  # compute and idle both 45 us per step
+    said = trace_tables.trace_verdict(level)
+    assert said.startswith("Verdict: can't tell what bounds the GPUs, because "), said
+    assert "within the noise" in said or "above 10% of the span" in said, said
+    short = trace_tables.trace_verdict(ranks_of((100, 80, 10, 10, 5, 5, 0), steps=3))
+    assert short.startswith("Verdict: can't tell what bounds the GPUs: the profile holds 3 counted step(s)"), short
+
+
+def test_the_real_a100_profile_of_two_counted_steps_can_t_tell_and_says_how_to_profile():
+    said = trace_tables.trace_verdict([analyze_rank(load(A100))])
+    assert said.startswith("Verdict: can't tell what bounds the GPUs: the profile holds 2 counted step(s)"), said
+    assert "idle time 77%, compute 18%" in said and "torch.profiler.schedule(active=5)" in said, said

@@ -3,6 +3,7 @@ wait, peak memory) A, B, B - A with its interval, and one word: ``slower`` / ``f
 ``same`` otherwise; what makes the two hard to compare comes first, a one-line summary last.
 
     python -m lit_ddp.report RUN_A --compare RUN_B
+    python -m lit_ddp.report A1 A2 A3 --compare B1 B2 B3       # several runs each: the variation between runs too
     python -m lit_ddp.report --trace TRACES_A --compare TRACES_B
 
 The rows' samples are per step (``run_samples``, ``trace_samples``); the intervals are the noise model's
@@ -12,7 +13,7 @@ The rows' samples are per step (``run_samples``, ``trace_samples``); the interva
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -37,6 +38,17 @@ class Samples:
     unit: str
     a: list[float]
     b: list[float]
+    spread: float = 0.0  # how far apart two processes of one job were seen in this row (``run_spreads``)
+
+
+@dataclass(frozen=True)
+class RunsSamples:
+    """One row's per-step samples in each of several runs of A and of B (each run's in step order)."""
+
+    name: str
+    unit: str
+    a: list[list[float]]
+    b: list[list[float]]
 
 
 @dataclass(frozen=True)
@@ -48,20 +60,29 @@ class Row:
     difference: noise.Interval  # median(b) - median(a)
     word: str  # slower / faster / same
     steps: tuple[int, int]
+    whole_run: bool = False  # "same" because every phase moved with it (``whole_run_shift``), not by the noise
 
 
-def compare(samples: Sequence[Samples], confidence: float = CONFIDENCE, floor_ms: float = 0.0) -> list[Row]:
-    """Each row's difference at the level that holds for the family of rows (Bonferroni), two runs made apart
-    (``noise.difference_interval(between_runs=True)``); a time row that moves by ``floor_ms`` or less is ``same``.
-    Rows without a sample in either run are left out."""
+def compare(
+    samples: Sequence[Samples | RunsSamples], confidence: float = CONFIDENCE, floor_ms: float = 0.0
+) -> list[Row]:
+    """Each row's difference at the level that holds for the family of rows (Bonferroni): one run per side,
+    two runs made apart (``noise.difference_interval(between_runs=True)``, allowing for the row's ``spread``);
+    several (``RunsSamples``), the runs' medians (``noise.runs_difference_interval``). A time row that moves by
+    ``floor_ms`` or less is ``same``. Rows without a sample in either side are left out."""
     kept = [s for s in samples if s.a and s.b]
     level = noise.family_confidence(confidence, max(1, len(kept)))
     rows = []
     for s in kept:
-        d = noise.difference_interval(s.a, s.b, confidence=level, between_runs=True)
+        if isinstance(s, RunsSamples):
+            d = noise.runs_difference_interval(s.a, s.b, confidence=level)
+            medians = [statistics.fmean(statistics.median(x) for x in runs if x) for runs in (s.a, s.b)]
+            steps = (min(map(len, s.a)), min(map(len, s.b)))
+        else:
+            d = noise.difference_interval(s.a, s.b, confidence=level, between_runs=True, spread=s.spread)
+            medians, steps = [statistics.median(s.a), statistics.median(s.b)], (len(s.a), len(s.b))
         word = noise.call(d, min_effect=floor_ms if s.unit == "ms" else 0.0)
-        rows.append(Row(s.name, s.unit, statistics.median(s.a), statistics.median(s.b), d, word,
-                        (len(s.a), len(s.b))))  # fmt: skip
+        rows.append(Row(s.name, s.unit, medians[0], medians[1], d, word, steps))
     return rows
 
 
@@ -83,6 +104,9 @@ def _interval(row: Row) -> str:
 def summary(rows: Sequence[Row]) -> str:
     """One line: the row that changed most beyond the noise (by its share of A), and how many did."""
     called = [r for r in rows if r.word != "same"]
+    if not called and any(r.whole_run for r in rows):
+        return (f"Summary: can't tell: every phase moved with the whole run, so no time row is called ({len(rows)} "
+                "rows); compare several runs of each")  # fmt: skip
     if not called:
         return (f"Summary: no row differs beyond the noise ({len(rows)} rows, {CONFIDENCE:.0%} for all of them "
                 "together)")  # fmt: skip
@@ -96,7 +120,7 @@ def render(title: str, notes: Sequence[str], rows: Sequence[Row]) -> str:
     """The notes (what makes the runs hard to compare) first, then the table and the summary."""
     head = [f"{note}" for note in notes]
     level = noise.family_confidence(CONFIDENCE, max(1, len(rows)))
-    small = {r.name for r in rows if r.word == "same" and r.difference.excludes(0.0)}
+    small = {r.name for r in rows if r.word == "same" and r.difference.excludes(0.0) and not r.whole_run}
     cells = [(r.name, _fmt(r.a, r.unit), _fmt(r.b, r.unit), _signed(r.difference.estimate, r.unit), _interval(r),
               r.word + ("*" if r.name in small else "")) for r in rows]  # fmt: skip
     text = table(("row", "A (median)", "B (median)", "B - A", f"interval ({level:.2%} each)", "word"), cells)
@@ -172,34 +196,125 @@ def run_samples(phases: Optional[PhaseRecord], comm: Optional[CommRecord]) -> di
     return out
 
 
-def compare_runs(a: tuple[Optional[PhaseRecord], Optional[CommRecord]],
-                 b: tuple[Optional[PhaseRecord], Optional[CommRecord]]) -> str:  # fmt: skip
+def _range_of_medians(per_rank: Sequence[Sequence[float]]) -> float:
+    return noise.process_spread([statistics.median(x) for x in per_rank if x])
+
+
+def run_spreads(phases: Optional[PhaseRecord], comm: Optional[CommRecord]) -> dict[str, float]:
+    """``{row: how far apart the run's ranks' medians were}``: what two processes of one job differ by here, the
+    allowance one run per side gets for another run's processes (``noise.process_spread``). The step's is the sum
+    of its parts' (a step is their sum, and each part may move by its own); a bucket's wait takes the ranks' waits
+    for the last rank's hand-over."""
+    out: dict[str, float] = {}
+    if phases is not None:
+        left_out = {*phases.profiled_steps, *phases.skipped_steps}
+        for p in PHASES:
+            out[p] = _range_of_medians([[getattr(r.ms, p) for r in rank.rows if is_steady(r.step, left_out)]
+                                        for rank in phases.ranks])  # fmt: skip
+        out["step"] = max(out["step"], sum(v for p, v in out.items() if p != "step"))
+        out["peak memory"] = _range_of_medians([[float(m.peak["step"]) for m in rank.memory if m.peak.get("step")]
+                                                for rank in phases.ranks])  # fmt: skip
+    if comm is not None:
+        rows = [[r for r in rank.rows if r.bytes == comm.layout and is_steady(r.step, comm.profiled_steps)]
+                for rank in comm.ranks]  # fmt: skip
+        out["exposed comm"] = _range_of_medians([[r.exposed_ms for r in k] for k in rows])
+        found = stragglers.arrivals(comm)
+        for b in range(len(comm.layout)):
+            own = _range_of_medians([[r.ms[b] for r in k] for k in rows])
+            out[f"bucket {b} transfer"] = out[f"bucket {b} all-reduce"] = own
+            out[f"bucket {b} wait"] = _range_of_medians(found.waits) if found is not None else 0.0
+    return out
+
+
+Run = tuple[Optional[PhaseRecord], Optional[CommRecord]]
+ONE_RUN = ("One run per side: each row allows for how far apart this job's ranks (separate processes) and each run's "
+           "halves were seen, not for a machine that slowed a whole run (another job for all of it), so a change "
+           "and run-to-run variation can look alike; for a firmer answer make 3 or more runs of each, in turn, and "
+           "compare them: python -m lit_ddp.report A1 A2 A3 --compare B1 B2 B3")  # fmt: skip
+
+
+def whole_run_shift(a: Run, b: Run) -> Optional[str]:
+    """``"slower"`` (``"faster"``) when every part of B's step that A has (forward, backward, update, data,
+    other) is slower (faster) than A's beyond its own steps' noise, at the level that holds for the parts
+    together: the mark of a machine that slowed (or freed) one whole run, more than of a change, which moves
+    some parts and leaves update and other alone. None otherwise, or with fewer than 3 such parts."""
+    if a[0] is None or b[0] is None:
+        return None
+    sa, sb = run_samples(a[0], None), run_samples(b[0], None)
+    parts = [p for p in PHASES if p != "step" and sa[p][1] and sb[p][1] and statistics.median(sa[p][1]) > 0]
+    if len(parts) < 3:
+        return None
+    level = noise.family_confidence(CONFIDENCE, len(parts))
+    words = {noise.call(noise.difference_interval(sa[p][1], sb[p][1], confidence=level)) for p in parts}
+    return words.pop() if len(words) == 1 and "same" not in words else None
+
+
+def compare_runs(a: Run, b: Run) -> str:
     """The comparison of two runs' records, as printed by ``python -m lit_ddp.report A --compare B``."""
-    return render("Run B against run A, per step after warm-up", incompatibilities(a, b), run_rows(a, b))
+    return compare_many([a], [b])
 
 
-def run_rows(a: tuple[Optional[PhaseRecord], Optional[CommRecord]],
-             b: tuple[Optional[PhaseRecord], Optional[CommRecord]]) -> list[Row]:  # fmt: skip
-    """The rows both runs have (the per-bucket ones only with one bucket layout), compared."""
+def compare_many(a_runs: Sequence[Run], b_runs: Sequence[Run]) -> str:
+    """Several runs of A against several of B (one of each: ``run_rows``, and the note that says what one run per
+    side cannot tell), as printed by ``python -m lit_ddp.report A1 A2 --compare B1 B2``."""
+    notes = incompatibilities(a_runs[0], b_runs[0])
+    for side, runs in (("A", a_runs), ("B", b_runs)):
+        notes += [f"{side}'s runs differ among themselves: {n.removeprefix('A and B differ in ')}"
+                  for n in dict.fromkeys(n for r in runs[1:] for n in incompatibilities(runs[0], r))]  # fmt: skip
+    if len(a_runs) == len(b_runs) == 1:
+        shift = whole_run_shift(a_runs[0], b_runs[0])
+        if shift is not None:
+            notes.append(f"Every phase of B is {shift} than A's beyond its steps' noise, update and other too: the "
+                         f"mark of a machine that {'slowed' if shift == 'slower' else 'freed'} one whole run more "
+                         "than of a change, so no time row is called (can't tell)")  # fmt: skip
+        return render("Run B against run A, per step after warm-up", [*notes, ONE_RUN], run_rows(a_runs[0], b_runs[0]))
+    title = (f"{len(b_runs)} run(s) of B against {len(a_runs)} of A (each side the mean of its runs' medians), per "
+             "step after warm-up")  # fmt: skip
+    return render(title, notes, many_rows(a_runs, b_runs))
+
+
+def run_rows(a: Run, b: Run) -> list[Row]:
+    """The rows both runs have (the per-bucket ones only with one bucket layout), compared, each allowing for
+    the larger of the two runs' ``run_spreads``; no time row called where ``whole_run_shift`` finds one."""
     sa, sb = run_samples(*a), run_samples(*b)
     same_layout = a[1] is None or b[1] is None or a[1].layout == b[1].layout
     names = [n for n in sa if n in sb and (same_layout or not n.startswith("bucket"))]
     floor = STEP_SHARE * statistics.median(sa["step"][1]) if sa.get("step", (0, []))[1] else 0.0
-    return compare([Samples(n, sa[n][0], sa[n][1], sb[n][1]) for n in names], floor_ms=floor)
+    spread_a, spread_b = run_spreads(*a), run_spreads(*b)
+    spread = {n: max(spread_a.get(n, 0.0), spread_b.get(n, 0.0)) for n in names}
+    rows = compare([Samples(n, sa[n][0], sa[n][1], sb[n][1], spread[n]) for n in names], floor_ms=floor)
+    if whole_run_shift(a, b) is None:
+        return rows
+    return [replace(r, word="same", whole_run=True) if r.unit == "ms" else r for r in rows]
 
 
-def compare_dirs(run_a: Path, run_b: Path) -> str:
-    """``report RUN_A --compare RUN_B``: both runs' records (``RecordError`` for a directory without one), then
-    ``compare_runs``."""
-    runs = []
-    for run_dir in (Path(run_a), Path(run_b)):
-        if not run_dir.is_dir():
-            raise RecordError(f"{run_dir} is not a directory")
-        found = load_run(run_dir)
-        if found == (None, None):
-            raise RecordError(f"{run_dir} holds neither phases.json nor comm.json: was PhaseTimer or CommMonitor on?")
-        runs.append(found)
-    return f"A: {run_a}\nB: {run_b}\n{compare_runs(*runs)}"
+def many_rows(a_runs: Sequence[Run], b_runs: Sequence[Run]) -> list[Row]:
+    """The rows every run has (the per-bucket ones only with one bucket layout in all), compared over the runs
+    (``noise.runs_difference_interval``: the runs' medians, their spread between runs included)."""
+    sa, sb = [run_samples(*r) for r in a_runs], [run_samples(*r) for r in b_runs]
+    layouts = {tuple(c.layout) for _, c in (*a_runs, *b_runs) if c is not None}
+    names = [n for n in sa[0] if all(n in s for s in (*sa, *sb)) and (len(layouts) < 2 or not n.startswith("bucket"))]
+    steps = [statistics.median(s["step"][1]) for s in sa if s.get("step", (0, []))[1]]
+    floor = STEP_SHARE * statistics.fmean(steps) if steps else 0.0
+    return compare([RunsSamples(n, sa[0][n][0], [s[n][1] for s in sa], [s[n][1] for s in sb]) for n in names],
+                   floor_ms=floor)  # fmt: skip
+
+
+def _load(run_dir: Path) -> Run:
+    if not run_dir.is_dir():
+        raise RecordError(f"{run_dir} is not a directory")
+    found = load_run(run_dir)
+    if found == (None, None):
+        raise RecordError(f"{run_dir} holds neither phases.json nor comm.json: was PhaseTimer or CommMonitor on?")
+    return found
+
+
+def compare_dirs(run_a: Path | Sequence[Path], run_b: Path | Sequence[Path]) -> str:
+    """``report RUN_A [RUN_A2 ...] --compare RUN_B [RUN_B2 ...]``: every run's records (``RecordError`` for a
+    directory without one), then ``compare_many``."""
+    sides = [[Path(p) for p in ([r] if isinstance(r, (str, Path)) else r)] for r in (run_a, run_b)]
+    runs = [[_load(p) for p in side] for side in sides]
+    return f"A: {', '.join(map(str, sides[0]))}\nB: {', '.join(map(str, sides[1]))}\n{compare_many(*runs)}"
 
 
 def trace_samples(analyses: Sequence[RankAnalysis]) -> dict[str, tuple[str, list[float]]]:

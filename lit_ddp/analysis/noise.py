@@ -6,6 +6,9 @@ medians, from per-step samples in time order; and the one word ("slower", "faste
 
 A bootstrap of the median whose spread is widened by the samples' correlation time: steps next to each other
 are alike (a busy core slows a run of them), so n correlated steps tell as much as n / tau independent ones.
+Two runs made apart differ by more than their steps show (other processes, another share of the machine): one
+run per side widens the interval by what the records show of that (``drift``, ``process_spread``); several
+runs per side take the runs' medians as the samples (``runs_difference_interval``, a t interval).
 Seeded: the same samples give the same interval, so the same record gives the same words. The method, its
 assumptions, its measured false-call rate and what "same" means: docs/noise.md.
 """
@@ -89,11 +92,19 @@ def median_interval(samples: Sequence[float], *, confidence: float = 0.95, seed:
 
 
 def difference_interval(
-    a: Sequence[float], b: Sequence[float], *, confidence: float = 0.95, seed: int = 0, between_runs: bool = False
+    a: Sequence[float],
+    b: Sequence[float],
+    *,
+    confidence: float = 0.95,
+    seed: int = 0,
+    between_runs: bool = False,
+    spread: float = 0.0,
 ) -> Interval:
     """``median(b) - median(a)`` with its ``confidence`` interval; ``a`` and ``b`` resampled independently (two
     runs, or two ranks, each per-step in time order). ``between_runs``: ``a`` and ``b`` are two runs made apart, so
-    the machine may have drifted between them: the interval is widened on both sides by ``drift(a, b)``."""
+    the machine may have drifted between them, and two processes of one job differ: the interval is widened on both
+    sides by the larger of ``drift(a, b)`` and ``spread`` (how far apart two processes of one job were seen, for
+    example the ranks' medians: ``process_spread``)."""
     _check(confidence)
     x, y = _clean(a), _clean(b)
     if len(x) == 0 or len(y) == 0:
@@ -105,7 +116,9 @@ def difference_interval(
     found = _interval(estimate, _medians(y, rng) - _medians(x, rng), confidence)
     if not between_runs:
         return found
-    allowance = drift(x, y)
+    if spread < 0:
+        raise ValueError(f"`spread={spread!r}` must be >= 0")
+    allowance = max(drift(x, y), spread)
     return Interval(estimate, found.low - allowance, found.high + allowance)
 
 
@@ -119,6 +132,73 @@ def drift(a: Sequence[float], b: Sequence[float]) -> float:
         return abs(float(np.median(x[half:]) - np.median(x[:half]))) if half else 0.0
 
     return max(own(_clean(a)), own(_clean(b)))
+
+
+def process_spread(medians: Sequence[float]) -> float:
+    """How far apart two processes of one job were seen: the range of their medians (a run's ranks are separate
+    processes of one job, each with its own placement, caches and share of the machine); 0 with fewer than two."""
+    x = _clean(medians)
+    return float(x.max() - x.min()) if len(x) > 1 else 0.0
+
+
+def runs_difference_interval(
+    a_runs: Sequence[Sequence[float]],
+    b_runs: Sequence[Sequence[float]],
+    *,
+    confidence: float = 0.95,
+    seed: int = 0,
+    spread: float = 0.0,
+) -> Interval:
+    """The mean of ``b_runs``' medians less the mean of ``a_runs``' (several runs of each side, each run's samples
+    per step in time order), with its ``confidence`` interval: a two-sample t interval on the runs' medians, their
+    variance pooled over both sides (each run a draw of the machine's and the processes' conditions) and at least
+    what each run's own steps show (its bootstrap, as ``median_interval``'s), with ``runs - 2`` degrees of freedom.
+    One run on each side: ``difference_interval(between_runs=True, spread=spread)``, which cannot see a whole run
+    moved by the machine. Runs with fewer than ``MIN_SAMPLES`` samples are left out; too few runs: can't tell."""
+    _check(confidence)
+    sides = [[x for x in map(_clean, runs) if len(x) >= MIN_SAMPLES] for runs in (a_runs, b_runs)]
+    if not sides[0] or not sides[1]:
+        firsts = [_clean(runs[0]) if len(runs) else np.array([]) for runs in (a_runs, b_runs)]
+        return difference_interval(*firsts, confidence=confidence, seed=seed, between_runs=True, spread=spread)
+    if len(sides[0]) == len(sides[1]) == 1:
+        return difference_interval(*sides[0], *sides[1], confidence=confidence, seed=seed, between_runs=True,
+                                   spread=spread)  # fmt: skip
+    rng = np.random.default_rng(seed)
+    medians = [np.array([np.median(x) for x in side]) for side in sides]
+    within = [float(np.mean([np.var(_medians(x, rng)) for x in side])) for side in sides]
+    df = len(sides[0]) + len(sides[1]) - 2
+    between = sum(float(np.sum((m - m.mean()) ** 2)) for m in medians) / df
+    se = math.sqrt(sum(max(between, v) / len(m) for m, v in zip(medians, within, strict=True)))
+    estimate = float(medians[1].mean() - medians[0].mean())
+    half = t_quantile(confidence, df) * se
+    return Interval(estimate, estimate - half, estimate + half)
+
+
+def t_quantile(confidence: float, df: int) -> float:
+    """``t`` with ``P(|T| < t) = confidence`` for Student's t with ``df`` (>= 1) degrees of freedom: its exact
+    distribution function (Abramowitz and Stegun 26.7.3-4) inverted by bisection."""
+    _check(confidence)
+    if df < 1:
+        raise ValueError(f"`df={df!r}` must be >= 1")
+
+    def inside(t: float) -> float:  # P(|T| < t)
+        theta = math.atan(t / math.sqrt(df))
+        c2, term, total = math.cos(theta) ** 2, 1.0, 1.0
+        start = 2 if df % 2 else 1
+        for k in range(start, df - 1, 2):
+            term *= c2 * k / (k + 1)
+            total += term
+        if df % 2 == 0:
+            return math.sin(theta) * total
+        return 2 / math.pi * (theta + (math.sin(theta) * math.cos(theta) * total if df > 1 else 0.0))
+
+    low, high = 0.0, 1.0
+    while inside(high) < confidence:
+        high *= 2
+    for _ in range(100):
+        mid = (low + high) / 2
+        low, high = (mid, high) if inside(mid) < confidence else (low, mid)
+    return (low + high) / 2
 
 
 def ratio_interval(a: Sequence[float], b: Sequence[float], *, confidence: float = 0.95, seed: int = 0) -> Interval:

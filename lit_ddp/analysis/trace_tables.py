@@ -1,15 +1,19 @@
 """Tables of per-rank profiler traces: where each GPU's time went, per phase, the collectives of each step, the
-verdict, and every figure as JSON; ``python -m lit_ddp.trace_report`` prints them.
+verdict (beyond the noise: ``lit_ddp.analysis.noise``), every figure as JSON; ``python -m lit_ddp.trace_report``
+prints them.
 
     python -m lit_ddp.trace_report runs/mini_train/version_0
 
 The figures are ``lit_ddp.analysis.trace``'s; how they are defined: docs/traces.md.
 """
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any, Optional
 
+from lit_ddp.analysis import noise
+from lit_ddp.analysis.phases import LEAD_SHARE
 from lit_ddp.analysis.tables import fmt_bandwidth, fmt_ms, table
 from lit_ddp.analysis.trace import TRACE_PHASES, Breakdown, RankAnalysis, combine
 
@@ -86,30 +90,67 @@ def collective_table(analysis: RankAnalysis) -> Optional[str]:
     return text
 
 
+def verdict_parts(analyses: Sequence[RankAnalysis]) -> dict[str, list[float]]:
+    """``{part: per-step samples, us}`` that the verdict weighs: per counted step every rank's trace holds, the
+    mean over ranks of its idle time, its compute and its communication that no compute hid."""
+    per_rank = [{s.step: s.breakdown for s in a.steps if s.counted} for a in analyses]
+    steps = sorted(set.intersection(*(set(d) for d in per_rank))) if per_rank else []
+
+    def mean(value) -> list[float]:
+        return [statistics.fmean(value(d[s]) for d in per_rank) for s in steps]
+
+    return {"idle": mean(lambda b: b.idle_us), "compute": mean(lambda b: b.compute_us),
+            "communication": mean(lambda b: b.communication_us - b.overlap_us),
+            "span": mean(lambda b: b.span_us)}  # fmt: skip
+
+
+_PART = {"idle": "idle time", "compute": "compute", "communication": "communication no compute hid"}
+
+
 def trace_verdict(analyses: Sequence[RankAnalysis]) -> str:
-    """One line: what bounds the GPUs (all ranks' figures added up) and what would help. The largest of idle
-    time, compute time and communication that no compute hides decides."""
+    """One line: what bounds the GPUs and what would help. The largest of idle time, compute and communication
+    that no compute hides is named only when its per-step lead over the next (paired: the same steps, the mean
+    over ranks) is beyond the noise (``lit_ddp.analysis.noise``) and at least ``LEAD_SHARE`` of the span; a
+    profile of fewer than ``noise.MIN_SAMPLES`` counted steps can't tell, and says so."""
+    parts = verdict_parts(analyses)
+    span = parts.pop("span")
+    n = len(span)
     t = combine(a.total for a in analyses)
-    exposed = t.communication_us - t.overlap_us
-    share = {"idle": t.idle_us, "compute": t.compute_us, "communication": exposed}
-    top = max(share, key=share.get)
-    of_span = {k: f"{v / t.span_us:.0%}" for k, v in share.items()}
+    share = {"idle": t.idle_us, "compute": t.compute_us, "communication": t.communication_us - t.overlap_us}
+    of_span = {k: f"{v / t.span_us:.0%}" if t.span_us else "-" for k, v in share.items()}
+    shares = ", ".join(f"{_PART[k]} {of_span[k]}" for k in sorted(share, key=share.get, reverse=True))
+    if n < noise.MIN_SAMPLES:
+        return (f"Verdict: can't tell what bounds the GPUs: the profile holds {n} counted step(s) on every rank, "
+                f"fewer than the {noise.MIN_SAMPLES} the noise model needs to tell one part's lead from the steps' "
+                f"noise (over them: {shares} of the span); profile {noise.MIN_SAMPLES} or more steps "
+                f"(torch.profiler.schedule(active={noise.MIN_SAMPLES}) or more)")  # fmt: skip
+    medians = {p: statistics.median(v) for p, v in parts.items()}
+    top, second = sorted(parts, key=medians.get, reverse=True)[:2]
+    gap = noise.median_interval([x - y for x, y in zip(parts[top], parts[second], strict=True)])
+    by = f"{_ms(gap.estimate)} per step ({_ms(gap.low)} to {_ms(gap.high)}, 95%, {n} steps)"
+    if noise.call(gap, null=LEAD_SHARE * statistics.median(span)) != "slower":
+        floor = f"not beyond the noise above {LEAD_SHARE:.0%} of the span"
+        why = "within the noise" if not gap.excludes(0.0) else floor
+        return (f"Verdict: can't tell what bounds the GPUs, because {_PART[top]} ({_ms(medians[top])} per step) and "
+                f"{_PART[second]} ({_ms(medians[second])}), the largest, differ by {by}: {why} ({shares} of the "
+                "span); profile more steps, or python -m lit_ddp.tune measures what DDP's knobs change")  # fmt: skip
+    lead = f"{by} over {_PART[second]}, the next"
     if top == "compute":
-        return (f"Verdict: GPU-bound: compute kernels ran {of_span['compute']} of the GPUs' span; lower precision "
-                "(bf16), fewer FLOPs or faster kernels would help")  # fmt: skip
+        return (f"Verdict: GPU-bound: compute kernels ran {of_span['compute']} of the GPUs' span, {lead}; lower "
+                "precision (bf16), fewer FLOPs or faster kernels would help")  # fmt: skip
     if top == "communication":
         return (
             f"Verdict: communication-bound: {of_span['communication']} of the span only communication ran, which "
-            "no compute hid; what a bucket size or compression would change depends on the bytes and the link: "
-            "python -m lit_ddp.tune measures it on the model"
+            f"no compute hid, {lead}; what a bucket size or compression would change depends on the bytes and the "
+            "link: python -m lit_ddp.tune measures it on the model"
         )
     waits = f"host wait {_pct(t.host_wait_us, t.idle_us)}, kernel wait {_pct(t.kernel_wait_us, t.idle_us)}"
     if t.other_wait_us > t.host_wait_us + t.kernel_wait_us:
         return (f"Verdict: stalled: the GPUs were idle {of_span['idle']} of their span with work queued (other wait "
-                f"{_pct(t.other_wait_us, t.idle_us)} of it): a slower rank or a host sync holds them back; compare "
-                "the ranks' rows")  # fmt: skip
-    return (f"Verdict: host-bound: the GPUs were idle {of_span['idle']} of their span ({waits} of it); larger "
-            "batches per rank, fewer kernel launches (CUDA graphs, torch.compile, a fused optimizer) or less "
+                f"{_pct(t.other_wait_us, t.idle_us)} of it), {lead}: a slower rank or a host sync holds them back; "
+                "compare the ranks' rows")  # fmt: skip
+    return (f"Verdict: host-bound: the GPUs were idle {of_span['idle']} of their span ({waits} of it), {lead}; "
+            "larger batches per rank, fewer kernel launches (CUDA graphs, torch.compile, a fused optimizer) or less "
             "per-step Python would help")  # fmt: skip
 
 

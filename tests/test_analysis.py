@@ -97,6 +97,22 @@ def test_the_verdict_names_a_phase_beyond_the_noise_and_else_says_it_cannot_tell
     assert "can't tell what bounds the step, because only 3 steady step(s) were kept" in verdict(few)
 
 
+@pytest.mark.parametrize(
+    ("busy_ms", "start"),
+    [
+        ((9.0, 9.2, 8.6), "Verdict: GPU-bound: the GPU was busy 90% of the step (86% to 92% in the 3 profiled steps)"),
+        ((2.0, 2.4, 7.0), "Verdict: host-bound: the GPU was busy 24% of the step (20% to 70% in the 3 profiled steps)"),
+        ((7.0, 8.4, 9.0), "Verdict: can't tell whether the GPU or the host bounds the step: the GPU was busy 84% of it "
+                          "(70% to 90% in the 3 profiled steps), across the 80% line"),
+    ],
+)  # fmt: skip
+def test_the_gpu_verdict_is_named_only_when_every_profiled_step_agrees(busy_ms, start):
+    """A 10 ms steady step on the CUDA clock; the GPU's busy time of each of 3 profiled steps (all in forward)."""
+    steps = [(2.0, 6.0, 1.0, 1.0)] * 8
+    record = phase_record([steps], profiled=[2, 3, 4], clock="cuda_event", busy=[(b, 0, 0, 0) for b in busy_ms])
+    assert verdict(record).startswith(start), verdict(record)
+
+
 def comm_bound_case(steps: int = 30, seed: int = 0) -> tuple:
     """The issue's measured case: 2 nodes over a 100 Mbit/s link, dim 1024 (4,198,400 bytes in one bucket): the
     all-reduce takes ~336 ms of a ~352 ms step, forward ~3 ms; both ranks hand the bucket over together."""

@@ -192,7 +192,8 @@ def test_profiler_start_and_stop_are_in_no_step(stand_in_gpu, tmp_path, caplog):
     table = phase_table(phases)
     assert ("then 3 steady step(s) (steps 2-3 ran under the profiler for the GPU-busy column, left out of the "
             "others):") in table  # fmt: skip
-    assert table.endswith("Verdict: host-bound: the GPU was busy 6% of the step; larger batches, fewer kernel "
+    assert table.endswith("Verdict: host-bound: the GPU was busy 6% of the step (6% to 6% in the 2 profiled steps); "
+                          "larger batches, fewer kernel "
                           "launches (fused Adam, CUDA graphs) or less per-step Python would help")  # fmt: skip
 
 

@@ -39,6 +39,8 @@ PART_NAMES = {"forward": "forward", "backward": "backward", "update": "update", 
 # interval above it): a lead of a few percent bounds nothing (a 1024-wide linear on 2 CPU ranks: the all-reduce
 # led forward by 4% of the step in one of five runs, and by 11% (4% to 17%) in one of five on a quiet machine).
 LEAD_SHARE = 0.1
+# The GPU bounds the step when it is busy this share of it at least, in every profiled step (_gpu_verdict).
+BUSY_BOUND = 0.8
 MEASURE = "python -m lit_ddp.tune measures what DDP's knobs and the optimizer's fused step change on this model"
 
 
@@ -155,16 +157,28 @@ def verdict(
     step_ms = phase_summary(record, 0, "step").median
     busy = record.ranks[0].busy_ms
     if busy:
-        share = _busy_median(busy, "step") / step_ms if step_ms else 0.0
-        if share >= 0.8:
-            return (f"Verdict: GPU-bound: the GPU was busy {share:.0%} of the step; lower precision (bf16), "
-                    "fewer FLOPs or faster kernels would help")  # fmt: skip
-        return (f"Verdict: host-bound: the GPU was busy {share:.0%} of the step; larger batches, fewer kernel "
-                "launches (fused Adam, CUDA graphs) or less per-step Python would help")  # fmt: skip
+        return "Verdict: " + _gpu_verdict(busy, step_ms)
     if record.meta.clock == "cuda_event":
         why = "no profiled step completed" if record.profiled_steps else "PhaseTimer(kernel_steps=0)"
         return f"Verdict: unknown: GPU-busy time was not measured ({why})"
     return "Verdict: a CPU run (no device to idle): " + _cpu_verdict(record, comm, step_ms, savings or {})
+
+
+def _gpu_verdict(busy: list[StepRow], step_ms: float) -> str:
+    """GPU- or host-bound by the GPU's busy share of the steady step, named only when every profiled step lies on
+    one side of ``BUSY_BOUND``: a few profiled steps give no interval, and a share that crosses the line between
+    them is within the noise."""
+    shares = [row.ms.step / step_ms if step_ms else 0.0 for row in busy]
+    share = _busy_median(busy, "step") / step_ms if step_ms else 0.0
+    spread = f" ({min(shares):.0%} to {max(shares):.0%} in the {len(shares)} profiled steps)" if len(shares) > 1 else ""
+    if min(shares) >= BUSY_BOUND:
+        return (f"GPU-bound: the GPU was busy {share:.0%} of the step{spread}; lower precision (bf16), fewer FLOPs or "
+                "faster kernels would help")  # fmt: skip
+    if max(shares) < BUSY_BOUND:
+        return (f"host-bound: the GPU was busy {share:.0%} of the step{spread}; larger batches, fewer kernel "
+                "launches (fused Adam, CUDA graphs) or less per-step Python would help")  # fmt: skip
+    return (f"can't tell whether the GPU or the host bounds the step: the GPU was busy {share:.0%} of it{spread}, "
+            f"across the {BUSY_BOUND:.0%} line; PhaseTimer(kernel_steps=N) profiles more steps")  # fmt: skip
 
 
 def _cpu_verdict(record: PhaseRecord, comm: Optional[CommRecord], step_ms: float, savings: Mapping[str, float]) -> str:

@@ -40,10 +40,12 @@ def fingerprints(tensors: list[Tensor]) -> Tensor:
     return torch.stack(rows)
 
 
-def model_fingerprint(per_tensor: Tensor) -> Tensor:
+def model_fingerprint(per_tensor: Tensor, weights: Optional[Tensor] = None) -> Tensor:
     """``[2]`` int64 for all tensors at once, from their ``fingerprints``: the bit sums weighted by position (so
-    that two swapped tensors differ too) and the sum of the float sums' bits, both wrapping."""
-    weights = torch.arange(1, len(per_tensor) + 1, dtype=torch.int64, device=per_tensor.device)
+    that two swapped tensors differ too) and the sum of the float sums' bits, both wrapping. ``weights``: the
+    positions ``1..n`` on the tensors' device, when the caller keeps them."""
+    if weights is None:
+        weights = torch.arange(1, len(per_tensor) + 1, dtype=torch.int64, device=per_tensor.device)
     return torch.stack([(per_tensor[:, 0] * weights).sum(), per_tensor[:, 1].sum()])
 
 
@@ -77,6 +79,8 @@ class SyncCheck(Callback):
         self._steps = OptimizerSteps()
         self._max_diff = 0.0
         self._out_of_sync = 0  # checks that found the ranks apart (mode="warn")
+        self._params: Optional[list[Tensor]] = None  # the module's parameters, listed at the fit's first check
+        self._weights: Optional[Tensor] = None  # model_fingerprint's positions
         self.standing_aside = False  # this fit's strategy is not DDP's: nothing to compare, nothing done
 
     @override
@@ -84,6 +88,7 @@ class SyncCheck(Callback):
         if self.standing_aside:
             return
         self._last_checked_step, self._max_diff, self._out_of_sync = None, 0.0, 0
+        self._params, self._weights = None, None
         if self.check_setup:
             self._check_optimizer_holds_wrapped_params(trainer)
         self._compare(trainer, pl_module, "weights", "before the first step")
@@ -120,8 +125,12 @@ class SyncCheck(Callback):
         # the per-parameter fingerprints gathered, to name the parameters and ranks.
         # The per-tensor fingerprints are kept until the row is read (a step later): they name the parameters
         # that differed after *this* step, even if a one-bit difference has been rounded away since.
-        per_tensor = fingerprints([p for p in pl_module.parameters() if p.requires_grad])
-        row = model_fingerprint(per_tensor).view(torch.float64)
+        if self._params is None:  # the module's parameters, once a fit (walking its modules costs every step)
+            self._params = list(pl_module.parameters())
+        per_tensor = fingerprints([p for p in self._params if p.requires_grad])
+        if self._weights is None or len(self._weights) != len(per_tensor):
+            self._weights = torch.arange(1, len(per_tensor) + 1, dtype=torch.int64, device=per_tensor.device)
+        row = model_fingerprint(per_tensor, self._weights).view(torch.float64)
 
         def compare(gathered: torch.Tensor) -> None:
             bits = gathered.contiguous().view(torch.int64)

@@ -1,8 +1,8 @@
 """One small collective per step for everything the tool's callbacks need from every rank.
 
-    python -m lit_ddp.fit --devices 2       # the loss, the NaN flag, SIGTERM and the sync check ride together
+    python -m lit_ddp.fit --devices 2       # the loss (the NaN check), SIGTERM and the sync check ride together
 
-LossMonitor's loss and NaN flag, SyncCheck's fingerprint and every rank's SIGTERM flag go into one float64 row;
+LossMonitor's loss (its NaN check), SyncCheck's fingerprint and every rank's SIGTERM flag go into one float64 row;
 one ``all_gather`` (no barrier, started with ``async_op`` and read a step later) gives every rank every row, and
 every rank takes the same decisions from the same data. It replaces Lightning's per-step SIGTERM broadcast and
 its collectives inside signal handlers (SIGTERM; Slurm's requeue, SIGUSR1): a handler only sets a flag, and every

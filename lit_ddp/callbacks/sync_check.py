@@ -40,13 +40,20 @@ def fingerprints(tensors: list[Tensor]) -> Tensor:
     return torch.stack(rows)
 
 
+def fingerprint_weights(n: int, device: torch.device) -> Tensor:
+    """``[n, 2]`` int64: each tensor's position ``1..n`` for its bit sum, 1 for its float sum."""
+    weights = torch.ones(n, 2, dtype=torch.int64, device=device)
+    weights[:, 0] = torch.arange(1, n + 1, dtype=torch.int64, device=device)
+    return weights
+
+
 def model_fingerprint(per_tensor: Tensor, weights: Optional[Tensor] = None) -> Tensor:
     """``[2]`` int64 for all tensors at once, from their ``fingerprints``: the bit sums weighted by position (so
     that two swapped tensors differ too) and the sum of the float sums' bits, both wrapping. ``weights``: the
-    positions ``1..n`` on the tensors' device, when the caller keeps them."""
+    caller's ``fingerprint_weights``, kept from step to step."""
     if weights is None:
-        weights = torch.arange(1, len(per_tensor) + 1, dtype=torch.int64, device=per_tensor.device)
-    return torch.stack([(per_tensor[:, 0] * weights).sum(), per_tensor[:, 1].sum()])
+        weights = fingerprint_weights(len(per_tensor), per_tensor.device)
+    return (per_tensor * weights).sum(dim=0)
 
 
 class SyncCheck(Callback):
@@ -129,7 +136,7 @@ class SyncCheck(Callback):
             self._params = list(pl_module.parameters())
         per_tensor = fingerprints([p for p in self._params if p.requires_grad])
         if self._weights is None or len(self._weights) != len(per_tensor):
-            self._weights = torch.arange(1, len(per_tensor) + 1, dtype=torch.int64, device=per_tensor.device)
+            self._weights = fingerprint_weights(len(per_tensor), per_tensor.device)
         row = model_fingerprint(per_tensor, self._weights).view(torch.float64)
 
         def compare(gathered: torch.Tensor) -> None:

@@ -16,8 +16,10 @@ run; ``step`` is the profiled time per step, the model and Lightning's loop incl
 - the NaN check alone (LossMonitor ``every_n_steps 0``, SyncCheck off): LossMonitor's row is the check's cost;
 - PhaseTimer and CommMonitor added to the default config (``print_steps 0``, ``kernel_steps 0``).
 
-cProfile's own cost is in every figure (some 0.5-1 µs per Python call): the rows rank where the time goes and
-compare before/after a change within one invocation; the step times to read against bare Lightning are
+The clock is the main thread's CPU time by default (``--clock cpu``): the work each hook does, which other
+processes on a shared machine do not inflate (``--clock wall`` counts the time they held the core, and any wait
+in a collective). cProfile's own cost is in every figure (some 0.5-1 µs per Python call): the rows rank where
+the time goes and compare before/after a change; the step times to read against bare Lightning are
 ``benchmarks/step_time.py``'s.
 """
 
@@ -27,6 +29,7 @@ import pstats
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +76,13 @@ class RankProfile(Callback):
     Args:
         out_dir: Where rank 0 writes its profile.
         warmup: Steps before the profile starts.
+        clock: ``cpu``: the main thread's CPU time (``time.thread_time``: what the hooks cost in work, the same on
+            a loaded machine, a wait in a collective not counted); ``wall``: ``perf_counter`` (waits and the
+            time other processes held the core included).
     """
 
-    def __init__(self, out_dir: str, warmup: int = 20) -> None:
-        self.out_dir, self.warmup = out_dir, warmup
+    def __init__(self, out_dir: str, warmup: int = 20, clock: str = "cpu") -> None:
+        self.out_dir, self.warmup, self.clock = out_dir, warmup, clock
         self._profile: cProfile.Profile | None = None
         self._from = 0
 
@@ -85,7 +91,8 @@ class RankProfile(Callback):
         if not trainer.is_global_zero:
             return
         if self._profile is None and trainer.global_step == self.warmup:
-            self._profile, self._from = cProfile.Profile(), trainer.global_step
+            timer = time.thread_time if self.clock == "cpu" else time.perf_counter
+            self._profile, self._from = cProfile.Profile(timer), trainer.global_step
             self._profile.enable()
         elif self._profile is not None and trainer.global_step >= trainer.max_steps:
             self._profile.disable()
@@ -136,12 +143,12 @@ def read_profile(path: Path, steps: int) -> tuple[list[tuple[str, float]], list[
     return rows, [(k, v * per_step) for k, v in parts.items()], total_s * per_step
 
 
-def profile_run(nproc: int, dim: int, steps: int, warmup: int, extra: tuple[str, ...]) -> tuple:
+def profile_run(nproc: int, dim: int, steps: int, warmup: int, extra: tuple[str, ...], clock: str) -> tuple:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "lit_ddp.fit", *extra, "--devices", str(nproc), "--model.dim", str(dim),
                "--trainer.max_steps", str(steps), "--trainer.logger.init_args.save_dir", str(Path(tmp, "runs")),
                f"--trainer.callbacks+={PROFILE}", f"--trainer.callbacks.out_dir={tmp}",
-               f"--trainer.callbacks.warmup={warmup}"]  # fmt: skip
+               f"--trainer.callbacks.warmup={warmup}", f"--trainer.callbacks.clock={clock}"]  # fmt: skip
         result = subprocess.run(cmd, cwd=tmp, env=common.child_env(), capture_output=True, text=True, timeout=600)
         if result.returncode != 0:
             sys.exit(f"benchmark run failed ({' '.join(cmd)}):\n{result.stderr[-3000:]}")
@@ -155,13 +162,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--min-us", type=float, default=1.0, help="leave out rows under this many µs per step")
+    parser.add_argument(
+        "--clock",
+        choices=("cpu", "wall"),
+        default="cpu",
+        help="cpu: the main thread's CPU time (steady on a shared machine); wall: perf_counter",
+    )
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
         parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    print(f"cProfile of rank 0, {args.nproc} ranks on {device}, dim {args.dim}, steps {args.warmup}-{args.steps}")
+    clock = "the main thread's CPU time" if args.clock == "cpu" else "wall time"
+    print(f"cProfile of rank 0 ({clock}), {args.nproc} ranks on {device}, dim {args.dim}, steps {args.warmup}-"
+          f"{args.steps}")  # fmt: skip
     for name, extra in RUNS.items():
-        rows, parts, step_us = profile_run(args.nproc, args.dim, args.steps, args.warmup, extra)
+        rows, parts, step_us = profile_run(args.nproc, args.dim, args.steps, args.warmup, extra, args.clock)
         print(f"\n{name}: {step_us:,.0f} µs per step under cProfile")
         print(f"  {'row (µs per step, with what it calls)':<72} {'µs':>7}")
         for label, us in rows:

@@ -131,6 +131,8 @@ def read_profile(path: Path, steps: int) -> tuple[list[tuple[str, float]], list[
         if not _tool(filename) or (filename.endswith("run/strategy.py") and name in STEP_ITSELF):
             continue
         outside = sum(c[3] for (f, _, _), c in callers.items() if _outside(f))  # cumulative time from those callers
+        if callers and all(f == "~" for f, _, _ in callers) and not name.startswith("<"):
+            outside = ct  # called from C++ only: DDP's communication hook, a future's callback
         if outside > 0:
             key = _label(filename, name)
             top[key] = top.get(key, 0.0) + outside

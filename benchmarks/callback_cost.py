@@ -45,7 +45,7 @@ from benchmarks import common  # noqa: E402
 PROFILE = "benchmarks.callback_cost.RankProfile"
 # Parts of a top-level row worth a row of their own: (file's tail, function) -> label.
 PARTS = {
-    ("callbacks/loss_monitor.py", "report"): "LossMonitor's result: NaN flags, the global mean, the Step line",
+    ("callbacks/loss_monitor.py", "report"): "LossMonitor's result: the NaN check, the global mean, the Step line",
     ("callbacks/shared.py", "say"): "the Step line (say)",
     ("callbacks/shared.py", "log_metrics"): "rows for the loggers (log_metrics)",
     ("callbacks/sync_check.py", "fingerprints"): "SyncCheck's fingerprint (fingerprints)",

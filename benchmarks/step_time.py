@@ -3,6 +3,7 @@ tables, not tests.
 
     python benchmarks/step_time.py                 # 2 CPU processes (or all GPUs): dim 64, then dims 1024 and 4096
     python benchmarks/step_time.py --repeats 3 --dims 1024 --skip-features --host-dim 0
+    python benchmarks/step_time.py --check         # default config vs bare Lightning at dim 64: exit 1 over 1.10x
 
 How time is measured, the same way on every side: every rank records the wall clock at the top of each step
 (the plain loop in its loop, the Lightning runs with ``benchmarks.common.StepClock`` in ``on_train_batch_start``)
@@ -27,7 +28,12 @@ The blocks. First the host-bound regime, ``--host-dim`` (64) for ``--host-steps`
 milliseconds of Python and a small all-reduce, so what the frameworks do per step is most of it; it holds the
 plain loop, the bare Lightning loop, the port's default and the bare port, with ratios against the plain loop
 and against the bare Lightning loop (what Lightning costs, and what the tool adds on top). Then each of
-``--dims``, with the feature rows. Last, a whole 1-step run of each from the command to its exit.
+``--dims``, with bare Lightning and the feature rows; at each of ``--floor-dims`` (4096) also the physical floor
+(``benchmarks/step_floor.py``: forward, backward, one all-reduce, fused Adam, each timed alone). Last, a whole
+1-step run of each from the command to its exit, issue 36's targets, and each callback's µs per step
+(``benchmarks/callback_cost.py``; ``--skip-callbacks`` leaves it out). ``--check`` runs only the default config
+and bare Lightning at the host-bound dim and exits 1 when the first is over 1.10x the second: a guard to run by
+hand (docs/performance.md), not in CI.
 """
 
 import argparse

@@ -3,6 +3,7 @@ tables, not tests.
 
     python benchmarks/step_time.py                 # 2 CPU processes (or all GPUs): dim 64, then dims 1024 and 4096
     python benchmarks/step_time.py --repeats 3 --dims 1024 --skip-features --host-dim 0
+    python benchmarks/step_time.py --check         # default config vs bare Lightning at dim 64: exit 1 over 1.10x
 
 How time is measured, the same way on every side: every rank records the wall clock at the top of each step
 (the plain loop in its loop, the Lightning runs with ``benchmarks.common.StepClock`` in ``on_train_batch_start``)
@@ -27,7 +28,12 @@ The blocks. First the host-bound regime, ``--host-dim`` (64) for ``--host-steps`
 milliseconds of Python and a small all-reduce, so what the frameworks do per step is most of it; it holds the
 plain loop, the bare Lightning loop, the port's default and the bare port, with ratios against the plain loop
 and against the bare Lightning loop (what Lightning costs, and what the tool adds on top). Then each of
-``--dims``, with the feature rows. Last, a whole 1-step run of each from the command to its exit.
+``--dims``, with bare Lightning and the feature rows; at each of ``--floor-dims`` (4096) also the physical floor
+(``benchmarks/step_floor.py``: forward, backward, one all-reduce, fused Adam, each timed alone). Last, a whole
+1-step run of each from the command to its exit, issue 36's targets, and each callback's µs per step
+(``benchmarks/callback_cost.py``; ``--skip-callbacks`` leaves it out). ``--check`` runs only the default config
+and bare Lightning at the host-bound dim and exits 1 when the first is over 1.10x the second: a guard to run by
+hand (docs/performance.md), not in CI.
 """
 
 import argparse
@@ -45,7 +51,7 @@ import torch
 if not __package__:  # run as a file: the repository on sys.path instead of benchmarks/
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from benchmarks import common  # noqa: E402
+from benchmarks import callback_cost, common  # noqa: E402
 from lit_ddp.analysis.tables import table  # noqa: E402
 
 Command = Callable[[Path], list[str]]  # the command of one run, given its scratch directory
@@ -66,8 +72,29 @@ FEATURES = {  # each on top of the bare port
     "+ PhaseTimer": ("--trainer.callbacks+=lit_ddp.callbacks.PhaseTimer", "--trainer.callbacks.print_steps=0"),
     "+ CommMonitor": ("--trainer.callbacks+=lit_ddp.callbacks.CommMonitor",),
 }
+FLOOR_PARTS = ("forward", "backward", "allreduce", "update")
+CHECK_LIMIT = 1.10  # --check: the default config over bare Lightning at dim 64, at most
 HEADER = ("run", "step ms (median)", "run medians min-max", "x plain loop", "first step s", "run wall s",
           "peak RSS MB")  # fmt: skip
+
+
+class Floor(NamedTuple):
+    """``benchmarks/step_floor.py``'s step, ms: each part timed alone."""
+
+    forward: float
+    backward: float
+    allreduce: float  # one all-reduce of every gradient
+    update: float  # fused Adam, gradients zeroed
+    plain_ms: float  # the plain loop's step in the same block
+
+    @property
+    def total(self) -> float:
+        """The floor: DDP overlaps the all-reduce with the backward at best."""
+        return self.forward + max(self.backward, self.allreduce) + self.update
+
+    @property
+    def over_plain(self) -> float:
+        return common.ratio(self.total, self.plain_ms)
 
 
 class Run(NamedTuple):
@@ -159,6 +186,36 @@ def verdict(value: float, target: float) -> str:
     return f"{value:.2f}x (target <= {target:.2f}x: {'met' if value <= target else 'MISSED'})"
 
 
+def floor_ms(nproc: int, dim: int, steps: int, warmup: int, repeats: int, plain_ms: float) -> Floor:
+    """``benchmarks/step_floor.py``'s parts (ms, the median over ranks and steps of each run, then over runs)."""
+    runs = []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                   "-m", "benchmarks.step_floor", "--dim", str(dim), "--steps", str(steps), "--out", tmp]  # fmt: skip
+            result = subprocess.run(cmd, cwd=tmp, env=common.child_env(), capture_output=True, text=True, timeout=600)
+            if result.returncode != 0:
+                sys.exit(f"benchmark run failed ({' '.join(cmd)}):\n{result.stderr[-3000:]}")
+            ranks = common.read_rank_files(Path(tmp))
+            runs.append([common.median(s[part] for r in ranks for s in r["steps"][warmup:]) for part in FLOOR_PARTS])
+    return Floor(*(common.median(run[i] for run in runs) for i in range(len(FLOOR_PARTS))), plain_ms)
+
+
+def check(args: argparse.Namespace) -> int:
+    """``--check``: the default config against bare Lightning at the host-bound dim, in this invocation alone; 1
+    when it is over ``CHECK_LIMIT``."""
+    d, hs = args.host_dim or 64, args.host_steps
+    variants = {LIGHTNING: lightning_cmd(args.nproc, d, hs), DEFAULT: port_cmd(args.nproc, d, hs)}
+    results = measure_interleaved(variants, args.repeats, args.warmup)
+    value = common.ratio(results[DEFAULT].step_ms, results[LIGHTNING].step_ms)
+    print(table((*HEADER[:3], "x bare Lightning"), [(f"{name}, dim {d}", f"{m.step_ms:.2f}",
+                f"{m.low_ms:.2f}-{m.high_ms:.2f}", f"{common.ratio(m.step_ms, results[LIGHTNING].step_ms):.2f}")
+                for name, m in results.items()]))  # fmt: skip
+    ok = value <= CHECK_LIMIT
+    print(f"check: default config per step, dim {d}: {verdict(value, CHECK_LIMIT)}")
+    return 0 if ok else 1
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python benchmarks/step_time.py", description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=torch.cuda.device_count() or 2)
@@ -166,9 +223,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host-steps", type=int, default=200, help="steps of each host-bound run")
     parser.add_argument("--dims", type=int, nargs="*", default=[1024, 4096])
     parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument(
+        "--floor-dims",
+        type=int,
+        nargs="*",
+        default=[4096],
+        help="the dims of --dims whose block measures the physical floor (benchmarks/step_floor.py)",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-features", action="store_true", help="only the port vs plain loop rows")
+    parser.add_argument("--skip-callbacks", action="store_true",
+                        help="no per-callback table (benchmarks/callback_cost.py) at the end")  # fmt: skip
+    parser.add_argument("--check", action="store_true",
+                        help=f"only the default config against bare Lightning at --host-dim: exit 1 when it is over "
+                             f"{CHECK_LIMIT:.2f}x (a guard to run by hand, not in CI)")  # fmt: skip
     args = parser.parse_args(argv)
     for name in ("steps", "host_steps"):
         if getattr(args, name) <= args.warmup + 1:
@@ -181,43 +250,69 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     n, s, w, r = args.nproc, args.steps, args.warmup, args.repeats
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
-    print(f"{n} processes on {device}, torch {torch.__version__}; first {w} steps dropped, median of {r} runs")
-    ratios: dict[tuple[str, int], float] = {}
+    print(f"{n} processes on {device}, torch {torch.__version__}; first {w} steps dropped, median of {r} runs; "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
+    if args.check:
+        sys.exit(check(args))
+    ratios: dict[tuple[str, int], float] = {}  # (run, dim) -> over the plain loop
+    over_lightning: dict[tuple[str, int], float] = {}
+    floors: dict[int, Floor] = {}
 
+    header = (*HEADER[:4], "x bare Lightning", *HEADER[4:])
     if args.host_dim:
         d, hs = args.host_dim, args.host_steps
         variants = {PLAIN: reference_cmd(n, d, hs), LIGHTNING: lightning_cmd(n, d, hs), DEFAULT: port_cmd(n, d, hs),
                     BARE: port_cmd(n, d, hs, *BARE_ARGS)}  # fmt: skip
         results = measure_interleaved(variants, r, w)
-        header = (*HEADER[:4], "x bare Lightning", *HEADER[4:])
         print(f"\nHost-bound regime: dim {d}, {hs} steps per run:")
         print(table(header, block_rows(d, results, (PLAIN, LIGHTNING))), flush=True)
+        over_lightning.update({(name, d): common.ratio(m.step_ms, results[LIGHTNING].step_ms)
+                               for name, m in results.items()})  # fmt: skip
 
-    rows = []
     for dim in args.dims:
         fast = ("--config", str(common.ROOT / "configs/fast.yaml"))
-        variants = {PLAIN: reference_cmd(n, dim, s), DEFAULT: port_cmd(n, dim, s), FAST: port_cmd(n, dim, s, *fast)}
+        variants = {PLAIN: reference_cmd(n, dim, s), LIGHTNING: lightning_cmd(n, dim, s), DEFAULT: port_cmd(n, dim, s),
+                    FAST: port_cmd(n, dim, s, *fast)}  # fmt: skip
         if not args.skip_features:
             variants[BARE] = port_cmd(n, dim, s, *BARE_ARGS)
             variants.update({f"port, bare {name}": port_cmd(n, dim, s, *BARE_ARGS, *extra)
                              for name, extra in FEATURES.items()})  # fmt: skip
         results = measure_interleaved(variants, r, w)
         ratios.update({(name, dim): common.ratio(m.step_ms, results[PLAIN].step_ms) for name, m in results.items()})
-        rows += block_rows(dim, results, (PLAIN,))
-        print(f"\n{s} steps per run:\n" + table(HEADER, rows[-len(results) :]), flush=True)
+        over_lightning.update({(name, dim): common.ratio(m.step_ms, results[LIGHTNING].step_ms)
+                               for name, m in results.items()})  # fmt: skip
+        print(f"\n{s} steps per run:\n" + table(header, block_rows(dim, results, (PLAIN, LIGHTNING))), flush=True)
+        if dim in args.floor_dims:
+            plain = results[PLAIN].step_ms
+            floor = floors[dim] = floor_ms(n, dim, s, w, r, plain)
+            print(f"Physical floor at dim {dim} (benchmarks/step_floor.py, each part alone, median of {r} runs): "
+                  f"forward {floor.forward:.2f} ms + max(backward {floor.backward:.2f}, one all-reduce "
+                  f"{floor.allreduce:.2f}) + fused Adam {floor.update:.2f} = {floor.total:.2f} ms, "
+                  f"{floor.over_plain:.2f}x the plain loop; "
+                  f"fast.yaml is {results[FAST].step_ms / floor.total:.2f}x the floor", flush=True)  # fmt: skip
 
     one_step = {PLAIN: reference_cmd(n, 1024, 1), LIGHTNING: lightning_cmd(n, 1024, 1), DEFAULT: port_cmd(n, 1024, 1)}
     walls = {name: m.wall_s for name, m in measure_interleaved(one_step, r, w).items()}
     print("\nWhole 1-step run at dim 1024, command to exit (median of interleaved runs):")
     plain = walls[PLAIN]
     print(table(("run", "wall s", "x plain loop"), [(k, f"{v:.1f}", f"{v / plain:.2f}") for k, v in walls.items()]))
-    print("\nTargets:")
-    for dim, target in ((1024, 1.10), (4096, 1.05)):
-        if (DEFAULT, dim) in ratios:
-            print(f"  default config per step, dim {dim}: {verdict(ratios[(DEFAULT, dim)], target)}")
-    print(f"  1-step run, command to exit: {verdict(walls[DEFAULT] / plain, 1.10)}")
+    print("\nTargets (issue 36):")
+    for dim, target in ((args.host_dim, 1.05), (1024, 1.02)):
+        if (DEFAULT, dim) in over_lightning:
+            print(f"  default config per step over bare Lightning, dim {dim}: "
+                  f"{verdict(over_lightning[(DEFAULT, dim)], target)}")  # fmt: skip
+    if (BARE, args.host_dim) in over_lightning:
+        print(f"  bare port per step over bare Lightning, dim {args.host_dim}: "
+              f"{verdict(over_lightning[(BARE, args.host_dim)], 1.0)}")  # fmt: skip
     if (FAST, 4096) in ratios:
-        print(f"  configs/fast.yaml per step, dim 4096: {verdict(ratios[(FAST, 4096)], 1.0)}")
+        floor = f"; the physical floor alone is {floors[4096].over_plain:.2f}x" if 4096 in floors else ""
+        print(
+            f"  configs/fast.yaml per step over the plain loop, dim 4096: {verdict(ratios[(FAST, 4096)], 0.5)}{floor}"
+        )
+    print(f"  1-step run, command to exit: {verdict(walls[DEFAULT] / plain, 1.10)}")
+    if not args.skip_callbacks:
+        print("\nEach callback's µs per step (benchmarks/callback_cost.py):", flush=True)
+        callback_cost.main(["--nproc", str(n), "--dim", str(args.host_dim or 64)])
 
 
 if __name__ == "__main__":

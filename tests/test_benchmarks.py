@@ -91,6 +91,22 @@ def test_each_row_is_divided_by_the_baselines_of_the_same_invocation():
     assert [len(row) for row in rows] == [len(step_time.HEADER) + 1] * 3
 
 
+@pytest.mark.parametrize(("default_ms", "exit_code"), [(2.19, 0), (2.21, 1)])
+def test_check_fails_when_the_default_config_is_over_its_limit_against_bare_lightning(monkeypatch, default_ms,
+                                                                                     exit_code):  # fmt: skip
+    """``--check``: the default config against bare Lightning (2 ms here) at dim 64; over 1.10x exits 1."""
+    ms = {step_time.LIGHTNING: 2.0, step_time.DEFAULT: default_ms}
+    measured = {}
+
+    def fake_measure(cmds, repeats, warmup):
+        measured.update(cmds)
+        return {name: step_time.Measured(ms[name], ms[name], ms[name], 1.0, 2.0, 100.0) for name in cmds}
+
+    monkeypatch.setattr(step_time, "measure_interleaved", fake_measure)
+    assert step_time.check(step_time.parse_args(["--check"])) == exit_code
+    assert set(measured) == {step_time.LIGHTNING, step_time.DEFAULT}
+
+
 def test_step_time_refuses_runs_with_no_steady_step():
     with pytest.raises(SystemExit):
         step_time.parse_args(["--host-steps", "4", "--warmup", "3"])

@@ -9,6 +9,7 @@ mean loss of its micro-batches; under ``16-mixed`` a step whose update the grad 
 docs/callbacks.md; a step: docs/architecture.md.
 """
 
+import math
 from typing import Any
 
 import torch
@@ -83,7 +84,8 @@ class LossMonitor(Callback):
         if loss is not None:
             # Automatic optimization hands over the loss divided by accumulate_grad_batches (what backward got).
             scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-            self._losses.append(loss.detach().float().reshape(1) * scale)
+            loss = loss.detach().reshape(1).float()  # a float32 loss as it is: no kernel
+            self._losses.append(loss * scale if scale != 1 else loss)
         if not self._steps.ended(trainer):  # a micro-batch of the running step
             return
         step = trainer.global_step - 1  # the optimizer step has already advanced global_step
@@ -92,21 +94,28 @@ class LossMonitor(Callback):
         due = bool(self.every_n_steps) and (step % self.every_n_steps == 0 or is_last_step(trainer, batch_idx))
         if not (due or self.check_finite) or not losses:
             return
-        local = torch.cat(losses).mean().reshape(1)
+        # One micro-batch: its float32 loss as it is (exact in StepSync's float64 row, a NaN or an Inf stays one, so
+        # the gathered losses are the NaN check); several: their mean.
+        local = losses[0] if len(losses) == 1 else torch.cat(losses).mean().reshape(1)
         # A fused optimizer's skip is a flag on the device: it travels in the row, read once gathered (no sync here).
-        flag = skipped.to(local) if isinstance(skipped, Tensor) else local.new_full((1,), float(skipped))
-        row = torch.cat([local, (~torch.isfinite(local)).float(), flag])
+        # Without a grad scaler no update is ever skipped: the loss travels alone.
+        if grad_scaler(trainer) is not None:
+            flag = skipped.to(local) if isinstance(skipped, Tensor) else local.new_full((1,), float(skipped))
+            local = torch.cat([local, flag])
 
-        def report(gathered: Tensor) -> None:  # [world_size, 3]: loss, non-finite flag, update skipped
-            bad = [rank for rank, flag in enumerate(gathered[:, 1].tolist()) if flag]
-            global_mean = gathered[:, 0].mean().item()
+        def report(gathered: Tensor) -> None:  # [world_size, 1 or 2]: loss, update skipped (with a grad scaler)
+            column = gathered[:, 0]
+            losses = column.tolist()
+            bad = [rank for rank, value in enumerate(losses) if not math.isfinite(value)]
+            global_mean = losses[0] if len(losses) == 1 else column.mean().item()
             if bad:  # every rank sees the same rows, so every rank raises here, at this step
                 raise NonFiniteLossError(
                     f"loss is {global_mean} at step {step}: non-finite on rank(s) {bad}; training stopped"
                 )
             if due:
-                note = " (update skipped: the grad scaler found inf/NaN gradients)" if gathered[0, 2].item() else ""
+                skip = gathered.shape[1] > 1 and gathered[0, 1].item()
+                note = " (update skipped: the grad scaler found inf/NaN gradients)" if skip else ""
                 say(trainer, f"Step {step}, Loss {global_mean:.4f}{note}")
                 log_metrics(trainer, {"train/loss": global_mean}, step=step)
 
-        self._sync.put("loss", row, report)
+        self._sync.put("loss", local, report)

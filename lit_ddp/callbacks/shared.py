@@ -153,9 +153,16 @@ class ProfilesSteps(Protocol):
     profiled_steps: range
 
 
+def profiling_callback(trainer: Trainer) -> Optional[ProfilesSteps]:
+    """The callback of ``trainer`` that profiles steps, if any (its ``profiled_steps`` are known once its
+    ``on_train_start`` ran). A Protocol's ``isinstance`` is slow: find it once a fit, not every step."""
+    return next((c for c in trainer.callbacks if isinstance(c, ProfilesSteps)), None)
+
+
 def profiled_steps(trainer: Trainer) -> range:
     """The steps a callback of ``trainer`` profiles (none when no callback does)."""
-    return next((c.profiled_steps for c in trainer.callbacks if isinstance(c, ProfilesSteps)), range(0))
+    found = profiling_callback(trainer)
+    return found.profiled_steps if found is not None else range(0)
 
 
 def report_timers(trainer: Trainer, caller: Callback) -> None:

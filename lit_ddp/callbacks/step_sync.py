@@ -1,8 +1,8 @@
 """One small collective per step for everything the tool's callbacks need from every rank.
 
-    python -m lit_ddp.fit --devices 2       # the loss, the NaN flag, SIGTERM and the sync check ride together
+    python -m lit_ddp.fit --devices 2       # the loss (the NaN check), SIGTERM and the sync check ride together
 
-LossMonitor's loss and NaN flag, SyncCheck's fingerprint and every rank's SIGTERM flag go into one float64 row;
+LossMonitor's loss (its NaN check), SyncCheck's fingerprint and every rank's SIGTERM flag go into one float64 row;
 one ``all_gather`` (no barrier, started with ``async_op`` and read a step later) gives every rank every row, and
 every rank takes the same decisions from the same data. It replaces Lightning's per-step SIGTERM broadcast and
 its collectives inside signal handlers (SIGTERM; Slurm's requeue, SIGUSR1): a handler only sets a flag, and every
@@ -30,7 +30,7 @@ from typing_extensions import override
 
 from lit_ddp import _lightning
 from lit_ddp.callbacks.collective_recorder import CollectiveRecorder
-from lit_ddp.callbacks.shared import all_gather, exit_cleanly, is_last_step, profiled_steps, say
+from lit_ddp.callbacks.shared import all_gather, exit_cleanly, is_last_step, profiling_callback, say
 from lit_ddp.errors import Ending, prog
 from lit_ddp.measure.step_marks import OptimizerSteps
 from lit_ddp.run import hangs
@@ -117,6 +117,8 @@ class StepSync(Callback):
         self._slots: dict[str, _Slot] = {}
         self._in_flight: Optional[_InFlight] = None
         self._host_copy: Optional[_HostCopy] = None  # made in setup, on CUDA
+        self._profiles: Optional[list] = None  # [the Trainer's ProfilesSteps callback or None], found at the first step
+        self._no_flags = torch.zeros(2, dtype=torch.float64)  # the usual CPU flags: no tensor made per step
         self._sigterm = False
         self.ending = Ending.FINISHED  # how this fit ended, when it did not raise
         self.collectives = 0  # how many per-step collectives ran (for tests and benchmarks)
@@ -171,7 +173,7 @@ class StepSync(Callback):
         CollectiveRecorder.attach(trainer, before=self)  # its mark at a step's end comes before the gather
         self._device = trainer.strategy.root_device
         self._host_copy = _HostCopy(self._device) if self._device.type == "cuda" else None
-        self._sigterm, self.ending, self._in_flight = False, Ending.FINISHED, None
+        self._sigterm, self.ending, self._in_flight, self._profiles = False, Ending.FINISHED, None, None
         self._requeue = self._requeued = False
 
         def note_requeue(signum, frame) -> None:
@@ -256,7 +258,9 @@ class StepSync(Callback):
         if copy is not None:
             flags = copy.flags(self._sigterm, self._requeue)
         else:
-            flags = torch.tensor([float(self._sigterm), float(self._requeue)], dtype=torch.float64)
+            sigterm, requeue = self._sigterm, self._requeue
+            flags = torch.tensor([float(sigterm), float(requeue)], dtype=torch.float64) if sigterm or requeue else \
+                self._no_flags  # fmt: skip
         row = torch.cat([flags, *(slot.values for slot in slots.values())])
         work = None
         if trainer.world_size == 1:  # nothing to exchange: every value is already here
@@ -290,7 +294,9 @@ class StepSync(Callback):
             width = slot.values.numel()
             slot.on_result(gathered[:, start : start + width])
             start += width
-        self._decide(trainer, bool(gathered[:, 0].any()), bool(gathered[:, 1].any()))
+        flags = gathered[:, :2]
+        if flags.any():  # one test for the usual step, where no rank has a signal
+            self._decide(trainer, bool(flags[:, 0].any()), bool(flags[:, 1].any()))
 
     def _decide(self, trainer: Trainer, sigterm: bool, requeue: bool) -> None:
         """What every rank does with the flags of every rank (the same on each, at the same step)."""
@@ -310,5 +316,8 @@ class StepSync(Callback):
         its last), nor at all under Lightning's PyTorchProfiler, whose schedule starts and stops inside steps."""
         if isinstance(trainer.profiler, PyTorchProfiler):
             return True
-        profiled = profiled_steps(trainer)
+        if self._profiles is None:  # once a fit: a Protocol's isinstance over every callback costs ~0.1 ms a step
+            self._profiles = [profiling_callback(trainer)]
+        found = self._profiles[0]
+        profiled = found.profiled_steps if found is not None else range(0)
         return len(profiled) > 0 and trainer.global_step in (profiled.start, profiled.stop)

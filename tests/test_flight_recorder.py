@@ -54,9 +54,11 @@ def fr_entry(seq, op, sizes, frames, pg_id=0, state="completed", **more):
             "frames": frames, "pg_id": pg_id, "state": state, **more}  # fmt: skip
 
 
-USER = [{"name": "_call", "filename": os.path.join(os.path.dirname(torch.__file__), "nn", "module.py"), "line": 3},
-        {"name": "<module>", "filename": "<string>", "line": 1},
-        {"name": "training_step", "filename": "/home/u/train.py", "line": 7}]
+USER = [
+    {"name": "_call", "filename": os.path.join(os.path.dirname(torch.__file__), "nn", "module.py"), "line": 3},
+    {"name": "<module>", "filename": "<string>", "line": 1},
+    {"name": "training_step", "filename": "/home/u/train.py", "line": 7},
+]
 AUTOGRAD = [{"name": "run_backward", "filename": "/x/graph.py", "line": 1}]  # fmt: skip
 
 

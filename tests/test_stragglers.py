@@ -337,10 +337,12 @@ def test_the_verdict_line_names_the_cause_or_says_no_phase_is_slower_and_why_the
     assert stragglers.verdict_line(found) == bare.format("")  # no phase measured
     found.extra_ms = {"forward": 0.1}
     assert stragglers.verdict_line(found) == bare.format(
-        "; none of its phases is slower than the other ranks' beyond the noise")
+        "; none of its phases is slower than the other ranks' beyond the noise"
+    )
     found.cause, found.cause_extra_ms = "forward", 11.0
     assert stragglers.verdict_line(found) == bare.format("; its forward phase is +11.0 ms over the other ranks' median")
     found.rank, found.steps, found.late_low_ms = None, 2, -math.inf
     assert stragglers.verdict_line(found) == (
         "no straggler (the rank the others wait for most is 2 step(s) are too few to tell; a straggler is last at "
-        f"{stragglers.STRAGGLER_SHARE:.0%} of them, late beyond the noise, by a median above 1.0 ms)")
+        f"{stragglers.STRAGGLER_SHARE:.0%} of them, late beyond the noise, by a median above 1.0 ms)"
+    )

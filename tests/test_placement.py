@@ -72,6 +72,7 @@ def test_every_column_of_the_map_is_left_aligned():
 def test_a_bare_cuda_device_is_index_0():
     """``str(torch.device("cuda"))`` is ``cuda``: the current device, 0 unless set."""
     found = problems([row(0, 0, "cuda"), row(1, 1, "cuda:0")])
+    assert len(found) == 2, found  # rank 0's bare cuda is its local rank's index
     assert any("ranks [0, 1] share GPU 0 on n0" in p for p in found), found
     assert any("rank 1 uses cuda:0 but its local rank is 1" in p for p in found), found
 

@@ -2,6 +2,7 @@
 records a known change is found in its row and nowhere else, identical runs call no row, the set-ups' differences
 come first; on real runs, two of one job call nothing, and every rank's forward 10 ms longer is found as that."""
 
+import dataclasses
 import random
 import re
 import shutil
@@ -137,3 +138,22 @@ def test_a_row_that_moves_by_less_than_a_twentieth_of_the_step_is_the_same():
     assert beyond.word == "slower"  # 0.2 ms, far beyond these steps' noise...
     (floored,) = compare.compare(steady, floor_ms=compare.STEP_SHARE * 10.0)
     assert floored.word == "same"  # ... but a 10 ms step moves by 2% at most
+
+
+def test_every_difference_of_set_up_is_named_and_records_of_one_kind_compare_their_meta():
+    a, b = a_run(1), a_run(2)
+    b[0].meta = b[1].meta = dataclasses.replace(b[0].meta, precision="bf16-mixed", backend="nccl", device_name="H200")
+    b[1].wire_dtype, b[1].compression, b[1].layout = "bfloat16", "bf16", [1_000, 2_000, 3_000, 4_000, 5_000]
+    assert compare.incompatibilities(a, b) == [
+        "A and B differ in precision: 32-true against bf16-mixed (the dtype of the compute)",
+        "A and B differ in backend: gloo against nccl (another collective library)",
+        "A and B differ in device: cpu against H200 (another machine's speed)",
+        "A and B differ in the dtype on the wire: None against bfloat16 (the bytes each all-reduce moves)",
+        "A and B differ in compression: none against bf16 (the bytes on the wire)",
+        "A and B differ in DDP's bucket layout: 1 bucket(s) of 263,168 bytes against 5 bucket(s) of 1,000, 2,000, "
+        "3,000, 4,000, ... bytes (the per-bucket rows are left out)",
+    ]
+    # Only phases on one side, only comm on the other: each record's own meta, no comm line.
+    assert compare.incompatibilities((a[0], None), (None, b[1]))[0].startswith("A and B differ in precision: ")
+    assert len(compare.incompatibilities((a[0], None), (None, b[1]))) == 3
+    assert compare.incompatibilities(a, a) == []

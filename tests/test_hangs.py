@@ -4,6 +4,7 @@
 
 import json
 import re
+import sys
 import threading
 import time
 from contextlib import ExitStack
@@ -11,9 +12,9 @@ from contextlib import ExitStack
 import pytest
 import torch.distributed as dist
 
-from lit_ddp import _lightning
+from lit_ddp import _lightning, _torch
 from lit_ddp.analysis.divergence import Collective, RankReport, divergences, never_arrived
-from lit_ddp.measure.collectives import CollectiveRecord, user_frame
+from lit_ddp.measure.collectives import CollectiveRecord, frame_of, user_frame
 from lit_ddp.run import hangs
 from tests.runner import start_module
 
@@ -236,3 +237,44 @@ def test_a_rank_that_raises_between_two_collectives_ends_the_job_with_its_own_er
     assert code == 1
     assert last_line(stderr) == "RuntimeError: injected failure on rank 1 between two collectives", stderr[-3000:]
     assert "lit-ddp-fit" not in stderr  # a user's script: messages name lit_ddp
+
+
+def _raises():
+    raise RuntimeError("here")  # the user's line
+
+
+def _live():
+    return frame_of(frame=sys._getframe())
+
+
+def test_frame_of_names_the_users_line_of_a_traceback_or_of_a_live_stack():
+    try:
+        _raises()
+    except RuntimeError as error:
+        tb = error.__traceback__
+    line = _raises.__code__.co_firstlineno + 1
+    assert frame_of(tb) == f'test_hangs.py:{line} _raises: raise RuntimeError("here")'
+    line = _live.__code__.co_firstlineno + 1
+    assert _live() == f"test_hangs.py:{line} _live: return frame_of(frame=sys._getframe())"
+    assert frame_of() == ""
+
+
+def test_a_records_report_holds_its_last_collectives_its_place_and_the_line_it_waited_at(monkeypatch):
+    record = CollectiveRecord()
+    assert record.now() == (None, "") and record.at(time.time_ns()) == (None, "before training")
+    record.mark(3, "training_step")
+    record.mark(3, "backward")
+    entries = [{"collective_seq_id": i, "profiling_name": "gloo:all_gather", "input_sizes": [[i]],
+                "input_dtypes": ["Float"], "time_created_ns": time.time_ns(), "pg_id": 0}
+               for i in range(1, 21)]  # fmt: skip
+    monkeypatch.setattr(_torch, "flight_recorder_entries", lambda: entries)
+    report = record.report(1, "timeout", "RuntimeError: timed out", "u.py:9 f: g()")
+    assert (report.rank, report.kind, report.error, report.where) == (1, "timeout", "RuntimeError: timed out",
+                                                                      "u.py:9 f: g()")  # fmt: skip
+    assert (report.step, report.phase) == (3, "backward") and report.failed_at > 0
+    assert [c.seq for c in report.collectives] == list(range(5, 21))  # the last REPORTED = 16
+    assert report.collectives[-1].where == "u.py:9 f: g()"  # no stack in Flight Recorder's entry: where it waited
+    raised = record.report(1, "exception", "ValueError: x", "u.py:3 h: k()")
+    assert raised.collectives[-1].where == ""  # it raised, waiting in no collective
+    monkeypatch.setattr(_torch, "flight_recorder_entries", lambda: None)
+    assert record.report(0, "hung", "", "").collectives == []

@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from lit_ddp import _lightning, _torch
-from lit_ddp.analysis.divergence import Collective, RankReport, divergences, never_arrived
+from lit_ddp.analysis.divergence import Collective, RankReport, divergences, first_cause, never_arrived
 from lit_ddp.measure.collectives import CollectiveRecord, frame_of, user_frame
 from lit_ddp.run import hangs
 from tests.runner import start_module
@@ -278,3 +278,35 @@ def test_a_records_report_holds_its_last_collectives_its_place_and_the_line_it_w
     assert raised.collectives[-1].where == ""  # it raised, waiting in no collective
     monkeypatch.setattr(_torch, "flight_recorder_entries", lambda: None)
     assert record.report(0, "hung", "", "").collectives == []
+
+
+def test_what_each_rank_that_never_arrived_did_instead_and_two_ranks_named_together():
+    """Three ranks call #9 (two alike), the others stop short: one hung, one waited in its #7, two sent nothing;
+    and one that failed in no collective."""
+    called = {r: RankReport(r, 1.0, "timeout", collectives=[grads(7, 2), grads(9, 3)]) for r in (0, 2)}
+    called[1] = RankReport(1, 1.0, "timeout", collectives=[grads(7, 2), Collective(9, "barrier", [[]], "", 3, "x")])
+    hung = RankReport(3, 1.0, "hung", where="u.py:1 f: sleep()", step=3, phase="training_step",
+                      collectives=[grads(7, 2)])  # fmt: skip
+    waited = RankReport(4, 1.0, "timeout", collectives=[grads(7, 2)])
+    (line,) = divergences({**called, 3: hung, 4: waited}, 7)
+    assert line == (
+        "collective #9 diverged: ranks 0, 2 called all_reduce Float[9] (DDP gradient bucket 0) at step 3, backward; "
+        "rank 1 called barrier at step 3, x; "
+        "rank 3 never arrived: it was hung outside any collective at step 3, training_step (u.py:1 f: sleep()); "
+        "rank 4 never arrived: it waited in its #7, all_reduce Float[9] (DDP gradient bucket 0) at step 2, backward; "
+        "rank 5 never arrived: it sent no report (hung outside any collective, or dead); "
+        "rank 6 never arrived: it sent no report (hung outside any collective, or dead)"
+    )
+    failed = RankReport(1, 1.0, "collective error", "RuntimeError: closed", step=2, phase="backward")
+    assert divergences({0: called[0], 1: failed}, 2) == [
+        "collective #7: rank 0 called all_reduce Float[9] (DDP gradient bucket 0) at step 2, backward; rank 1 never "
+        "arrived: it failed at step 2, backward: RuntimeError: closed"
+    ]
+
+
+def test_the_first_cause_is_the_earliest_exception_before_any_earlier_timeout():
+    timeout = RankReport(0, 1.0, "timeout")
+    late, early = RankReport(1, 3.0, "exception", "E: late"), RankReport(2, 2.0, "exception", "E: early")
+    assert first_cause({0: timeout, 1: late, 2: early}) is early
+    assert first_cause({0: timeout, 3: RankReport(3, 0.5, "collective error")}).rank == 3
+    assert first_cause({}) is None

@@ -85,6 +85,9 @@ def test_a_batch_ended_an_optimizer_step_when_the_global_step_moved_while_it_ran
 
 @pytest.mark.timeout(10)
 def test_an_update_is_skipped_when_fewer_ran_than_began_and_each_step_starts_afresh():
+    fresh = Updates()
+    fresh.begin()
+    assert fresh.skipped() is True  # the first step's update never ran
     updates = Updates()
     updates.begin()
     updates.ran(SimpleNamespace())  # an optimizer without the scaler's found_inf

@@ -157,3 +157,17 @@ def test_every_difference_of_set_up_is_named_and_records_of_one_kind_compare_the
     assert compare.incompatibilities((a[0], None), (None, b[1]))[0].startswith("A and B differ in precision: ")
     assert len(compare.incompatibilities((a[0], None), (None, b[1]))) == 3
     assert compare.incompatibilities(a, a) == []
+
+
+def test_the_comparison_names_its_columns_rows_and_units_and_says_how_sure_it_is_of_them_together():
+    samples = compare.run_samples(*a_run(1))
+    assert {row: unit for row, (unit, _) in samples.items()} == {
+        row: "ms" for row in ("step", "forward", "backward", "update", "data", "other", "exposed comm",
+                              "bucket 0 transfer", "bucket 0 wait")
+    }  # fmt: skip
+    assert all(len(values) == 39 for _, values in samples.values())  # the steady steps of the 40
+    lines = compare.compare_runs(a_run(1), a_run(2)).splitlines()
+    assert re.split(r"\s{2,}", lines[1]) == ["row", "A (median)", "B (median)", "B - A", "interval (99.44% each)",
+                                             "word"]  # fmt: skip
+    assert all(re.search(r"\d ms\s", line) for line in lines[2:-1]), lines
+    assert lines[-1] == "Summary: no row differs beyond the noise (9 rows, 95% for all of them together)"

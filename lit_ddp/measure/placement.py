@@ -46,7 +46,7 @@ def _physical_gpu(row: RankPlacement) -> Optional[str]:
     """The GPU behind ``cuda:i``: the i-th entry of CUDA_VISIBLE_DEVICES, or i when it is unset."""
     if not row["device"].startswith("cuda"):
         return None
-    index = int(row["device"].partition(":")[2] or 0)  # rpartition alike: a device names one colon
+    index = int(row["device"].partition(":")[2] or 0)
     visible = row["cuda_visible_devices"]
     if visible is None:
         return str(index)
@@ -68,7 +68,7 @@ def problems(rows: list[RankPlacement]) -> list[str]:
     for row in rows:
         r = row["rank"]
         if row["device"].startswith("cuda"):
-            index = int(row["device"].partition(":")[2] or 0)  # rpartition alike (one colon)
+            index = int(row["device"].partition(":")[2] or 0)
             visible = row["cuda_visible_devices"]
             n_visible = len([e for e in visible.split(",") if e.strip()]) if visible is not None else None
             if index != row["local_rank"] and (n_visible is None or n_visible > 1):

@@ -8,7 +8,7 @@ and the ones that survive.
 
 The modules and the tests are pyproject's ``[tool.mutmut]`` (``only_mutate``, ``pytest_add_cli_args_test_selection``);
 mutmut copies the tree into ``mutants/`` and, for each mutant, runs the selected tests that reached the function it
-changed, with one worker. Not in CI: some 2,600 mutants at one or two a second on 2 shared cores. A survivor is
+changed, with one worker. Not in CI: some 5,600 mutants at two to four a second on 2 shared cores. A survivor is
 either a missing test or an equivalent mutant (a comment at the line says why); ``mutmut show NAME`` prints its diff.
 What the last run found: docs/testing.md, "Mutation testing".
 """

@@ -2,6 +2,7 @@
 records a known change is found in its row and nowhere else, identical runs call no row, the set-ups' differences
 come first; on real runs, two of one job call nothing, and every rank's forward 10 ms longer is found as that."""
 
+import dataclasses
 import json
 import random
 import re
@@ -218,3 +219,37 @@ def test_a_real_run_through_the_cli_against_itself_and_with_a_far_longer_forward
     assert report.main([str(a), "--compare", str(b)]) == 0
     out = capsys.readouterr().out
     assert (words(out)["forward"], words(out)["backward"], words(out)["update"]) == ("slower", "same", "same"), out
+
+
+def test_every_difference_of_set_up_is_named_and_records_of_one_kind_compare_their_meta():
+    a, b = a_run(1), a_run(2)
+    b[0].meta = b[1].meta = dataclasses.replace(b[0].meta, precision="bf16-mixed", backend="nccl", device_name="H200")
+    b[1].wire_dtype, b[1].compression, b[1].layout = "bfloat16", "bf16", [1_000, 2_000, 3_000, 4_000, 5_000]
+    assert compare.incompatibilities(a, b) == [
+        "A and B differ in precision: 32-true against bf16-mixed (the dtype of the compute)",
+        "A and B differ in backend: gloo against nccl (another collective library)",
+        "A and B differ in device: cpu against H200 (another machine's speed)",
+        "A and B differ in the dtype on the wire: None against bfloat16 (the bytes each all-reduce moves)",
+        "A and B differ in compression: none against bf16 (the bytes on the wire)",
+        "A and B differ in DDP's bucket layout: 1 bucket(s) of 263,168 bytes against 5 bucket(s) of 1,000, 2,000, "
+        "3,000, 4,000, ... bytes (the per-bucket rows are left out)",
+    ]
+    # Only phases on one side, only comm on the other: each record's own meta, no comm line.
+    assert compare.incompatibilities((a[0], None), (None, b[1]))[0].startswith("A and B differ in precision: ")
+    assert len(compare.incompatibilities((a[0], None), (None, b[1]))) == 3
+    assert compare.incompatibilities(a, a) == []
+
+
+def test_the_comparison_names_its_columns_rows_and_units_and_says_how_sure_it_is_of_them_together():
+    samples = compare.run_samples(*a_run(1))
+    assert {row: unit for row, (unit, _) in samples.items()} == {
+        row: "ms" for row in ("step", "forward", "backward", "update", "data", "other", "exposed comm",
+                              "bucket 0 transfer", "bucket 0 wait")
+    }  # fmt: skip
+    assert all(len(values) == 39 for _, values in samples.values())  # the steady steps of the 40
+    lines = compare.compare_runs(a_run(1), a_run(2)).splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("row "))  # after the one-run note
+    assert re.split(r"\s{2,}", lines[header]) == ["row", "A (median)", "B (median)", "B - A",
+                                                  "interval (99.44% each)", "word"]  # fmt: skip
+    assert all(re.search(r"\d ms\s", line) for line in lines[header + 1 : -1]), lines
+    assert lines[-1] == "Summary: no row differs beyond the noise (9 rows, 95% for all of them together)"

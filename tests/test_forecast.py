@@ -294,6 +294,7 @@ def test_a_probe_across_nodes_gives_each_hop_its_own_measured_link(tmp_path):
     # ... which a forecast that stays within a node never takes.
     within = links.topology(("measured", None), 2, probe, across_nodes=False)
     assert within.intra is within.inter and within.intra.busbw_gbps == pytest.approx(2.0)
+    assert within.gpus_per_node == 2
 
 
 def forecast_rows(text):
@@ -511,3 +512,19 @@ def test_a_probe_file_is_named_in_every_link_it_gives_and_every_error(tmp_path):
     probe.write_text(json.dumps({"rows": [{"nbytes": 1}]}))
     with pytest.raises(ForecastError, match=rf"^{probe} is not an allreduce_probe JSON \(TypeError\("):
         links.load_probe(probe)
+
+
+def test_the_probe_fit_with_one_or_two_large_sizes_and_latency_weighted_by_relative_error():
+    """Two sizes from a sixteenth of the largest up give the bandwidth alone; one alone cannot, and the fit falls
+    back to every size. The latency is the mean of t - B x S weighted by 1/t^2 (each point's relative error)."""
+    two_large = [ProbePoint(1_000, 0.5, 0.0, 0.0), ProbePoint(1_000_000, 2.0, 0.0, 0.0),
+                 ProbePoint(16_000_000, 17.0, 0.0, 0.0)]  # fmt: skip
+    link = links.fit_probe(two_large, 2)
+    assert link.busbw_gbps == pytest.approx(1.0)  # (17 - 2) ms over 15 MB, the small size's 0.5 ms left out
+    residuals, weights = (0.5 - 0.001, 1.0, 1.0), (1 / 0.5**2, 1 / 2.0**2, 1 / 17.0**2)
+    latency_ms = sum(w * r for w, r in zip(weights, residuals, strict=True)) / sum(weights)
+    assert link.hop_latency_us == pytest.approx(latency_ms / 2 * 1e3)  # 2(n-1) = 2 ring steps
+    one_large = [ProbePoint(1_000, 1.001, 0.0, 0.0), ProbePoint(10_000, 1.01, 0.0, 0.0),
+                 ProbePoint(1_000_000, 2.0, 0.0, 0.0)]  # fmt: skip
+    link = links.fit_probe(one_large, 2)
+    assert (link.busbw_gbps, link.hop_latency_us) == (pytest.approx(1.0), pytest.approx(500.0))

@@ -4,6 +4,7 @@
 
 import json
 import re
+import sys
 import threading
 import time
 from contextlib import ExitStack
@@ -12,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from lit_ddp import _lightning
-from lit_ddp.analysis.divergence import Collective, RankReport, divergences, never_arrived
-from lit_ddp.measure.collectives import CollectiveRecord, user_frame
+from lit_ddp import _lightning, _torch
+from lit_ddp.analysis.divergence import Collective, RankReport, divergences, first_cause, never_arrived
+from lit_ddp.measure.collectives import CollectiveRecord, frame_of, user_frame
 from lit_ddp.run import hangs
 from tests.runner import start_module
 
@@ -287,3 +288,76 @@ def test_under_torchrun_the_root_cause_is_the_rank_that_raised(hung_runs):
     root = stderr.partition("Root Cause (first observed failure):")[2]
     assert "rank      : 1 (local_rank: 1)" in root, stderr[-3000:]
     assert "RuntimeError: injected failure on rank 1 between two collectives" in root, stderr[-3000:]
+
+
+def _raises():
+    raise RuntimeError("here")  # the user's line
+
+
+def _live():
+    return frame_of(frame=sys._getframe())
+
+
+def test_frame_of_names_the_users_line_of_a_traceback_or_of_a_live_stack():
+    try:
+        _raises()
+    except RuntimeError as error:
+        tb = error.__traceback__
+    line = _raises.__code__.co_firstlineno + 1
+    assert frame_of(tb) == f'test_hangs.py:{line} _raises: raise RuntimeError("here")'
+    line = _live.__code__.co_firstlineno + 1
+    assert _live() == f"test_hangs.py:{line} _live: return frame_of(frame=sys._getframe())"
+    assert frame_of() == ""
+
+
+def test_a_records_report_holds_its_last_collectives_its_place_and_the_line_it_waited_at(monkeypatch):
+    record = CollectiveRecord()
+    assert record.now() == (None, "") and record.at(time.time_ns()) == (None, "before training")
+    record.mark(3, "training_step")
+    record.mark(3, "backward")
+    entries = [{"collective_seq_id": i, "profiling_name": "gloo:all_gather", "input_sizes": [[i]],
+                "input_dtypes": ["Float"], "time_created_ns": time.time_ns(), "pg_id": 0}
+               for i in range(1, 21)]  # fmt: skip
+    monkeypatch.setattr(_torch, "flight_recorder_entries", lambda: entries)
+    report = record.report(1, "timeout", "RuntimeError: timed out", "u.py:9 f: g()")
+    assert (report.rank, report.kind, report.error, report.where) == (1, "timeout", "RuntimeError: timed out",
+                                                                      "u.py:9 f: g()")  # fmt: skip
+    assert (report.step, report.phase) == (3, "backward") and report.failed_at > 0
+    assert [c.seq for c in report.collectives] == list(range(5, 21))  # the last REPORTED = 16
+    assert report.collectives[-1].where == "u.py:9 f: g()"  # no stack in Flight Recorder's entry: where it waited
+    raised = record.report(1, "exception", "ValueError: x", "u.py:3 h: k()")
+    assert raised.collectives[-1].where == ""  # it raised, waiting in no collective
+    monkeypatch.setattr(_torch, "flight_recorder_entries", lambda: None)
+    assert record.report(0, "hung", "", "").collectives == []
+
+
+def test_what_each_rank_that_never_arrived_did_instead_and_two_ranks_named_together():
+    """Three ranks call #9 (two alike), the others stop short: one hung, one waited in its #7, two sent nothing;
+    and one that failed in no collective."""
+    called = {r: RankReport(r, 1.0, "timeout", collectives=[grads(7, 2), grads(9, 3)]) for r in (0, 2)}
+    called[1] = RankReport(1, 1.0, "timeout", collectives=[grads(7, 2), Collective(9, "barrier", [[]], "", 3, "x")])
+    hung = RankReport(3, 1.0, "hung", where="u.py:1 f: sleep()", step=3, phase="training_step",
+                      collectives=[grads(7, 2)])  # fmt: skip
+    waited = RankReport(4, 1.0, "timeout", collectives=[grads(7, 2)])
+    (line,) = divergences({**called, 3: hung, 4: waited}, 7)
+    assert line == (
+        "collective #9 diverged: ranks 0, 2 called all_reduce Float[9] (DDP gradient bucket 0) at step 3, backward; "
+        "rank 1 called barrier at step 3, x; "
+        "rank 3 never arrived: it was hung outside any collective at step 3, training_step (u.py:1 f: sleep()); "
+        "rank 4 never arrived: it waited in its #7, all_reduce Float[9] (DDP gradient bucket 0) at step 2, backward; "
+        "rank 5 never arrived: it sent no report (hung outside any collective, or dead); "
+        "rank 6 never arrived: it sent no report (hung outside any collective, or dead)"
+    )
+    failed = RankReport(1, 1.0, "collective error", "RuntimeError: closed", step=2, phase="backward")
+    assert divergences({0: called[0], 1: failed}, 2) == [
+        "collective #7: rank 0 called all_reduce Float[9] (DDP gradient bucket 0) at step 2, backward; rank 1 never "
+        "arrived: it failed at step 2, backward: RuntimeError: closed"
+    ]
+
+
+def test_the_first_cause_is_the_earliest_exception_before_any_earlier_timeout():
+    timeout = RankReport(0, 1.0, "timeout")
+    late, early = RankReport(1, 3.0, "exception", "E: late"), RankReport(2, 2.0, "exception", "E: early")
+    assert first_cause({0: timeout, 1: late, 2: early}) is early
+    assert first_cause({0: timeout, 3: RankReport(3, 0.5, "collective error")}).rank == 3
+    assert first_cause({}) is None

@@ -1,6 +1,10 @@
 """The placement rules (``lit_ddp.measure.placement``) on hand-made maps: the notes' device-indexing pitfalls."""
 
-from lit_ddp.measure.placement import RankPlacement, format_table, problems
+import socket
+
+import torch
+
+from lit_ddp.measure.placement import RankPlacement, format_table, problems, this_rank
 
 
 def row(rank, local_rank, device, cvd=None, slurm=None, host="n0", node=0) -> RankPlacement:
@@ -63,3 +67,46 @@ def test_every_column_of_the_map_is_left_aligned():
     lines = format_table([row(0, 0, "cpu"), row(10, 10, "cpu")]).splitlines()
     assert lines[1].startswith("0     0      0     n0    cpu     -                     0           -")
     assert lines[2].startswith("10    10     0     n0    cpu     -                     10          -")
+
+
+def test_a_bare_cuda_device_is_index_0():
+    """``str(torch.device("cuda"))`` is ``cuda``: the current device, 0 unless set."""
+    found = problems([row(0, 0, "cuda"), row(1, 1, "cuda:0")])
+    assert len(found) == 2, found  # rank 0's bare cuda is its local rank's index
+    assert any("ranks [0, 1] share GPU 0 on n0" in p for p in found), found
+    assert any("rank 1 uses cuda:0 but its local rank is 1" in p for p in found), found
+
+
+def test_comma_separated_visible_devices_name_the_physical_gpu():
+    # Index 0 of "1,0" and of " 1, 2" is physical GPU 1 for both.
+    found = problems([row(0, 0, "cuda:0", cvd="1,0"), row(1, 0, "cuda:0", cvd=" 1, 2")])
+    assert any("ranks [0, 1] share GPU 1 on n0" in p for p in found), found
+
+
+def test_an_index_past_the_visible_devices_is_named_not_a_crash():
+    found = problems([row(0, 1, "cuda:1", cvd="0"), row(1, 1, "cuda:1", cvd="0")])
+    assert found == ["ranks [0, 1] share GPU ?1 on n0: each rank needs its own device"]
+
+
+def test_the_map_names_its_columns_and_dashes_what_is_unset():
+    placement = row(0, 0, "cpu")
+    placement["env_local_rank"] = None
+    header, line = format_table([placement]).splitlines()
+    assert header.split() == ["rank", "local", "node", "host", "device", "CUDA_VISIBLE_DEVICES", "LOCAL_RANK",
+                              "SLURM_LOCALID"]  # fmt: skip
+    assert line.split() == ["0", "0", "0", "n0", "cpu", "-", "-", "-"]
+
+
+def test_this_rank_reads_the_host_and_the_launchers_variables(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setattr(socket, "gethostname", lambda: "node7")
+    assert this_rank(5, 1, 2, torch.device("cuda", 1)) == {
+        "rank": 5, "local_rank": 1, "node_rank": 2, "host": "node7", "device": "cuda:1",
+        "cuda_visible_devices": "3,2", "env_local_rank": "1", "slurm_localid": "1",
+    }  # fmt: skip
+    for name in ("CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "SLURM_LOCALID"):
+        monkeypatch.delenv(name)
+    unset = this_rank(0, 0, 0, torch.device("cpu"))
+    assert (unset["cuda_visible_devices"], unset["env_local_rank"], unset["slurm_localid"]) == (None, None, None)

@@ -295,3 +295,10 @@ def test_a_comm_record_with_every_field_set_and_distinct_survives_a_json_round_t
     assert len({json.dumps(v) for v in lists}) == len(lists)  # no two alike: a swap shows
     loaded = record.load(record.save(full, tmp_path / "comm.json"))
     assert plain(loaded) == plain(full)
+
+
+def test_an_empty_sketch_writes_no_min_or_max_and_a_sketch_equals_only_a_sketch_of_the_same_values():
+    empty = Sketch().to_json()
+    assert (empty["count"], empty["min"], empty["max"]) == (0, None, None)
+    assert Sketch.of([1.0, 2.0]) == Sketch.of([2.0, 1.0]) and Sketch.of([1.0]) != Sketch.of([2.0])
+    assert Sketch.of([1.0]) != 1.0

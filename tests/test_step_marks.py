@@ -4,8 +4,9 @@ numbers for times, their difference for the clock."""
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from lit_ddp.measure.step_marks import OptimizerSteps, StepMarks, close_micro_batch, phases_of
+from lit_ddp.measure.step_marks import OptimizerSteps, StepMarks, Updates, close_micro_batch, phases_of
 from lit_ddp.records.schema import BOUNDARIES, StepPhases
 
 
@@ -80,3 +81,54 @@ def test_a_batch_ended_an_optimizer_step_when_the_global_step_moved_while_it_ran
     assert not steps.ended(trainer)  # an accumulating micro-batch
     trainer.global_step = 5
     assert steps.ended(trainer)
+
+
+@pytest.mark.timeout(10)
+def test_an_update_is_skipped_when_fewer_ran_than_began_and_each_step_starts_afresh():
+    fresh = Updates()
+    fresh.begin()
+    assert fresh.skipped() is True  # the first step's update never ran
+    updates = Updates()
+    updates.begin()
+    updates.ran(SimpleNamespace())  # an optimizer without the scaler's found_inf
+    assert updates.skipped() is False and (updates.begun, updates._ran) == (0, 0)
+    updates.begin()
+    updates.begin()
+    updates.ran(SimpleNamespace())
+    assert updates.skipped() is True  # manual optimization: two optimizers began, one stepped
+    updates.begin()  # the scaler called no optimizer.step()
+    assert updates.skipped() is True
+    updates.begin()
+    updates.ran(SimpleNamespace())
+    assert updates.skipped() is False  # the last step's counts are gone
+
+
+@pytest.mark.timeout(10)
+def test_a_fused_optimizers_found_inf_tells_on_its_device_when_every_update_ran():
+    updates = Updates()
+    for found in (torch.tensor([0.0]), torch.tensor(2.0)):  # one per optimizer, as the scaler sets it
+        updates.begin()
+        updates.ran(SimpleNamespace(found_inf=found))
+    skipped = updates.skipped()
+    assert isinstance(skipped, torch.Tensor) and skipped.shape == (1,) and bool(skipped)
+    updates.begin()
+    updates.ran(SimpleNamespace(found_inf=torch.tensor([1.0])))
+    assert updates.skipped().tolist() == [True]
+    updates.begin()
+    updates.ran(SimpleNamespace(found_inf=torch.tensor([0.0])))
+    assert updates.skipped().tolist() == [False] and updates._found_inf == []
+    updates.begin()
+    updates.begin()
+    updates.ran(SimpleNamespace(found_inf=torch.tensor([0.0])))
+    assert updates.skipped() is True  # one never ran: a bool, whatever the other's found_inf says
+
+
+@pytest.mark.timeout(10)
+def test_a_span_whose_ends_fell_in_two_micro_batches_adds_nothing():
+    """Each span counts within one micro-batch: a backward begun in one and ended in the next is no backward."""
+    first = micro(0.0, 4.0, 6.0, None, 2.0, 20.0)
+    del first["backward_end"], first["forward_end"]
+    second = micro(20.0, 5.0, 6.0, 3.0, 1.0, 40.0)
+    del second["backward_start"]
+    phases, _, _ = phases_of(StepMarks(0, [first, second]), elapsed)
+    assert (phases.forward, phases.backward, phases.backward_last) == (5.0, 0.0, 0.0)

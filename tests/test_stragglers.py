@@ -1,6 +1,7 @@
 """Who is slow and who waits: a rank delayed on purpose in one phase is named with that phase, the others' wait
 is the delay, and the all-reduce's own time does not swell with it."""
 
+import math
 import random
 import re
 
@@ -333,3 +334,24 @@ def test_only_steady_steps_every_rank_kept_with_the_final_layout_count():
     assert stragglers.find_straggler(comm_record([[row(0, s) for s in range(10)]], param_bytes=1000)) is None
     late_only = comm_record([[row(r, s) for s in (0, 2)] for r in range(3)], param_bytes=1000, profiled=[2])
     assert stragglers.find_straggler(late_only) is None
+
+
+@pytest.mark.timeout(10)
+def test_the_verdict_line_names_the_cause_or_says_no_phase_is_slower_and_why_there_is_none():
+    found = stragglers.Straggler(rank=1, late_ms=12.0, share=0.9, wait_ms=[11.5, 0.0, 10.25], transfer_ms=3.0,
+                                 transfer_per_bucket_ms=[3.0], wait_per_bucket_ms=[11.5], threshold_ms=1.0,
+                                 spread_ms=12.0, late_low_ms=10.0, late_high_ms=14.0)  # fmt: skip
+    bare = ("straggler: rank 1 arrives 12.0 ms late at 90% of all-reduces (median within 10.0 to 14.0 ms){}; "
+            "rank(s) 0, 2 wait 11.5, 10.2 ms per step; the all-reduce itself takes 3.0 ms")  # fmt: skip
+    assert stragglers.verdict_line(found) == bare.format("")  # no phase measured
+    found.extra_ms = {"forward": 0.1}
+    assert stragglers.verdict_line(found) == bare.format(
+        "; none of its phases is slower than the other ranks' beyond the noise"
+    )
+    found.cause, found.cause_extra_ms = "forward", 11.0
+    assert stragglers.verdict_line(found) == bare.format("; its forward phase is +11.0 ms over the other ranks' median")
+    found.rank, found.steps, found.late_low_ms = None, 2, -math.inf
+    assert stragglers.verdict_line(found) == (
+        "no straggler: can't tell, 2 step(s) are too few (a straggler is last at "
+        f"{stragglers.STRAGGLER_SHARE:.0%} of them, late beyond the noise, by a median above 1.0 ms)"
+    )

@@ -27,7 +27,7 @@ def comm_summary(record: CommRecord, rank: int, name: str) -> Sketch:
         if name == "total_ms":
             return [sum(r.ms) for r in rows]
         if name.startswith("bucket"):
-            b, _, field_name = name[len("bucket") :].partition(".")
+            b, _, field_name = name[len("bucket") :].partition(".")  # rpartition alike: "bucket0.ms", one dot
             return [getattr(r, field_name)[int(b)] for r in rows]
         return [getattr(r, name) for r in rows]
 

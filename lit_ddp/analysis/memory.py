@@ -30,7 +30,7 @@ def memory_summary(record: PhaseRecord, rank: int, name: str) -> Sketch:
 def _figure(row: StepMemory, name: str) -> Optional[int]:
     if name == "start":
         return row.start
-    kind, _, phase = name.partition(".")
+    kind, _, phase = name.partition(".")  # rpartition alike: "peak.backward" has one dot
     return (row.peak if kind == "peak" else row.retained).get(phase)
 
 

@@ -46,7 +46,7 @@ class Sketch:
             self._zeros += 1
             return
         key = math.ceil(math.log(abs(value)) / self._LOG_GAMMA)
-        key = 2 * key if value > 0 else 2 * key + 1  # even: positive, odd: negative
+        key = 2 * key if value > 0 else 2 * key + 1  # even: positive, odd: negative (>= alike: 0 returned above)
         self._bins[key] = self._bins.get(key, 0) + 1
 
     def _value(self, key: int) -> float:
@@ -60,6 +60,7 @@ class Sketch:
         NaN if empty."""
         if not self.count:
             return math.nan
+        # Sorted by value: the bins' values are distinct, so key=None (the pairs) would sort them alike.
         values = sorted(((self._value(k), n) for k, n in self._bins.items()), key=lambda vn: vn[0])
         if self._zeros:
             values.append((0.0, self._zeros))

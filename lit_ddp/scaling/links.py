@@ -91,9 +91,9 @@ def ring_ms(nbytes: float, n: int, link: Link) -> float:
 def allreduce_ms(nbytes: float, ranks: int, topo: Topology) -> float:
     """T(S, N): a ring inside one node, NCCL's hierarchical form across nodes (see the module docstring)."""
     g = topo.gpus_per_node
-    if ranks <= g:
+    if ranks <= g:  # < alike: at ranks == g the form below is the ring (m = 1: no tree level, bus factor 0)
         return ring_ms(nbytes, ranks, topo.intra)
-    m = ranks // g
+    m = ranks // g  # / alike: check_ranks lets through whole nodes only
     latency = 2 * (g - 1) * topo.intra.hop_latency_us + 2 * math.ceil(math.log2(m)) * topo.inter.hop_latency_us
     intra = allreduce_bus_factor(g) * nbytes / (topo.intra.busbw_gbps * BYTES_PER_MS_PER_GBPS)
     inter = allreduce_bus_factor(m) * (nbytes / g) / (topo.inter.busbw_gbps * BYTES_PER_MS_PER_GBPS)
@@ -102,7 +102,7 @@ def allreduce_ms(nbytes: float, ranks: int, topo: Topology) -> float:
 
 def _slope(pts: Sequence[tuple[float, float]], weights: Sequence[float]) -> float:
     """The slope of the weighted least-squares line through ``(size, time)`` points."""
-    sw = sum(weights)
+    sw = sum(weights)  # zip's strict=... mutants are equivalent: weights and pts come from one list
     sx = sum(w * s for w, (s, _) in zip(weights, pts, strict=True))
     sy = sum(w * t for w, (_, t) in zip(weights, pts, strict=True))
     sxx = sum(w * s * s for w, (s, _) in zip(weights, pts, strict=True))
@@ -127,14 +127,14 @@ def fit_probe(points: Sequence[ProbePoint], world_size: int, name: str = "measur
         raise ForecastError(f"a fit needs >= 2 sizes with a positive time, got {[(p.nbytes, p.ms) for p in points]}")
     largest = max(s for s, _ in pts)
     large = [(s, t) for s, t in pts if s >= LARGE_SHARE * largest]
-    weights = [1 / t**2 for _, t in pts]
+    weights = [1 / t**2 for _, t in pts]  # one a point (zip strict= alike); 2 / t**2, [2.0] below alike: factors cancel
     slope = _slope(large, [1.0] * len(large)) if len({s for s, _ in large}) >= 2 else 0.0
     if slope <= 0:  # too few large sizes, or only noise among them (a probe of KBs): every size, by relative error
         slope = _slope(pts, weights)
     if slope <= 0:
         raise ForecastError(f"the probe's times do not grow with size (slope {slope!r} ms/byte): no bandwidth to fit")
     intercept = sum(w * (t - slope * s) for w, (s, t) in zip(weights, pts, strict=True)) / sum(weights)
-    intercept = intercept if intercept > 1e-9 else 0.0  # a picosecond: rounding, not a latency
+    intercept = intercept if intercept > 1e-9 else 0.0  # a picosecond: rounding, not a latency (>= alike)
     return Link(
         name,
         busbw_gbps=allreduce_bus_factor(world_size) / slope / BYTES_PER_MS_PER_GBPS,
@@ -211,5 +211,5 @@ def check_ranks(ranks: int, topo: Topology, spec: str) -> None:
     if ranks > g and topo.inter.node_only:
         raise ForecastError(f"--link {spec} reaches {g} GPUs (one node); {ranks} ranks need an inter-node link, "
                             f"e.g. --link {spec}+ib400")  # fmt: skip
-    if ranks > g and ranks % g:
+    if ranks > g and ranks % g:  # >= alike: g % g is 0
         raise ForecastError(f"{ranks} ranks do not fill whole nodes of --gpus-per-node {g}")

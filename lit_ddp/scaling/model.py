@@ -79,7 +79,7 @@ def simulate(run: Measured, ranks: int, topo: Topology, buckets: Sequence[Bucket
         comm += cost
     # DDP's finalize: wait for each bucket's all-reduce in turn, then copy its result into .grad.
     backward, total = ready, sum(b.nbytes for b in buckets)
-    for bucket, bucket_end in zip(buckets, ends, strict=True):
+    for bucket, bucket_end in zip(buckets, ends, strict=True):  # one end a bucket: strict= alike
         backward = max(backward, bucket_end) + run.tail_ms * bucket.nbytes / total
     step = run.forward_ms + run.backward_before_ms + backward + run.update_ms + run.other_ms
     return Forecast(ranks, step, run.backward_before_ms + backward, exposed_ms=end - ready, comm_ms=comm)

@@ -10,9 +10,9 @@ from lightning.pytorch import LightningModule, Trainer
 
 from lit_ddp import report
 from lit_ddp.analysis.comm import comm_summary, comm_table
-from lit_ddp.analysis.phases import MEASURE, verdict
+from lit_ddp.analysis.phases import MEASURE, phase_table, verdict
 from lit_ddp.callbacks import CommMonitor, LossMonitor, PhaseTimer, StepSync, SyncCheck
-from lit_ddp.records.schema import CommRecord, DDPMemory, RankComm, RunMeta, StepBuckets, load_run, save
+from lit_ddp.records.schema import CommRecord, DDPMemory, RankComm, Roofline, RunMeta, StepBuckets, load_run, save
 from lit_ddp.scaling.advice import wire_savings
 from tests import records
 from tests.records import phase_record
@@ -287,3 +287,28 @@ def test_the_straggler_verdict_is_the_comm_tables_only_without_the_phase_table()
     assert "straggler" not in comm_table(record, phases)
     untimed = comm_record([[dataclasses.replace(row(0, s), ms=[0.0]) for s in range(8)]], param_bytes=1000)
     assert re.search(r"^0\s+1,000\s+0\.00 ms\s+-\s+-$", comm_table(untimed), re.M), comm_table(untimed)
+
+
+def steps_of(rank: int) -> list[tuple[float, float, float, float]]:
+    """8 steps of (forward, backward, update, other), each phase growing step by step, rank 1's forward 1 ms longer
+    and its other 0.05 ms: every column of the tables has its own figure."""
+    return [(1.0 + 0.1 * i + rank, 4.0 + 0.2 * i, 0.5 + 0.01 * i, 0.25 + rank * 0.05) for i in range(8)]
+
+
+# The tables as PhaseTimer prints them for the records of the test below (golden files: regenerate by hand only
+# for a deliberate change of the output, and read the diff).
+PHASE_TABLES = ROOT / "tests" / "data"
+
+
+def test_the_phase_table_and_the_roofline_print_every_figure_where_it_belongs():
+    """The whole printed table, character for character, on hand-made records whose figures can be checked by hand
+    (rank 0's steady forward: steps 1 and 3-7, the profiled step 2 left out, 1.10-1.70 ms); the GPU-busy column
+    from the profiled steps' rows, the CUDA clock's title, the roofline with its micro-batches, dtype and peaks."""
+    roofline = Roofline(4, 2e9, 4e9, 3e8, peak_tflops=10.0, peak_gbps=100.0, peak_label="a test GPU",
+                        micro_batches=2, compute_dtype="bfloat16")  # fmt: skip
+    cpu = phase_record([steps_of(0), steps_of(1)], profiled=[2], roofline=roofline)
+    cpu.meta = dataclasses.replace(cpu.meta, precision="bf16-mixed")
+    assert phase_table(cpu) + "\n" == (PHASE_TABLES / "phase_table_cpu.txt").read_text()
+    busy = [(0.9, 3.0, 0.4, 0.1), (1.1, 3.4, 0.5, 0.1)]
+    gpu = phase_record([steps_of(0)], profiled=[2, 3], clock="cuda_event", busy=busy)
+    assert phase_table(gpu) + "\n" == (PHASE_TABLES / "phase_table_gpu.txt").read_text()

@@ -179,3 +179,12 @@ def test_the_real_a100_profile_of_two_counted_steps_can_t_tell_and_says_how_to_p
     said = trace_tables.trace_verdict([analyze_rank(load(A100))])
     assert said.startswith("Verdict: can't tell what bounds the GPUs: the profile holds 2 counted step(s)"), said
     assert "idle time 77%, compute 18%" in said and "torch.profiler.schedule(active=5)" in said, said
+
+
+def test_the_a100_traces_tables_and_json_hold_every_figure_where_it_belongs():
+    """The report's whole text and its JSON for the real A100 trace, character for character (golden files beside
+    the trace; tests/test_trace.py holds their figures against HTA's): the rank, phase and collective tables, the
+    exposed communication, the verdict."""
+    analyses = [analyze_rank(load(A100))]
+    assert trace_tables.trace_report(analyses) + "\n" == (A100.parent / "a100_trace_report.txt").read_text()
+    assert trace_tables.to_json(analyses) == json.loads((A100.parent / "a100_trace_report.json").read_text())

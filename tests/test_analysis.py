@@ -297,7 +297,7 @@ def steps_of(rank: int) -> list[tuple[float, float, float, float]]:
 
 # The tables as PhaseTimer prints them for the records of the test below (golden files: regenerate by hand only
 # for a deliberate change of the output, and read the diff).
-PHASE_TABLES = ROOT / "tests" / "data"
+PHASE_TABLES = ROOT / "tests" / "golden"
 
 
 def test_the_phase_table_and_the_roofline_print_every_figure_where_it_belongs():

@@ -182,9 +182,9 @@ def test_the_real_a100_profile_of_two_counted_steps_can_t_tell_and_says_how_to_p
 
 
 def test_the_a100_traces_tables_and_json_hold_every_figure_where_it_belongs():
-    """The report's whole text and its JSON for the real A100 trace, character for character (golden files beside
-    the trace; tests/test_trace.py holds their figures against HTA's): the rank, phase and collective tables, the
+    """The report's whole text and its JSON for the real A100 trace, character for character (golden files in
+    tests/golden; tests/test_trace.py holds their figures against HTA's): the rank, phase and collective tables, the
     exposed communication, the verdict."""
-    analyses = [analyze_rank(load(A100))]
-    assert trace_tables.trace_report(analyses) + "\n" == (A100.parent / "a100_trace_report.txt").read_text()
-    assert trace_tables.to_json(analyses) == json.loads((A100.parent / "a100_trace_report.json").read_text())
+    analyses, golden = [analyze_rank(load(A100))], A100.parents[1] / "golden"
+    assert trace_tables.trace_report(analyses) + "\n" == (golden / "a100_trace_report.txt").read_text()
+    assert trace_tables.to_json(analyses) == json.loads((golden / "a100_trace_report.json").read_text())

@@ -88,7 +88,9 @@ class Case(LightningModule):
         return loss
 
     def on_train_end(self) -> None:
-        print(f"rank {self.global_rank}: batches {[self.trained[e] for e in sorted(self.trained)]}", flush=True)
+        # One write of the whole line: the ranks share the pipe, and print's text and newline can interleave.
+        sys.stdout.flush()
+        os.write(1, f"rank {self.global_rank}: batches {[self.trained[e] for e in sorted(self.trained)]}\n".encode())
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)

@@ -187,4 +187,7 @@ def test_the_a100_traces_tables_and_json_hold_every_figure_where_it_belongs():
     exposed communication, the verdict."""
     analyses, golden = [analyze_rank(load(A100))], A100.parents[1] / "golden"
     assert trace_tables.trace_report(analyses) + "\n" == (golden / "a100_trace_report.txt").read_text()
-    assert trace_tables.to_json(analyses) == json.loads((golden / "a100_trace_report.json").read_text())
+    written = trace_tables.to_json(analyses)
+    for rank in written["ranks"]:
+        rank["file"] = Path(rank["file"]).name  # the checkout's own path
+    assert written == json.loads((golden / "a100_trace_report.json").read_text())

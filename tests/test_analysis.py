@@ -12,7 +12,19 @@ from lit_ddp import report
 from lit_ddp.analysis.comm import comm_summary, comm_table
 from lit_ddp.analysis.phases import MEASURE, phase_table, verdict
 from lit_ddp.callbacks import CommMonitor, LossMonitor, PhaseTimer, StepSync, SyncCheck
-from lit_ddp.records.schema import CommRecord, DDPMemory, RankComm, Roofline, RunMeta, StepBuckets, load_run, save
+from lit_ddp.records.schema import (
+    CommRecord,
+    DDPMemory,
+    PhaseRecord,
+    RankComm,
+    Roofline,
+    RunMeta,
+    Sketch,
+    StepBuckets,
+    StepMemory,
+    load_run,
+    save,
+)
 from lit_ddp.scaling.advice import wire_savings
 from tests import records
 from tests.records import phase_record
@@ -289,10 +301,10 @@ def test_the_straggler_verdict_is_the_comm_tables_only_without_the_phase_table()
     assert re.search(r"^0\s+1,000\s+0\.00 ms\s+-\s+-$", comm_table(untimed), re.M), comm_table(untimed)
 
 
-def steps_of(rank: int) -> list[tuple[float, float, float, float]]:
-    """8 steps of (forward, backward, update, other), each phase growing step by step, rank 1's forward 1 ms longer
+def steps_of(rank: int, n: int = 8) -> list[tuple[float, float, float, float]]:
+    """``n`` steps of (forward, backward, update, other), each phase growing step by step, rank 1's forward 1 ms longer
     and its other 0.05 ms: every column of the tables has its own figure."""
-    return [(1.0 + 0.1 * i + rank, 4.0 + 0.2 * i, 0.5 + 0.01 * i, 0.25 + rank * 0.05) for i in range(8)]
+    return [(1.0 + 0.1 * i + rank, 4.0 + 0.2 * i, 0.5 + 0.01 * i, 0.25 + rank * 0.05) for i in range(n)]
 
 
 # The tables as PhaseTimer prints them for the records of the test below (golden files: regenerate by hand only
@@ -312,3 +324,36 @@ def test_the_phase_table_and_the_roofline_print_every_figure_where_it_belongs():
     busy = [(0.9, 3.0, 0.4, 0.1), (1.1, 3.4, 0.5, 0.1)]
     gpu = phase_record([steps_of(0)], profiled=[2, 3], clock="cuda_event", busy=busy)
     assert phase_table(gpu) + "\n" == (PHASE_TABLES / "phase_table_gpu.txt").read_text()
+
+
+def memory_rows(scale: int) -> list[StepMemory]:
+    """Steps 2-3's memory, rank-scaled: each phase's peak and what it retained (bytes)."""
+    return [StepMemory(s, 1000 * scale, {"forward": 3000 * scale + s, "backward": 5000 * scale + s,
+                                         "update": 2500 * scale, "step": 5000 * scale + s},
+                       {"forward": 2000 * scale, "backward": 1500 * scale, "update": 1200 * scale,
+                        "step": 1200 * scale}) for s in (2, 3)]  # fmt: skip
+
+
+def mixed_record(exposed_ms: float) -> tuple[PhaseRecord, CommRecord]:
+    """12 steps of 2 ranks under 16-mixed, steps 2-3 profiled for memory, a validation run on each rank, step 5
+    skipped by the grad scaler, and CommMonitor's one bucket ``exposed_ms`` exposed after backward, rank 1 handing
+    it over 0.5 ms after rank 0."""
+    record = phase_record([[(f, b + exposed_ms, u, o) for f, b, u, o in steps_of(r, 12)] for r in (0, 1)],
+                          profiled=[2, 3])  # fmt: skip
+    record.meta = dataclasses.replace(record.meta, precision="16-mixed")
+    record.memory_source = "cpu_profiler"
+    for rank in record.ranks:
+        rank.memory = memory_rows(1 + rank.rank)
+        rank.outside = {"validation": Sketch.of([50.0 + rank.rank, 52.0])}
+    record.skipped_steps, record.skipped_count = [5], 1
+    buckets = [[StepBuckets(s, [1000], [exposed_ms + 0.5], [3.0], exposed_ms + 0.5, exposed_ms,
+                            [(100.0 * s + 3.0 + 0.5 * r) / 1e3]) for s in range(12)] for r in (0, 1)]  # fmt: skip
+    return record, records.comm_record(buckets, param_bytes=1000)
+
+
+def test_the_phase_table_with_memory_validation_skipped_steps_and_the_all_reduce_split():
+    """Memory columns and line, the validation and skipped-step lines, and the verdict on backward split by
+    CommMonitor's record: compute-bound with 1.5 ms exposed, communication-bound (with the forecast's figure) with
+    20 ms; character for character (tests/golden/phase_table_mixed.txt, the two tables one after the other)."""
+    tables = [phase_table(*mixed_record(1.5)), phase_table(*mixed_record(20.0), {"fp16 compression (a test)": 9.0})]
+    assert "\n\n".join(tables) + "\n" == (PHASE_TABLES / "phase_table_mixed.txt").read_text()

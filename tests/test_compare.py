@@ -148,6 +148,18 @@ def test_a_row_that_moves_by_less_than_a_twentieth_of_the_step_is_the_same():
     assert floored.word == "same"  # ... but a 10 ms step moves by 2% at most
 
 
+def test_the_floor_is_a_twentieth_of_both_runs_mean_step_so_either_side_may_be_a():
+    a, b = a_run(1), a_run(2, forward=12.0)  # steps about 9.5 and 19.5 ms
+    sa, sb = compare.run_samples(*a), compare.run_samples(*b)
+    floor = compare.step_floor([sa], [sb])
+    assert floor == compare.step_floor([sb], [sa])
+    mean_step = (statistics.median(sa["step"][1]) + statistics.median(sb["step"][1])) / 2
+    assert floor == pytest.approx(compare.STEP_SHARE * mean_step) and 0.6 < floor < 0.8
+    assert compare.step_floor([sa], [{}]) == 0.0  # a side without a step row: no floor
+    there, back = words(compare.compare_runs(a, b)), words(compare.compare_runs(b, a))
+    assert there == {**back, "forward": "slower", "step": "slower"} and back["forward"] == "faster", (there, back)
+
+
 def save_runs(tmp_path, name: str, runs) -> list[str]:
     dirs = []
     for i, run in enumerate(runs):

@@ -25,8 +25,10 @@ from lit_ddp.formatting import fmt_bytes
 from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, is_steady, load_run
 
 CONFIDENCE = 0.95  # for the family of all the rows: the chance that any row is called by noise alone is <= 5%
-# A time row that moves by less than this share of A's step is the same: it cannot move the step by more (A/A
-# pairs of real runs here differed beyond the noise by 0.2 ms in a 0.5 ms update, 2% of the step).
+# A time row that moves by less than this share of the step (the mean of A's and B's, the same whichever side is
+# A) is the same: it cannot move the step by more. A/A pairs of real runs here differed beyond the noise by 0.2 ms
+# in a 0.5 ms update, 2% of the step; a 10 ms sleep in forward made the update 0.25 ms slower (caches cold after
+# the sleep), 5.5% of A's 4.5 ms step but 1.5% of B's 16.9 ms.
 STEP_SHARE = 0.05
 
 
@@ -124,7 +126,7 @@ def render(title: str, notes: Sequence[str], rows: Sequence[Row]) -> str:
     cells = [(r.name, _fmt(r.a, r.unit), _fmt(r.b, r.unit), _signed(r.difference.estimate, r.unit), _interval(r),
               r.word + ("*" if r.name in small else "")) for r in rows]  # fmt: skip
     text = table(("row", "A (median)", "B (median)", "B - A", f"interval ({level:.2%} each)", "word"), cells)
-    note = [f"same*: beyond the noise, but under {STEP_SHARE:.0%} of A's step"] if small else []
+    note = [f"same*: beyond the noise, but under {STEP_SHARE:.0%} of the step (A's and B's mean)"] if small else []
     return "\n".join([*head, f"{title}:", text, *note, summary(rows)])
 
 
@@ -273,13 +275,22 @@ def compare_many(a_runs: Sequence[Run], b_runs: Sequence[Run]) -> str:
     return render(title, notes, many_rows(a_runs, b_runs))
 
 
+def step_floor(a: Sequence[dict], b: Sequence[dict]) -> float:
+    """``STEP_SHARE`` of the step: the mean of the two sides' step medians (each side the mean of its runs'), so
+    the words are the same whichever side is A; 0 where a side has no step row."""
+    sides = [[statistics.median(s["step"][1]) for s in side if s.get("step", (0, []))[1]] for side in (a, b)]
+    if not all(sides):
+        return 0.0
+    return STEP_SHARE * statistics.fmean(statistics.fmean(side) for side in sides)
+
+
 def run_rows(a: Run, b: Run) -> list[Row]:
     """The rows both runs have (the per-bucket ones only with one bucket layout), compared, each allowing for
     the larger of the two runs' ``run_spreads``; no time row called where ``whole_run_shift`` finds one."""
     sa, sb = run_samples(*a), run_samples(*b)
     same_layout = a[1] is None or b[1] is None or a[1].layout == b[1].layout
     names = [n for n in sa if n in sb and (same_layout or not n.startswith("bucket"))]
-    floor = STEP_SHARE * statistics.median(sa["step"][1]) if sa.get("step", (0, []))[1] else 0.0
+    floor = step_floor([sa], [sb])
     spread_a, spread_b = run_spreads(*a), run_spreads(*b)
     spread = {n: max(spread_a.get(n, 0.0), spread_b.get(n, 0.0)) for n in names}
     rows = compare([Samples(n, sa[n][0], sa[n][1], sb[n][1], spread[n]) for n in names], floor_ms=floor)
@@ -294,8 +305,7 @@ def many_rows(a_runs: Sequence[Run], b_runs: Sequence[Run]) -> list[Row]:
     sa, sb = [run_samples(*r) for r in a_runs], [run_samples(*r) for r in b_runs]
     layouts = {tuple(c.layout) for _, c in (*a_runs, *b_runs) if c is not None}
     names = [n for n in sa[0] if all(n in s for s in (*sa, *sb)) and (len(layouts) < 2 or not n.startswith("bucket"))]
-    steps = [statistics.median(s["step"][1]) for s in sa if s.get("step", (0, []))[1]]
-    floor = STEP_SHARE * statistics.fmean(steps) if steps else 0.0
+    floor = step_floor(sa, sb)
     return compare([RunsSamples(n, sa[0][n][0], [s[n][1] for s in sa], [s[n][1] for s in sb]) for n in names],
                    floor_ms=floor)  # fmt: skip
 

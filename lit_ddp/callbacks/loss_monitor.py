@@ -80,6 +80,8 @@ class LossMonitor(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
     ) -> None:
+        if not (self.every_n_steps or self.check_finite):  # nothing to print or check on any step: no loss kept
+            return
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         if loss is not None:
             # Automatic optimization hands over the loss divided by accumulate_grad_batches (what backward got).

@@ -27,6 +27,8 @@ from lit_ddp.analysis.tables import table  # noqa: E402
 
 KILLED = ("killed", "timeout", "segfault", "caught by type check")  # the tests (or the type checker) noticed
 UNCHECKED = ("not checked", "skipped")  # not run yet: left out of the score
+# mutmut's command beside this interpreter (a venv's bin/, activated or not), else on PATH.
+MUTMUT = str(Path(sys.executable).with_name("mutmut")) if Path(sys.executable).with_name("mutmut").exists() else "mutmut"
 
 
 def configured_modules() -> list[str]:
@@ -54,7 +56,7 @@ def run(module: str, again: bool = False) -> None:
     log = ROOT / "mutants" / f"{dotted(module)}.log"
     log.parent.mkdir(exist_ok=True)
     with log.open("a") as out:
-        done = subprocess.run(["mutmut", "run", "--max-children", "1", *names], cwd=ROOT, stdout=out,
+        done = subprocess.run([MUTMUT, "run", "--max-children", "1", *names], cwd=ROOT, stdout=out,
                               stderr=subprocess.STDOUT)  # fmt: skip
     if done.returncode:
         sys.exit(f"mutmut run {module} exited {done.returncode}: see {log}")
@@ -62,7 +64,7 @@ def run(module: str, again: bool = False) -> None:
 
 def results() -> dict[str, str]:
     """Every mutant's status (``killed``, ``survived``, ``no tests``, ``not checked``, ...) by name."""
-    text = subprocess.run(["mutmut", "results", "--all", "true"], cwd=ROOT, capture_output=True, text=True,
+    text = subprocess.run([MUTMUT, "results", "--all", "true"], cwd=ROOT, capture_output=True, text=True,
                           check=True).stdout  # fmt: skip
     found = {}
     for line in text.splitlines():

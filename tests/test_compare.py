@@ -9,6 +9,8 @@ import re
 import shutil
 import statistics
 from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Optional
 
 import pytest
 from lightning.pytorch.loggers import CSVLogger
@@ -16,7 +18,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lit_ddp import FixedBatchDataModule, report
 from lit_ddp.analysis import compare
 from lit_ddp.callbacks import CommMonitor, PhaseTimer
-from lit_ddp.records.schema import StepBuckets, load_run, save
+from lit_ddp.records.schema import StepBuckets, StepMemory, load_run, save
 from tests import records
 from tests.slow_ranks import SlowRegression
 from tests.test_trace import A100
@@ -49,6 +51,106 @@ def words(text: str) -> dict[str, str]:
     table = re.split(r"per step after warm-up( \(.*\))?:\n", text)[-1].split("\nSummary: ")[0].splitlines()[1:]
     table = [line for line in table if not line.startswith("same*: ")]  # the asterisk's note
     return {re.split(r"\s{2,}", line)[0]: line.split()[-1].rstrip("*") for line in table}
+
+
+def exact_run(arrivals: bool = True):
+    """Two ranks, steps 0-6, step 3 profiled (left out with the warm-up step 0): steady steps 1, 2, 4, 5, 6.
+    Rank 0's phases (1 + s, 2, 0.5, 0.25) ms, rank 1's (3 + s, 4, 0.5, 0.75); two buckets [100, 200] bytes (step
+    1 had another layout: one bucket), of (1 + 0.1 s + r, 2 + r) ms, exposed s + r ms; rank 0 hands them over at
+    0 and 1 ms into the step, rank 1 at 2 and 4 ms; each rank's peak memory at a few steps."""
+    per_rank = [[(1.0 + s, 2.0, 0.5, 0.25) for s in range(7)], [(3.0 + s, 4.0, 0.5, 0.75) for s in range(7)]]
+    phases = records.phase_record(per_rank, profiled=[3])
+    peaks = ({1: 100, 2: 200, 3: 900, 4: 300}, {2: 150, 3: 50, 4: 100, 5: 50})  # steps 2, 3, 4 on both ranks
+    for rank, peak in zip(phases.ranks, peaks):
+        rank.memory = [StepMemory(s, 0, {"step": b, "forward": 7 * b}, {}) for s, b in peak.items()]
+    hand_over = ([0.0, 1.0], [2.0, 4.0])
+
+    def buckets(r: int, s: int) -> StepBuckets:
+        layout = [300] if s == 1 else [100, 200]
+        ms = [1.0 + 0.1 * s + r, 2.0 + r][: len(layout)]
+        arrival = [0.1 * s + a / 1e3 for a in hand_over[r]][: len(layout)] if arrivals else []
+        return StepBuckets(s, layout, ms, [0.0] * len(layout), 3.0, s + r, arrival)
+
+    comm = records.comm_record([[buckets(r, s) for s in range(7)] for r in range(2)], param_bytes=300, profiled=[3])
+    return phases, comm
+
+
+def test_a_runs_samples_and_spreads_are_exactly_its_steady_steps_figures():
+    found = compare.run_samples(*exact_run())
+    steady = [1, 2, 4, 5, 6]
+    # The comm rows' steps start at 2: step 1's buckets had another layout
+    expected = {
+        "step": [6.0 + s for s in steady],  # rank 0's 3.75 + s and rank 1's 8.25 + s
+        "forward": [2.0 + s for s in steady], "backward": [3.0] * 5, "update": [0.5] * 5, "data": [0.0] * 5,
+        "other": [0.5] * 5,
+        "exposed comm": [s + 0.5 for s in steady[1:]],
+        "bucket 0 transfer": [1.0 + 0.1 * s for s in steady[1:]],  # the shorter rank's
+        "bucket 0 wait": [2.0] * 4,  # last hand-over less the first
+        "bucket 1 transfer": [2.0] * 4,
+        "bucket 1 wait": [3.0] * 4,
+        "peak memory": [200.0, 300.0],  # the higher rank's, at the steady steps both ranks have (not 3)
+    }  # fmt: skip
+    assert list(found) == list(expected)
+    for name, values in expected.items():
+        assert found[name][0] == ("B" if name == "peak memory" else "ms"), name
+        assert found[name][1] == pytest.approx(values), name
+    assert compare.run_spreads(*exact_run()) == pytest.approx({
+        "forward": 2.0, "backward": 2.0, "update": 0.0, "data": 0.0, "other": 0.5,
+        "step": 4.5,  # the sum of its parts', the range of the ranks' step medians (7.75, 12.25) as well
+        "peak memory": 100.0,  # medians 200 and 100 (over each rank's steady steps)
+        "exposed comm": 1.0, "bucket 0 transfer": 1.0, "bucket 0 all-reduce": 1.0, "bucket 1 transfer": 1.0,
+        "bucket 1 all-reduce": 1.0,
+        "bucket 0 wait": 3.0, "bucket 1 wait": 3.0,  # rank 0 waits 3 ms for rank 1's last hand-over, rank 1 none
+    })  # fmt: skip
+
+
+def test_without_hand_over_times_a_bucket_is_rank_0s_all_reduce():
+    found = compare.run_samples(*exact_run(arrivals=False))
+    assert [n for n in found if n.startswith("bucket")] == ["bucket 0 all-reduce", "bucket 1 all-reduce"]
+    assert found["bucket 0 all-reduce"] == ("ms", pytest.approx([1.2, 1.4, 1.5, 1.6]))  # rank 0's own
+    assert found["bucket 1 all-reduce"] == ("ms", [2.0] * 4)
+    spreads = compare.run_spreads(*exact_run(arrivals=False))
+    assert spreads["bucket 0 wait"] == spreads["bucket 1 wait"] == 0.0
+    phases, _ = exact_run()
+    assert list(compare.run_samples(phases, None)) == ["step", "forward", "backward", "update", "data", "other",
+                                                        "peak memory"]
+    for rank in phases.ranks:
+        rank.memory = []
+    assert "peak memory" not in compare.run_samples(phases, None)
+
+
+def traced_step(step: int, span_us: float, counted: bool = True, backward_us: Optional[float] = None,
+                exposed_us: Optional[float] = 50.0):
+    """One step of a rank's ``trace.RankAnalysis`` as ``compare.trace_samples`` reads it: its breakdown (compute a
+    half of the span, communication a quarter, idle a tenth), forward's span a fifth, backward's where given."""
+    phases = {"forward": SimpleNamespace(span_us=span_us / 5)}
+    if backward_us is not None:
+        phases["backward"] = SimpleNamespace(span_us=backward_us)
+    breakdown = SimpleNamespace(span_us=span_us, compute_us=span_us / 2, communication_us=span_us / 4,
+                                idle_us=span_us / 10)  # fmt: skip
+    return SimpleNamespace(step=step, counted=counted, breakdown=breakdown, phases=phases, exposed_comm_us=exposed_us)
+
+
+def test_a_profiles_samples_are_each_counted_steps_mean_over_the_ranks_that_all_have_it():
+    rank0 = SimpleNamespace(steps=[traced_step(0, 9e6, counted=False), traced_step(1, 1000.0, backward_us=400.0),
+                                   traced_step(2, 2000.0, exposed_us=None), traced_step(3, 5000.0)])  # fmt: skip
+    rank1 = SimpleNamespace(steps=[traced_step(1, 3000.0, backward_us=600.0), traced_step(2, 4000.0)])
+    found = compare.trace_samples([rank0, rank1])
+    expected = {
+        "step (span)": ("ms", [2.0, 3.0]),  # step 1: (1 + 3) / 2 ms; step 3 is rank 0's alone, step 0 not counted
+        "forward (span)": ("ms", [0.4, 0.6]),
+        "backward (span)": ("ms", [0.5]),  # step 1 only: step 2 has no backward on rank 0
+        "compute": ("ms", [1.0, 1.5]),
+        "communication": ("ms", [0.5, 0.75]),
+        "exposed comm": ("ms", [0.05]),  # step 2's rank 0 has none
+        "idle": ("ms", [0.2, 0.3]),
+    }
+    assert list(found) == list(expected)
+    for name, (unit, values) in expected.items():
+        assert found[name][0] == unit and found[name][1] == pytest.approx(values), name
+    text = compare.compare_traces([rank0, rank1], [rank0])
+    assert text.startswith("A and B differ in rank count: 2 against 1 trace(s)\n"), text
+    assert "A profile holds few steps (1): rows of fewer than 5 can't tell" in text
 
 
 def test_seeded_a_a_samples_are_same_and_a_shift_is_found_with_its_size():

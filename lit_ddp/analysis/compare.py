@@ -169,10 +169,16 @@ def _per_step(record: PhaseRecord, value) -> dict[int, float]:
     return {s: statistics.fmean(d[s] for d in per_rank) for s in steps}
 
 
+def _steady_memory(record: PhaseRecord, rank) -> list:
+    """The rank's memory figures of the steps the phases are compared on (no warm-up, profiled or skipped step)."""
+    left_out = {*record.profiled_steps, *record.skipped_steps}
+    return [m for m in rank.memory if m.peak.get("step") is not None and is_steady(m.step, left_out)]
+
+
 def run_samples(phases: Optional[PhaseRecord], comm: Optional[CommRecord]) -> dict[str, tuple[str, list[float]]]:
     """``{row: (unit, per-step samples)}`` of one run: each phase (mean over ranks), the exposed communication
     (mean over ranks), each bucket's transfer (the shortest across ranks) and wait (last arrival minus first),
-    and the peak memory of the step (the highest rank)."""
+    and the peak memory of the step (the highest rank); the steady steps only (``is_steady``)."""
     out: dict[str, tuple[str, list[float]]] = {}
     if phases is not None:
         for p in ("step", *(p for p in PHASES if p != "step")):
@@ -190,8 +196,7 @@ def run_samples(phases: Optional[PhaseRecord], comm: Optional[CommRecord]) -> di
             else:
                 out[f"bucket {b} all-reduce"] = ("ms", [kept[0][s].ms[b] for s in steps])
     if phases is not None:
-        per_rank = [{m.step: m.peak.get("step") for m in rank.memory if m.peak.get("step") is not None}
-                    for rank in phases.ranks]  # fmt: skip
+        per_rank = [{m.step: m.peak["step"] for m in _steady_memory(phases, rank)} for rank in phases.ranks]
         steps = sorted(set.intersection(*(set(d) for d in per_rank))) if per_rank else []
         if steps:
             out["peak memory"] = ("B", [float(max(d[s] for d in per_rank)) for s in steps])
@@ -214,7 +219,7 @@ def run_spreads(phases: Optional[PhaseRecord], comm: Optional[CommRecord]) -> di
             out[p] = _range_of_medians([[getattr(r.ms, p) for r in rank.rows if is_steady(r.step, left_out)]
                                         for rank in phases.ranks])  # fmt: skip
         out["step"] = max(out["step"], sum(v for p, v in out.items() if p != "step"))
-        out["peak memory"] = _range_of_medians([[float(m.peak["step"]) for m in rank.memory if m.peak.get("step")]
+        out["peak memory"] = _range_of_medians([[float(m.peak["step"]) for m in _steady_memory(phases, rank)]
                                                 for rank in phases.ranks])  # fmt: skip
     if comm is not None:
         rows = [[r for r in rank.rows if r.bytes == comm.layout and is_steady(r.step, comm.profiled_steps)]

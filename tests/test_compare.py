@@ -262,6 +262,38 @@ def test_the_floor_is_a_twentieth_of_both_runs_mean_step_so_either_side_may_be_a
     assert there == {**back, "forward": "slower", "step": "slower"} and back["forward"] == "faster", (there, back)
 
 
+def parts_run(seed: int, phases: Sequence[float], ranks: int = 2, steps: int = 40):
+    """Hand-made phases only: (forward, backward, update, other) around ``phases`` with seeded noise."""
+    rng = random.Random(seed)
+    per_rank = [[tuple(max(0.0, rng.gauss(m, 0.05)) if m else 0.0 for m in phases) for _ in range(steps)]
+                for _ in range(ranks)]  # fmt: skip
+    return records.phase_record(per_rank), None
+
+
+def test_a_whole_run_moved_needs_three_parts_that_take_time_and_a_phase_record_on_both_sides():
+    three, three_moved = parts_run(1, (2.0, 6.0, 1.0, 0.0)), parts_run(2, (3.0, 7.0, 2.0, 0.0))  # other takes none
+    assert compare.whole_run_shift(three, three_moved) == "slower"  # forward, backward, update: all moved
+    two, two_moved = parts_run(1, (2.0, 6.0, 0.0, 0.0)), parts_run(2, (3.0, 7.0, 0.0, 0.0))
+    assert compare.whole_run_shift(two, two_moved) is None  # two parts tell a change from a machine no better
+    comm_only = (None, a_run(3)[1])
+    assert compare.whole_run_shift(comm_only, three_moved) is None
+    assert compare.whole_run_shift(three, comm_only) is None
+
+
+def test_several_runs_per_side_leave_out_the_bucket_rows_when_a_run_has_another_layout_and_floor_on_both_sides():
+    a = [a_run(50 + i) for i in range(3)]
+    b = [a_run(60 + i, forward=12.0) for i in range(2)] + [a_run(62, forward=12.0, param_bytes=131_072)]
+    rows = compare.many_rows(a, b)
+    assert [r.name for r in rows] == ["step", "forward", "backward", "update", "data", "other", "exposed comm"]
+    assert {r.name: r.word for r in rows}["forward"] == "slower"
+    alike = compare.many_rows(a, [a_run(60 + i, forward=12.0) for i in range(3)])
+    assert [r.name for r in alike][-3:] == ["exposed comm", "bucket 0 transfer", "bucket 0 wait"]
+    sa, sb = ([compare.run_samples(*r) for r in side] for side in (a, b))
+    steps = [statistics.fmean(statistics.median(s["step"][1]) for s in side) for side in (sa, sb)]
+    assert compare.step_floor(sa, sb) == pytest.approx(compare.STEP_SHARE * statistics.fmean(steps))
+    assert 0.6 < compare.step_floor(sa, sb) < 0.8  # steps of some 9.5 and 19.5 ms
+
+
 def save_runs(tmp_path, name: str, runs) -> list[str]:
     dirs = []
     for i, run in enumerate(runs):

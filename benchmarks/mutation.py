@@ -28,7 +28,8 @@ from lit_ddp.analysis.tables import table  # noqa: E402
 KILLED = ("killed", "timeout", "segfault", "caught by type check")  # the tests (or the type checker) noticed
 UNCHECKED = ("not checked", "skipped")  # not run yet: left out of the score
 # mutmut's command beside this interpreter (a venv's bin/, activated or not), else on PATH.
-MUTMUT = str(Path(sys.executable).with_name("mutmut")) if Path(sys.executable).with_name("mutmut").exists() else "mutmut"
+BESIDE = Path(sys.executable).with_name("mutmut")
+MUTMUT = str(BESIDE) if BESIDE.exists() else "mutmut"
 
 
 def configured_modules() -> list[str]:

@@ -61,7 +61,7 @@ def exact_run(arrivals: bool = True):
     per_rank = [[(1.0 + s, 2.0, 0.5, 0.25) for s in range(7)], [(3.0 + s, 4.0, 0.5, 0.75) for s in range(7)]]
     phases = records.phase_record(per_rank, profiled=[3])
     peaks = ({1: 100, 2: 200, 3: 900, 4: 300}, {2: 150, 3: 50, 4: 100, 5: 50})  # steps 2, 3, 4 on both ranks
-    for rank, peak in zip(phases.ranks, peaks):
+    for rank, peak in zip(phases.ranks, peaks, strict=True):
         rank.memory = [StepMemory(s, 0, {"step": b, "forward": 7 * b}, {}) for s, b in peak.items()]
     hand_over = ([0.0, 1.0], [2.0, 4.0])
 
@@ -112,15 +112,15 @@ def test_without_hand_over_times_a_bucket_is_rank_0s_all_reduce():
     spreads = compare.run_spreads(*exact_run(arrivals=False))
     assert spreads["bucket 0 wait"] == spreads["bucket 1 wait"] == 0.0
     phases, _ = exact_run()
-    assert list(compare.run_samples(phases, None)) == ["step", "forward", "backward", "update", "data", "other",
-                                                        "peak memory"]
+    rows = ["step", "forward", "backward", "update", "data", "other", "peak memory"]
+    assert list(compare.run_samples(phases, None)) == rows
     for rank in phases.ranks:
         rank.memory = []
     assert "peak memory" not in compare.run_samples(phases, None)
 
 
 def traced_step(step: int, span_us: float, counted: bool = True, backward_us: Optional[float] = None,
-                exposed_us: Optional[float] = 50.0):
+                exposed_us: Optional[float] = 50.0):  # fmt: skip
     """One step of a rank's ``trace.RankAnalysis`` as ``compare.trace_samples`` reads it: its breakdown (compute a
     half of the span, communication a quarter, idle a tenth), forward's span a fifth, backward's where given."""
     phases = {"forward": SimpleNamespace(span_us=span_us / 5)}

@@ -10,7 +10,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-
 # How long the ranks may take to start and meet, whatever a collective's own timeout: importing torch and Lightning
 # in 16 processes at once on 2 loaded cores took over 11 s here (a 10 s `timeout_s` failed the rendezvous). A rank
 # that dies before it arrives still ends the job at once: Lightning's `ddp` launcher watches its children, torch's

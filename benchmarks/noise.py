@@ -30,7 +30,10 @@ from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
-from benchmarks.common import ROOT, child_env  # noqa: F401  (ROOT on sys.path first: this file runs as a script)
+if not __package__:  # run as a file: the repository on sys.path instead of benchmarks/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks.common import ROOT, child_env  # noqa: E402, F401
 from lit_ddp.analysis import compare, stragglers
 from lit_ddp.analysis.phases import verdict
 from lit_ddp.analysis.tables import table

@@ -16,7 +16,7 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_ddp import FixedBatchDataModule, report
-from lit_ddp.analysis import compare
+from lit_ddp.analysis import compare, noise
 from lit_ddp.callbacks import CommMonitor, PhaseTimer
 from lit_ddp.records.schema import StepBuckets, StepMemory, load_run, save
 from tests import records
@@ -292,6 +292,40 @@ def test_several_runs_per_side_leave_out_the_bucket_rows_when_a_run_has_another_
     steps = [statistics.fmean(statistics.median(s["step"][1]) for s in side) for side in (sa, sb)]
     assert compare.step_floor(sa, sb) == pytest.approx(compare.STEP_SHARE * statistics.fmean(steps))
     assert 0.6 < compare.step_floor(sa, sb) < 0.8  # steps of some 9.5 and 19.5 ms
+
+
+def row(name: str, a: float, b: float, word: str) -> compare.Row:
+    d = b - a
+    return compare.Row(name, "ms", a, b, noise.Interval(d, d - 1.0, d + 1.0), word, (39, 39))
+
+
+def test_a_step_that_moved_by_over_twice_what_its_called_parts_did_moved_as_a_whole():
+    # The first A/A set's burst-hit run of linear 1024 against a plain one: every phase about half, two called
+    burst = [row("step", 48.81, 22.64, "same"), row("forward", 3.79, 1.97, "same"), row("backward", 18.32, 9.31,
+             "faster"), row("update", 13.19, 7.43, "same"), row("exposed comm", 14.0, 6.38, "faster")]  # fmt: skip
+    why = compare.unexplained_move(burst)
+    assert why is not None and why.startswith(
+        "The step moved by -26.17 ms and the parts called beyond their noise (backward) make up -9.01 ms of it (34%)"
+    ), why
+    # A forward 10 ms longer makes up most of the step's move (the real run's figures), whatever else moved
+    longer = [row("step", 4.51, 16.85, "slower"), row("forward", 1.26, 12.19, "slower"), row("update", 0.47, 0.73,
+              "slower"), row("backward", 1.75, 2.31, "same")]  # fmt: skip
+    assert compare.unexplained_move(longer) is None
+    assert compare.unexplained_move([row("step", 10.0, 20.0, "slower"), row("forward", 5.0, 9.0, "slower")]) is not None
+    assert compare.unexplained_move([row("step", 10.0, 20.0, "slower"), row("forward", 5.0, 10.0, "slower")]) is None
+    assert compare.unexplained_move([row("step", 10.0, 20.0, "slower"), row("forward", 5.0, 1.0, "faster")]) is None
+    assert compare.unexplained_move([row("step", 10.0, 20.0, "slower"), row("exposed comm", 5.0, 6.0, "slower")]) \
+        is None  # not a part of the step's sum  # fmt: skip
+    assert compare.unexplained_move(burst[1:]) is None  # no step row
+
+
+def test_a_run_moved_as_a_whole_calls_no_time_row_and_says_why(tmp_path):
+    a, b = a_run(1), a_run(2, moved=1.5)  # every phase 1.5 ms longer: update and other by some 150% and 300%
+    rows, why = compare.one_run_rows(a, b)
+    assert {r.word for r in rows} == {"same"} and all(r.whole_run for r in rows if r.unit == "ms"), rows
+    assert len(why) == 1 and why[0].startswith("Every phase of B is slower than A's beyond its steps' noise"), why
+    text = compare.compare_runs(a, b)
+    assert why[0] in text and text.index(why[0]) < text.index(compare.ONE_RUN), text
 
 
 def save_runs(tmp_path, name: str, runs) -> list[str]:

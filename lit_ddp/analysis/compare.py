@@ -269,12 +269,8 @@ def compare_many(a_runs: Sequence[Run], b_runs: Sequence[Run]) -> str:
         notes += [f"{side}'s runs differ among themselves: {n.removeprefix('A and B differ in ')}"
                   for n in dict.fromkeys(n for r in runs[1:] for n in incompatibilities(runs[0], r))]  # fmt: skip
     if len(a_runs) == len(b_runs) == 1:
-        shift = whole_run_shift(a_runs[0], b_runs[0])
-        if shift is not None:
-            notes.append(f"Every phase of B is {shift} than A's beyond its steps' noise, update and other too: the "
-                         f"mark of a machine that {'slowed' if shift == 'slower' else 'freed'} one whole run more "
-                         "than of a change, so no time row is called (can't tell)")  # fmt: skip
-        return render("Run B against run A, per step after warm-up", [*notes, ONE_RUN], run_rows(a_runs[0], b_runs[0]))
+        rows, moved = one_run_rows(a_runs[0], b_runs[0])
+        return render("Run B against run A, per step after warm-up", [*notes, *moved, ONE_RUN], rows)
     title = (f"{len(b_runs)} run(s) of B against {len(a_runs)} of A (each side the mean of its runs' medians), per "
              "step after warm-up")  # fmt: skip
     return render(title, notes, many_rows(a_runs, b_runs))
@@ -291,17 +287,60 @@ def step_floor(a: Sequence[dict], b: Sequence[dict]) -> float:
 
 def run_rows(a: Run, b: Run) -> list[Row]:
     """The rows both runs have (the per-bucket ones only with one bucket layout), compared, each allowing for
-    the larger of the two runs' ``run_spreads``; no time row called where ``whole_run_shift`` finds one."""
+    the larger of the two runs' ``run_spreads``; no time row called where the whole run moved
+    (``one_run_rows``)."""
+    return one_run_rows(a, b)[0]
+
+
+def one_run_rows(a: Run, b: Run) -> tuple[list[Row], list[str]]:
+    """``run_rows``, and the line that says why no time row is called, if one is: every part of the step moved
+    the same way beyond its noise (``whole_run_shift``), or the parts called explain under half of the step's
+    move (``unexplained_move``). Memory rows are called either way."""
     sa, sb = run_samples(*a), run_samples(*b)
     same_layout = a[1] is None or b[1] is None or a[1].layout == b[1].layout
     names = [n for n in sa if n in sb and (same_layout or not n.startswith("bucket"))]
-    floor = step_floor([sa], [sb])
     spread_a, spread_b = run_spreads(*a), run_spreads(*b)
     spread = {n: max(spread_a.get(n, 0.0), spread_b.get(n, 0.0)) for n in names}
-    rows = compare([Samples(n, sa[n][0], sa[n][1], sb[n][1], spread[n]) for n in names], floor_ms=floor)
-    if whole_run_shift(a, b) is None:
-        return rows
-    return [replace(r, word="same", whole_run=True) if r.unit == "ms" else r for r in rows]
+    rows = compare(
+        [Samples(n, sa[n][0], sa[n][1], sb[n][1], spread[n]) for n in names], floor_ms=step_floor([sa], [sb])
+    )
+    shift = whole_run_shift(a, b)
+    if shift is not None:
+        why = (f"Every phase of B is {shift} than A's beyond its steps' noise, update and other too: the mark of a "
+               f"machine that {'slowed' if shift == 'slower' else 'freed'} one whole run more than of a change, so "
+               "no time row is called (can't tell)")  # fmt: skip
+    else:
+        why = unexplained_move(rows)
+    if why is None:
+        return rows, []
+    return [replace(r, word="same", whole_run=True) if r.unit == "ms" else r for r in rows], [why]
+
+
+# The parts whose sum is the step (``StepPhases``): what a change of the step is made of.
+STEP_PARTS = tuple(p for p in PHASES if p != "step")
+EXPLAINED = 0.5  # the parts called must make up at least this share of the step's move, else the run moved
+
+
+def unexplained_move(rows: Sequence[Row]) -> Optional[str]:
+    """The line for a step that moved (its estimate) the way its parts called beyond the noise did, by more
+    than twice their sum: the rest of the move is spread over parts none of which is beyond its own noise, as
+    when a machine slows a whole run (each part by a share, the shorter ones within their noise). A change to
+    the model or a knob moves the parts it touches, and they make up the step's move (a 10 ms longer forward:
+    forward +10.9 ms of the step's +12.3 ms, 89%). None otherwise."""
+    by_name = {r.name: r for r in rows}
+    step = by_name.get("step")
+    called = [by_name[p] for p in STEP_PARTS if p in by_name and by_name[p].word != "same"]
+    if step is None or not called:
+        return None
+    moved, explained = step.difference.estimate, sum(r.difference.estimate for r in called)
+    if moved * explained <= 0 or abs(explained) >= EXPLAINED * abs(moved):
+        return None
+    names = ", ".join(r.name for r in called)
+    return (
+        f"The step moved by {_signed(moved, 'ms')} and the parts called beyond their noise ({names}) make up "
+        f"{_signed(explained, 'ms')} of it ({explained / moved:.0%}): the rest moved with the whole run, the mark "
+        "of a machine that slowed or freed one run more than of a change, so no time row is called (can't tell)"
+    )
 
 
 def many_rows(a_runs: Sequence[Run], b_runs: Sequence[Run]) -> list[Row]:

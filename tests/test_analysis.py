@@ -140,6 +140,34 @@ def comm_bound_case(steps: int = 30, seed: int = 0) -> tuple:
     return phase_record(rows), records.comm_record(buckets, param_bytes=4_198_400)
 
 
+def jittery_wait_case(steps: int = 30, seed: int = 0) -> tuple:
+    """Two ranks; rank 1 reaches the all-reduce 3 ms after rank 0 at 70% of the steps (its data late: another
+    job on its core) and 1 ms before it at the others: rank 0 waits 3 ms in most steps, the largest part of its
+    step, and rank 1 is last at too few all-reduces to be named a straggler (75%)."""
+    rng = random.Random(seed)
+    rows, buckets = [[], []], [[], []]
+    late_steps = set(rng.sample(range(steps), round(0.7 * steps)))
+    for s in range(steps):
+        late = 3.0 if s in late_steps else -1.0
+        for r in range(2):
+            wait = max(late, 0.0) if r == 0 else max(-late, 0.0)
+            forward, compute = rng.gauss(1.0, 0.05), rng.gauss(1.0, 0.05)
+            data = rng.gauss(0.3, 0.02) + (max(late, 0.0) if r == 1 else 0.0)
+            rows[r].append((forward, compute + wait + 0.5, rng.gauss(0.3, 0.02), data))
+            arrival = (100.0 * s + forward + compute + (late if r == 1 else 0.0)) / 1e3
+            buckets[r].append(StepBuckets(s, [4096], [0.5 + wait], [compute], 0.5 + wait, 0.5 + wait, [arrival]))
+    return phase_record(rows), records.comm_record(buckets, param_bytes=4096)
+
+
+def test_a_wait_for_ranks_that_take_turns_being_late_is_no_bound_and_the_verdict_says_so():
+    phases, comm = jittery_wait_case()
+    line = verdict(phases, comm)
+    assert line.startswith("Verdict: a CPU run (no device to idle): can't tell what bounds the step, because its "
+                           "largest part is rank 0's wait for a later rank's gradients, "), line  # fmt: skip
+    assert "no rank is late often and steadily enough to be named a straggler" in line and line.endswith(MEASURE)
+    assert "imbalance" not in line and not re.search(r"\w+ bounds the step, \d", line)  # no part named its bound
+
+
 def test_a_communication_bound_step_is_called_so_with_the_figure_of_the_change_that_cuts_the_bytes(tmp_path):
     phases, comm = comm_bound_case()
     line = verdict(phases, comm)

@@ -208,9 +208,14 @@ def _cpu_verdict(record: PhaseRecord, comm: Optional[CommRecord], step_ms: float
         return (f"communication-bound: the gradient all-reduce's exposed transfer is {fmt_ms(medians[first])} of the "
                 f"{fmt_ms(step_ms)} step ({share[first]:.0%}), {level}; {advice}")  # fmt: skip
     if first == "wait":
-        return (f"load imbalance: rank 0 waits {fmt_ms(medians[first])} per step ({share[first]:.0%}) for a later "
-                f"rank's gradients, {level}, though no rank is late often and steadily enough to be named a "
-                f"straggler (the all-reduce table's last line)")  # fmt: skip
+        # Not a bound of its own: with no rank late often and steadily (a straggler comes first, above), the wait
+        # is the other ranks' step-to-step variation seen through the all-reduce, which another run of the same
+        # job does not repeat (one run of five here, under a burst of load; the four others: can't tell).
+        return (f"can't tell what bounds the step, because its largest part is rank 0's wait for a later rank's "
+                f"gradients, {fmt_ms(medians[first])} per step ({share[first]:.0%}), {level}, and no rank is late "
+                "often and steadily enough to be named a straggler (the all-reduce table's last line): the wait "
+                f"follows the ranks' own variation from step to step, not one rank; run again to see whether it "
+                f"repeats; {MEASURE}")  # fmt: skip
     split = "exposed" in parts or record.meta.world_size == 1  # backward is compute only
     what = "the model's compute" if first == "backward" and split else WHAT_IT_IS[first]
     return (f"{PART_NAMES[first]} bounds the step, {fmt_ms(medians[first])} ({share[first]:.0%}): {what}, "

@@ -319,6 +319,43 @@ def test_a_step_that_moved_by_over_twice_what_its_called_parts_did_moved_as_a_wh
     assert compare.unexplained_move(burst[1:]) is None  # no step row
 
 
+def test_the_unexplained_move_names_every_called_part_and_holds_for_small_moves():
+    rows = [row("step", 10.0, 10.5, "slower"), row("forward", 1.0, 1.1, "slower"), row("backward", 2.0, 2.1,
+            "slower"), row("update", 1.0, 1.1, "same")]  # fmt: skip
+    why = compare.unexplained_move(rows)  # +0.5 ms, of which the called parts make up +0.2 ms (40%)
+    assert why is not None and why.startswith("The step moved by +0.50 ms and the parts called beyond their noise "
+                                              "(forward, backward) make up +0.20 ms of it (40%): "), why  # fmt: skip
+
+
+def test_one_run_per_side_allows_for_either_runs_spread_between_its_ranks_and_drops_buckets_of_another_layout():
+    a, b = a_run(5), a_run(6, rank_backward=(0.0, 3.0))  # B's rank 1 is 3 ms slower in backward than its rank 0
+    b_only = compare.run_spreads(*b)["backward"]
+    assert 2.5 < b_only < 3.5 and compare.run_spreads(*a)["backward"] < 0.5
+    for x, y in ((a, b), (b, a)):  # the larger of the two runs' spreads, whichever side has it
+        by_name = {r.name: r for r in compare.run_rows(x, y)}
+        assert by_name["backward"].word == "same", by_name["backward"]  # +1.5 ms of mean: within 3 ms of spread
+        assert by_name["backward"].difference.high - by_name["backward"].difference.low > b_only
+    assert compare.run_rows(a, b) == compare.one_run_rows(a, b)[0] and compare.one_run_rows(a, b)[1] == []
+    other = a_run(7, param_bytes=131_072)  # another bucket layout
+    assert not any(r.name.startswith("bucket") for r in compare.run_rows(a, other))
+    assert [r.name for r in compare.run_rows(a, a_run(8)) if r.name.startswith("bucket")] == [
+        "bucket 0 transfer", "bucket 0 wait"]  # fmt: skip
+    assert [r.name for r in compare.run_rows((a[0], None), b)][-1] == "other"  # no comm record on one side
+    assert compare.run_rows((a[0], None), b) == compare.run_rows((a[0], None), (b[0], None))
+
+
+def test_the_whole_run_line_says_which_way_the_machine_moved():
+    a, slow, fast = a_run(1), a_run(2, moved=1.5), a_run(3, moved=-0.4)
+    (slowed,) = compare.one_run_rows(a, slow)[1]
+    assert slowed == ("Every phase of B is slower than A's beyond its steps' noise, update and other too: the mark "
+                      "of a machine that slowed one whole run more than of a change, so no time row is called "
+                      "(can't tell)")  # fmt: skip
+    (freed,) = compare.one_run_rows(slow, fast)[1]
+    assert freed.startswith("Every phase of B is faster than A's") and "a machine that freed one whole run" in freed
+    rows = compare.one_run_rows(a, slow)[0]
+    assert [r.word for r in rows if r.unit == "ms"] == ["same"] * len([r for r in rows if r.unit == "ms"])
+
+
 def test_a_run_moved_as_a_whole_calls_no_time_row_and_says_why(tmp_path):
     a, b = a_run(1), a_run(2, moved=1.5)  # every phase 1.5 ms longer: update and other by some 150% and 300%
     rows, why = compare.one_run_rows(a, b)

@@ -8,7 +8,7 @@ import random
 import statistics
 
 from lit_ddp.tuner.knobs import Knobs, Model
-from lit_ddp.tuner.search import grid, head_to_head, search, to_record
+from lit_ddp.tuner.search import CONFIRM_ROUNDS, grid, head_to_head, search, to_record
 from lit_ddp.tuner.trial import Trial, compare
 from lit_ddp.tuner.verdict import report, strategy_line
 
@@ -106,6 +106,27 @@ def test_a_close_call_gets_more_rounds_within_the_budget():
     # 1 s a round: 6 for yours and the floor, 6 for the stage; no more (the confirmation comes after the budget)
     search(measure, model(optimizer_impls=()), BASE, budget_s=13)
     assert asked.count(Knobs(gradient_as_bucket_view=True)) == 3
+
+
+def trailing_rounds(asked: list[Knobs], lineup: list[Knobs]) -> int:
+    """How many rounds of ``lineup``, in turn, end ``asked``."""
+    n, k = 0, len(lineup)
+    while len(asked) >= (n + 1) * k and asked[len(asked) - (n + 1) * k : len(asked) - n * k] == lineup:
+        n += 1
+    return n
+
+
+def test_the_head_to_head_takes_more_rounds_while_the_budget_allows():
+    means = {"yours": 10, "comm_hook=noop": 7, "gradient_as_bucket_view=true": 8}  # a clear win, above the floor
+    view, noop = Knobs(gradient_as_bucket_view=True), dataclasses.replace(BASE, comm_hook="noop")
+    asked, measure = measuring(means)
+    outcome = search(measure, model(optimizer_impls=()), BASE, budget_s=1000)
+    assert outcome.best.knobs == view and outcome.verdict.word == "faster"
+    assert trailing_rounds(asked, [BASE, view, noop]) == CONFIRM_ROUNDS  # yours, the pick and the floor in turn
+    before_it = len(asked) - 3 * CONFIRM_ROUNDS  # 1 s a round: the seconds spent when the head to head began
+    asked, measure = measuring(means)
+    search(measure, model(optimizer_impls=()), BASE, budget_s=before_it + 3 * 4)  # room for 4 rounds of 3
+    assert trailing_rounds(asked, [BASE, view, noop]) == 4
 
 
 def test_a_step_under_the_floor_is_noise_measured_again_and_never_a_win():

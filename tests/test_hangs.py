@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from lit_ddp import _lightning, _torch
 from lit_ddp.analysis.divergence import Collective, RankReport, divergences, first_cause, never_arrived
-from lit_ddp.measure.collectives import CollectiveRecord, frame_of, user_frame
+from lit_ddp.measure.collectives import MARKS_KEPT, REPORTED, CollectiveRecord, frame_of, user_frame
 from lit_ddp.run import hangs
 from tests.runner import start_module
 
@@ -92,6 +92,38 @@ def test_the_record_puts_each_flight_recorder_entry_in_its_step_and_phase():
     assert (first.step, first.phase, first.bucket, first.where) == (0, "backward", 0, "")
     assert (second.op, second.phase, second.bucket, second.where) == ("all_gather", "the end of the step", None,
                                                                       "u.py:9 f: g()")  # fmt: skip
+
+
+def entry(seq: int, name: str, created_ns: int, pg_id: int = 0) -> dict:
+    return {"collective_seq_id": seq, "profiling_name": f"gloo:{name}", "input_sizes": [[4]],
+            "input_dtypes": ["Float"], "time_created_ns": created_ns, "pg_id": pg_id}  # fmt: skip
+
+
+def test_the_record_numbers_each_steps_buckets_keeps_the_last_collectives_and_its_last_marks():
+    record = CollectiveRecord()
+    assert record.now() == (None, "") and record.at(time.time_ns()) == (None, "before training")
+    before = time.time_ns() - 1
+    times = {}
+    for step in (0, 1):
+        record.mark(step, "backward")
+        times[step] = time.time_ns()
+        record.mark(step, "optimizer step")
+    assert record.now() == (1, "optimizer step") and record.at(before) == (None, "before training")
+    entries = [entry(1, "broadcast", before)]  # DDP's broadcast of the weights, before any mark
+    entries += [entry(2 + 3 * s + i, "all_reduce", times[s]) for s in (0, 1) for i in range(3)]
+    entries.append(entry(99, "all_reduce", times[1], pg_id=1))  # another group's: left out
+    got = record.collectives(entries, waited="u.py:9 f: g()")
+    assert [(c.step, c.phase, c.bucket) for c in got] == [(None, "before training", None)] + [
+        (s, "backward", i) for s in (0, 1) for i in range(3)]  # fmt: skip
+    assert got[-1].where == ""  # the waited line goes to no bucket: a bucket's all-reduce is DDP's, not the user's
+    many = [entry(i, "barrier", times[1] + i) for i in range(REPORTED + 4)]
+    kept = record.collectives(many, waited="u.py:9 f: g()")
+    assert [c.seq for c in kept] == list(range(4, REPORTED + 4)) and kept[-1].where == "u.py:9 f: g()"
+    assert [c.where for c in kept[:-1]] == [""] * (REPORTED - 1)
+    for i in range(MARKS_KEPT + 10):
+        record.mark(i, "forward")
+    assert record.at(times[1]) == (None, "before training")  # older than the marks kept
+    assert record.now() == (MARKS_KEPT + 9, "forward")
 
 
 def test_the_user_frame_is_the_innermost_outside_the_libraries():

@@ -21,7 +21,8 @@ CONFIDENCE = 0.95  # for the search as a whole: every comparison it makes togeth
 RETRIES = 1  # times a measurement that the floor shows to be noise is taken again
 # The head to head's rounds, at most, where the budget allows more than the stages' (three default tunes of the
 # notes' model took 14-17 s of their 120 s budget, and gave two answers: the fused optimizer, a real 1.3-1.9x cut
-# of the step at dim 1024 here, was called faster head to head in one of them and level in the others).
+# of the step at dim 1024 here, was called faster head to head in one of them and level in the others); a close
+# call in a stage gets as many.
 CONFIRM_ROUNDS = 8
 
 
@@ -143,7 +144,8 @@ def _stage(bench: Rounds, best: Knobs, knobs: list[Knobs], rounds: int, level: f
     its memory (level with the best so far, and lighter)."""
     ref, *trials = bench.fresh([best, *knobs], rounds)
     words = {t.knobs: compare(ref, t, level) for t in trials}
-    for _ in range(rounds):  # a close call (can't tell yet, and a win worth having not ruled out): more rounds
+    for _ in range(max(rounds, CONFIRM_ROUNDS - rounds)):  # a close call (can't tell yet, a win worth having not
+        # ruled out): more rounds, while the budget allows, up to the head to head's
         close = [t for t in trials if _close(words[t.knobs])]
         if not close or not bench.fit(1 + len(close), 1):
             break

@@ -223,3 +223,28 @@ def test_dumps_that_agree_say_so_and_an_empty_dump_reports_nothing(tmp_path):
     assert flight_recorder.flight_recorder_text(tmp_path).splitlines()[-1] == "every rank's record agrees"
     empty = flight_recorder.dump_report(3, {})
     assert (empty.rank, empty.where, empty.step, empty.phase, empty.collectives) == (3, "", None, "", [])
+
+
+def test_the_world_size_is_the_default_groups_ranks_as_any_backend_keys_it():
+    size = flight_recorder._world_size
+    assert size({0: {"pg_config": {"0": {"ranks": "[0, 1, 2]"}}}}) == 3  # NCCL's key, its ranks a JSON string
+    assert size({0: {"pg_config": {"": {"ranks": [0, 1]}}}}) == 2  # gloo's key, a list
+    assert size({0: {"pg_config": {"7": {"desc": "default_pg", "ranks": [0, 1, 2, 3]}}}}) == 4  # named by its desc
+    assert size({0: {"pg_config": {"7": {"desc": "a subgroup", "ranks": [0, 1]}}}}) == 0
+    assert size({0: {"pg_config": {"0": {"ranks": "not json"}}}, 1: {"pg_config": {"0": {"ranks": [0]}}}}) == 0
+    assert size({0: {"pg_config": {"0": {}}}}) == 0 and size({0: {}}) == 0 and size({}) == 0
+    assert size({0: {"pg_config": {"0": "ranks"}}, 1: {"pg_config": {"0": {"ranks": [0, 1]}}}}) == 2  # not a dict
+
+
+def test_an_entrys_frames_read_outermost_first_and_backward_is_autograds_engine():
+    entry = {"frames": [{"filename": "/x/torch/autograd/graph.py", "line": 9, "name": "_engine_run_backward"},
+                        {"filename": "/u/train.py", "line": 21, "name": "training_step"}, {}]}  # fmt: skip
+    assert flight_recorder._frames(entry) == [flight_recorder.Frame("", 0, ""),
+                                              flight_recorder.Frame("/u/train.py", 21, "training_step"),
+                                              flight_recorder.Frame("/x/torch/autograd/graph.py", 9,
+                                                                    "_engine_run_backward")]  # fmt: skip
+    assert flight_recorder._frames({}) == [] and flight_recorder._frames({"frames": None}) == []
+    assert flight_recorder.in_backward(entry)
+    assert flight_recorder.in_backward({"frames": [{"filename": "/x/run_backward.py", "name": "f"}]})  # by its file
+    assert not flight_recorder.in_backward({"frames": [{"filename": "/u/train.py", "name": "training_step"}]})
+    assert not flight_recorder.in_backward({"frames": [{}]}) and not flight_recorder.in_backward({})

@@ -138,10 +138,15 @@ def repeat(tunes: int, work: Path) -> list[tuple]:
             figure = (f"{v['word']}: {v['before_ms']:.2f} -> {v['after_ms']:.2f} ms, {v['speedup']['estimate']:.2f}x "
                       f"({v['speedup']['low']:.2f}x-{v['speedup']['high']:.2f}x)") if v else "-"  # fmt: skip
             floor = v.get("floor_ms") if v else (record["no_comm"] or {}).get("median_ms")
-            # A speed win must not be under the floor measured beside it; a level pick (memory) claims no speed.
+            # A speed win must not be under the floor measured beside it; a level pick (memory) claims no speed. The
+            # floor is your compute without the all-reduce: a pick with another optimizer changes that compute, and
+            # may be under it (lit_ddp.tuner.search._below leaves it out the same way).
+            other_optimizer = record["best"]["optimizer"] != base["optimizer"]
             above = (
-                "-" if not v or v["word"] != "faster" or floor is None else "yes" if v["after_ms"] >= floor else "NO"
-            )
+                "-" if not v or v["word"] != "faster" or floor is None
+                else "n/a: another optimizer" if other_optimizer
+                else "yes" if v["after_ms"] >= floor else "NO"
+            )  # fmt: skip
             rows.append((name, str(k + 1), answer, figure, f"{floor:.2f}" if floor is not None else "-", above,
                          str(len(record["notes"])), f"{wall:.0f}"))  # fmt: skip
             print(f"{name}: tune {k + 1} done in {wall:.0f} s: {answer}", file=sys.stderr, flush=True)

@@ -120,9 +120,17 @@ def test_the_record_numbers_each_steps_buckets_keeps_the_last_collectives_and_it
     kept = record.collectives(many, waited="u.py:9 f: g()")
     assert [c.seq for c in kept] == list(range(4, REPORTED + 4)) and kept[-1].where == "u.py:9 f: g()"
     assert [c.where for c in kept[:-1]] == [""] * (REPORTED - 1)
+    after_buckets = [entry(2 + i, "all_reduce", times[1]) for i in range(3)] + [entry(9, "barrier", time.time_ns())]
+    last = record.collectives(after_buckets, waited="u.py:9 f: g()")
+    assert [c.bucket for c in last] == [0, 1, 2, None] and last[-1].where == "u.py:9 f: g()"  # after the buckets
+    undated = {k: v for k, v in entry(1, "barrier", 0).items() if k != "time_created_ns"}
+    assert [(c.step, c.phase) for c in record.collectives([undated])] == [(None, "before training")]
     for i in range(MARKS_KEPT + 10):
         record.mark(i, "forward")
+        times[i] = time.time_ns()
     assert record.at(times[1]) == (None, "before training")  # older than the marks kept
+    # each kept time with its own mark (or the next one's, were both read in the same nanosecond)
+    assert record.at(times[MARKS_KEPT]) in ((MARKS_KEPT, "forward"), (MARKS_KEPT + 1, "forward"))
     assert record.now() == (MARKS_KEPT + 9, "forward")
 
 

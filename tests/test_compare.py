@@ -16,7 +16,7 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_ddp import FixedBatchDataModule, report
-from lit_ddp.analysis import compare, noise
+from lit_ddp.analysis import compare, noise, row_samples
 from lit_ddp.callbacks import CommMonitor, PhaseTimer
 from lit_ddp.records.schema import StepBuckets, StepMemory, load_run, save
 from tests import records
@@ -76,7 +76,7 @@ def exact_run(arrivals: bool = True):
 
 
 def test_a_runs_samples_and_spreads_are_exactly_its_steady_steps_figures():
-    found = compare.run_samples(*exact_run())
+    found = row_samples.run_samples(*exact_run())
     steady = [1, 2, 4, 5, 6]
     # The comm rows' steps start at 2: step 1's buckets had another layout
     expected = {
@@ -94,7 +94,7 @@ def test_a_runs_samples_and_spreads_are_exactly_its_steady_steps_figures():
     for name, values in expected.items():
         assert found[name][0] == ("B" if name == "peak memory" else "ms"), name
         assert found[name][1] == pytest.approx(values), name
-    assert compare.run_spreads(*exact_run()) == pytest.approx({
+    assert row_samples.run_spreads(*exact_run()) == pytest.approx({
         "forward": 2.0, "backward": 2.0, "update": 0.0, "data": 0.0, "other": 0.5,
         "step": 4.5,  # the sum of its parts', the range of the ranks' step medians (7.75, 12.25) as well
         "peak memory": 100.0,  # medians 200 and 100 (over each rank's steady steps)
@@ -105,23 +105,23 @@ def test_a_runs_samples_and_spreads_are_exactly_its_steady_steps_figures():
 
 
 def test_without_hand_over_times_a_bucket_is_rank_0s_all_reduce():
-    found = compare.run_samples(*exact_run(arrivals=False))
+    found = row_samples.run_samples(*exact_run(arrivals=False))
     assert [n for n in found if n.startswith("bucket")] == ["bucket 0 all-reduce", "bucket 1 all-reduce"]
     assert found["bucket 0 all-reduce"] == ("ms", pytest.approx([1.2, 1.4, 1.5, 1.6]))  # rank 0's own
     assert found["bucket 1 all-reduce"] == ("ms", [2.0] * 4)
-    spreads = compare.run_spreads(*exact_run(arrivals=False))
+    spreads = row_samples.run_spreads(*exact_run(arrivals=False))
     assert spreads["bucket 0 wait"] == spreads["bucket 1 wait"] == 0.0
     phases, _ = exact_run()
     rows = ["step", "forward", "backward", "update", "data", "other", "peak memory"]
-    assert list(compare.run_samples(phases, None)) == rows
+    assert list(row_samples.run_samples(phases, None)) == rows
     for rank in phases.ranks:
         rank.memory = []
-    assert "peak memory" not in compare.run_samples(phases, None)
+    assert "peak memory" not in row_samples.run_samples(phases, None)
 
 
 def traced_step(step: int, span_us: float, counted: bool = True, backward_us: Optional[float] = None,
                 exposed_us: Optional[float] = 50.0):  # fmt: skip
-    """One step of a rank's ``trace.RankAnalysis`` as ``compare.trace_samples`` reads it: its breakdown (compute a
+    """One step of a rank's ``trace.RankAnalysis`` as ``row_samples.trace_samples`` reads it: its breakdown (compute a
     half of the span, communication a quarter, idle a tenth), forward's span a fifth, backward's where given."""
     phases = {"forward": SimpleNamespace(span_us=span_us / 5)}
     if backward_us is not None:
@@ -135,7 +135,7 @@ def test_a_profiles_samples_are_each_counted_steps_mean_over_the_ranks_that_all_
     rank0 = SimpleNamespace(steps=[traced_step(0, 9e6, counted=False), traced_step(1, 1000.0, backward_us=400.0),
                                    traced_step(2, 2000.0, exposed_us=None), traced_step(3, 5000.0)])  # fmt: skip
     rank1 = SimpleNamespace(steps=[traced_step(1, 3000.0, backward_us=600.0), traced_step(2, 4000.0)])
-    found = compare.trace_samples([rank0, rank1])
+    found = row_samples.trace_samples([rank0, rank1])
     expected = {
         "step (span)": ("ms", [2.0, 3.0]),  # step 1: (1 + 3) / 2 ms; step 3 is rank 0's alone, step 0 not counted
         "forward (span)": ("ms", [0.4, 0.6]),
@@ -236,7 +236,7 @@ def test_on_real_runs_two_of_one_job_call_nothing_and_a_10_ms_longer_forward_is_
     found = words(text)
     assert (found["forward"], found["backward"], found["update"]) == ("slower", "same", "same"), text
     (forward,) = [r for r in compare.compare([compare.Samples("forward", "ms", *(
-        compare.run_samples(*run)["forward"][1] for run in (a, b)))])]  # fmt: skip
+        row_samples.run_samples(*run)["forward"][1] for run in (a, b)))])]  # fmt: skip
     assert 8.0 < forward.difference.estimate < 14.0, text  # the sleep, and no more than the machine adds to it
 
 
@@ -252,7 +252,7 @@ def test_a_row_that_moves_by_less_than_a_twentieth_of_the_step_is_the_same():
 
 def test_the_floor_is_a_twentieth_of_both_runs_mean_step_so_either_side_may_be_a():
     a, b = a_run(1), a_run(2, forward=12.0)  # steps about 9.5 and 19.5 ms
-    sa, sb = compare.run_samples(*a), compare.run_samples(*b)
+    sa, sb = row_samples.run_samples(*a), row_samples.run_samples(*b)
     floor = compare.step_floor([sa], [sb])
     assert floor == compare.step_floor([sb], [sa])
     mean_step = (statistics.median(sa["step"][1]) + statistics.median(sb["step"][1])) / 2
@@ -288,7 +288,7 @@ def test_several_runs_per_side_leave_out_the_bucket_rows_when_a_run_has_another_
     assert {r.name: r.word for r in rows}["forward"] == "slower"
     alike = compare.many_rows(a, [a_run(60 + i, forward=12.0) for i in range(3)])
     assert [r.name for r in alike][-3:] == ["exposed comm", "bucket 0 transfer", "bucket 0 wait"]
-    sa, sb = ([compare.run_samples(*r) for r in side] for side in (a, b))
+    sa, sb = ([row_samples.run_samples(*r) for r in side] for side in (a, b))
     steps = [statistics.fmean(statistics.median(s["step"][1]) for s in side) for side in (sa, sb)]
     assert compare.step_floor(sa, sb) == pytest.approx(compare.STEP_SHARE * statistics.fmean(steps))
     assert 0.6 < compare.step_floor(sa, sb) < 0.8  # steps of some 9.5 and 19.5 ms
@@ -329,8 +329,8 @@ def test_the_unexplained_move_names_every_called_part_and_holds_for_small_moves(
 
 def test_one_run_per_side_allows_for_either_runs_spread_between_its_ranks_and_drops_buckets_of_another_layout():
     a, b = a_run(5), a_run(6, rank_backward=(0.0, 3.0))  # B's rank 1 is 3 ms slower in backward than its rank 0
-    b_only = compare.run_spreads(*b)["backward"]
-    assert 2.5 < b_only < 3.5 and compare.run_spreads(*a)["backward"] < 0.5
+    b_only = row_samples.run_spreads(*b)["backward"]
+    assert 2.5 < b_only < 3.5 and row_samples.run_spreads(*a)["backward"] < 0.5
     for x, y in ((a, b), (b, a)):  # the larger of the two runs' spreads, whichever side has it
         by_name = {r.name: r for r in compare.run_rows(x, y)}
         assert by_name["backward"].word == "same", by_name["backward"]  # +1.5 ms of mean: within 3 ms of spread
@@ -356,7 +356,7 @@ def test_the_whole_run_line_says_which_way_the_machine_moved():
     assert [r.word for r in rows if r.unit == "ms"] == ["same"] * len([r for r in rows if r.unit == "ms"])
 
 
-def test_a_run_moved_as_a_whole_calls_no_time_row_and_says_why(tmp_path):
+def test_a_run_moved_as_a_whole_calls_no_time_row_and_says_why():
     a, b = a_run(1), a_run(2, moved=1.5)  # every phase 1.5 ms longer: update and other by some 150% and 300%
     rows, why = compare.one_run_rows(a, b)
     assert {r.word for r in rows} == {"same"} and all(r.whole_run for r in rows if r.unit == "ms"), rows
@@ -386,7 +386,7 @@ def test_several_runs_per_side_call_nothing_for_runs_moved_as_a_whole_and_find_a
     assert set(words(one).values()) == {"same"} and compare.ONE_RUN in one, one
     assert one.splitlines()[-1].startswith("Summary: can't tell: every phase moved with the whole run"), one
     assert compare.whole_run_shift(a[1], again[1]) == "faster" and compare.whole_run_shift(again[1], a[1]) == "slower"
-    (alone,) = compare.compare([compare.Samples("update", "ms", *(compare.run_samples(*r)["update"][1]
+    (alone,) = compare.compare([compare.Samples("update", "ms", *(row_samples.run_samples(*r)["update"][1]
                                                                 for r in (a[1], again[1])))])  # fmt: skip
     assert alone.word == "faster"  # the rows alone would call it
     assert compare.whole_run_shift(a[0], a_run(40, forward=12.0)) is None  # a change moves some parts, not all
@@ -409,11 +409,11 @@ def test_several_runs_per_side_call_nothing_for_runs_moved_as_a_whole_and_find_a
 
 def test_one_run_per_side_allows_for_how_far_its_ranks_were_seen_apart():
     a, b = a_run(1, rank_backward=(0.0, 2.0)), a_run(2, rank_backward=(2.0, 2.0))  # B: rank 0's backward as rank 1's
-    spreads = compare.run_spreads(*a)
+    spreads = row_samples.run_spreads(*a)
     assert spreads["backward"] == pytest.approx(2.0, abs=0.3) and spreads["step"] >= spreads["backward"]
     assert spreads["forward"] < 0.5
     assert words(compare.compare_runs(a, b))["backward"] == "same"  # within what two processes of the job differ by
-    (alone,) = compare.compare([compare.Samples("backward", "ms", *(compare.run_samples(*r)["backward"][1]
+    (alone,) = compare.compare([compare.Samples("backward", "ms", *(row_samples.run_samples(*r)["backward"][1]
                                                                   for r in (a, b)))])  # fmt: skip
     assert alone.word == "slower"  # the same samples without the allowance: called
 
@@ -426,7 +426,7 @@ def test_a_real_run_through_the_cli_against_itself_and_with_a_far_longer_forward
     a, b = tmp_path / "a", tmp_path / "b"
     shutil.copytree(found, a), shutil.copytree(found, b)
     record = json.loads((b / "phases.json").read_text())
-    more = 10 * statistics.median(compare.run_samples(*load_run(a))["step"][1])
+    more = 10 * statistics.median(row_samples.run_samples(*load_run(a))["step"][1])
     for rank in record["ranks"]:
         for row in rank["rows"]:
             row["ms"]["forward"] += more
@@ -460,7 +460,7 @@ def test_every_difference_of_set_up_is_named_and_records_of_one_kind_compare_the
 
 
 def test_the_comparison_names_its_columns_rows_and_units_and_says_how_sure_it_is_of_them_together():
-    samples = compare.run_samples(*a_run(1))
+    samples = row_samples.run_samples(*a_run(1))
     assert {row: unit for row, (unit, _) in samples.items()} == {
         row: "ms" for row in ("step", "forward", "backward", "update", "data", "other", "exposed comm",
                               "bucket 0 transfer", "bucket 0 wait")

@@ -6,7 +6,7 @@ wait, peak memory) A, B, B - A with its interval, and one word: ``slower`` / ``f
     python -m lit_ddp.report A1 A2 A3 --compare B1 B2 B3       # several runs each: the variation between runs too
     python -m lit_ddp.report --trace TRACES_A --compare TRACES_B
 
-The rows' samples are per step (``run_samples``, ``trace_samples``); the intervals are the noise model's
+The rows' samples are per step (``lit_ddp.analysis.row_samples``); the intervals are the noise model's
 (``lit_ddp.analysis.noise``), at a level that holds for all rows together. How to read it: docs/noise.md.
 """
 
@@ -17,12 +17,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
-from lit_ddp.analysis import noise, stragglers
+from lit_ddp.analysis import noise
+from lit_ddp.analysis.row_samples import run_samples, run_spreads, trace_samples
 from lit_ddp.analysis.tables import fmt_ms, table
-from lit_ddp.analysis.trace import TRACE_PHASES, RankAnalysis
+from lit_ddp.analysis.trace import RankAnalysis
 from lit_ddp.errors import RecordError
 from lit_ddp.formatting import fmt_bytes
-from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, is_steady, load_run
+from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, load_run
 
 CONFIDENCE = 0.95  # for the family of all the rows: the chance that any row is called by noise alone is <= 5%
 # A time row that moves by less than this share of the step (the mean of A's and B's, the same whichever side is
@@ -161,78 +162,6 @@ def _layout(layout: Sequence[int]) -> str:
     return f"{len(layout)} bucket(s) of {sizes} bytes"
 
 
-def _per_step(record: PhaseRecord, value) -> dict[int, float]:
-    """Per steady step every rank kept: the mean over ranks of ``value(row)``."""
-    left_out = {*record.profiled_steps, *record.skipped_steps}
-    per_rank = [{r.step: value(r) for r in rank.rows if is_steady(r.step, left_out)} for rank in record.ranks]
-    steps = sorted(set.intersection(*(set(d) for d in per_rank)))
-    return {s: statistics.fmean(d[s] for d in per_rank) for s in steps}
-
-
-def _steady_memory(record: PhaseRecord, rank) -> list:
-    """The rank's memory figures of the steps the phases are compared on (no warm-up, profiled or skipped step)."""
-    left_out = {*record.profiled_steps, *record.skipped_steps}
-    return [m for m in rank.memory if m.peak.get("step") is not None and is_steady(m.step, left_out)]
-
-
-def run_samples(phases: Optional[PhaseRecord], comm: Optional[CommRecord]) -> dict[str, tuple[str, list[float]]]:
-    """``{row: (unit, per-step samples)}`` of one run: each phase (mean over ranks), the exposed communication
-    (mean over ranks), each bucket's transfer (the shortest across ranks) and wait (last arrival minus first),
-    and the peak memory of the step (the highest rank); the steady steps only (``is_steady``)."""
-    out: dict[str, tuple[str, list[float]]] = {}
-    if phases is not None:
-        for p in ("step", *(p for p in PHASES if p != "step")):
-            out[p] = ("ms", list(_per_step(phases, lambda r, p=p: getattr(r.ms, p)).values()))
-    if comm is not None:
-        kept = [{r.step: r for r in rank.rows if r.bytes == comm.layout and is_steady(r.step, comm.profiled_steps)}
-                for rank in comm.ranks]  # fmt: skip
-        steps = sorted(set.intersection(*(set(k) for k in kept)))
-        out["exposed comm"] = ("ms", [statistics.fmean(k[s].exposed_ms for k in kept) for s in steps])
-        found = stragglers.arrivals(comm)
-        for b in range(len(comm.layout)):
-            if found is not None:
-                out[f"bucket {b} transfer"] = ("ms", found.transfer_per_bucket[b])
-                out[f"bucket {b} wait"] = ("ms", found.wait_per_bucket[b])
-            else:
-                out[f"bucket {b} all-reduce"] = ("ms", [kept[0][s].ms[b] for s in steps])
-    if phases is not None:
-        per_rank = [{m.step: m.peak["step"] for m in _steady_memory(phases, rank)} for rank in phases.ranks]
-        steps = sorted(set.intersection(*(set(d) for d in per_rank))) if per_rank else []
-        if steps:
-            out["peak memory"] = ("B", [float(max(d[s] for d in per_rank)) for s in steps])
-    return out
-
-
-def _range_of_medians(per_rank: Sequence[Sequence[float]]) -> float:
-    return noise.process_spread([statistics.median(x) for x in per_rank if x])
-
-
-def run_spreads(phases: Optional[PhaseRecord], comm: Optional[CommRecord]) -> dict[str, float]:
-    """``{row: how far apart the run's ranks' medians were}``: what two processes of one job differ by here, the
-    allowance one run per side gets for another run's processes (``noise.process_spread``). The step's is the sum
-    of its parts' (a step is their sum, and each part may move by its own); a bucket's wait takes the ranks' waits
-    for the last rank's hand-over."""
-    out: dict[str, float] = {}
-    if phases is not None:
-        left_out = {*phases.profiled_steps, *phases.skipped_steps}
-        for p in PHASES:
-            out[p] = _range_of_medians([[getattr(r.ms, p) for r in rank.rows if is_steady(r.step, left_out)]
-                                        for rank in phases.ranks])  # fmt: skip
-        out["step"] = max(out["step"], sum(v for p, v in out.items() if p != "step"))
-        out["peak memory"] = _range_of_medians([[float(m.peak["step"]) for m in _steady_memory(phases, rank)]
-                                                for rank in phases.ranks])  # fmt: skip
-    if comm is not None:
-        rows = [[r for r in rank.rows if r.bytes == comm.layout and is_steady(r.step, comm.profiled_steps)]
-                for rank in comm.ranks]  # fmt: skip
-        out["exposed comm"] = _range_of_medians([[r.exposed_ms for r in k] for k in rows])
-        found = stragglers.arrivals(comm)
-        for b in range(len(comm.layout)):
-            own = _range_of_medians([[r.ms[b] for r in k] for k in rows])
-            out[f"bucket {b} transfer"] = out[f"bucket {b} all-reduce"] = own
-            out[f"bucket {b} wait"] = _range_of_medians(found.waits) if found is not None else 0.0
-    return out
-
-
 Run = tuple[Optional[PhaseRecord], Optional[CommRecord]]
 ONE_RUN = ("One run per side: each row allows for how far apart this job's ranks (separate processes) and each run's "
            "halves were seen, not for a machine that slowed a whole run (another job for all of it), so a change "
@@ -247,7 +176,11 @@ def whole_run_shift(a: Run, b: Run) -> Optional[str]:
     some parts and leaves update and other alone. None otherwise, or with fewer than 3 such parts."""
     if a[0] is None or b[0] is None:
         return None
-    sa, sb = run_samples(a[0], None), run_samples(b[0], None)
+    return _shift(run_samples(a[0], None), run_samples(b[0], None))
+
+
+def _shift(sa: dict, sb: dict) -> Optional[str]:
+    """``whole_run_shift`` on the two runs' ``run_samples``, each with its phase rows."""
     parts = [p for p in PHASES if p != "step" and sa[p][1] and sb[p][1] and statistics.median(sa[p][1]) > 0]
     if len(parts) < 3:
         return None
@@ -304,7 +237,7 @@ def one_run_rows(a: Run, b: Run) -> tuple[list[Row], list[str]]:
     rows = compare(
         [Samples(n, sa[n][0], sa[n][1], sb[n][1], spread[n]) for n in names], floor_ms=step_floor([sa], [sb])
     )
-    shift = whole_run_shift(a, b)
+    shift = _shift(sa, sb) if a[0] is not None and b[0] is not None else None  # whole_run_shift, samples at hand
     if shift is not None:
         why = (f"Every phase of B is {shift} than A's beyond its steps' noise, update and other too: the mark of a "
                f"machine that {'slowed' if shift == 'slower' else 'freed'} one whole run more than of a change, so "
@@ -369,33 +302,6 @@ def compare_dirs(run_a: Path | Sequence[Path], run_b: Path | Sequence[Path]) -> 
     sides = [[Path(p) for p in ([r] if isinstance(r, (str, Path)) else r)] for r in (run_a, run_b)]
     runs = [[_load(p) for p in side] for side in sides]
     return f"A: {', '.join(map(str, sides[0]))}\nB: {', '.join(map(str, sides[1]))}\n{compare_many(*runs)}"
-
-
-def trace_samples(analyses: Sequence[RankAnalysis]) -> dict[str, tuple[str, list[float]]]:
-    """``{row: (unit, per-step samples)}`` of one job's traces: per counted step, the mean over ranks of the
-    step's span, each phase's span, the GPUs' compute, communication, idle time and the exposed communication."""
-    figures: dict[str, dict[int, list[float]]] = {}
-
-    def add(name: str, step: int, us: Optional[float]) -> None:
-        if us is not None:
-            figures.setdefault(name, {}).setdefault(step, []).append(us / 1e3)
-
-    for a in analyses:
-        for s in a.steps:
-            if not s.counted:
-                continue
-            b = s.breakdown
-            add("step (span)", s.step, b.span_us)
-            for p in TRACE_PHASES:
-                if p in s.phases:
-                    add(f"{p} (span)", s.step, s.phases[p].span_us)
-            add("compute", s.step, b.compute_us)
-            add("communication", s.step, b.communication_us)
-            add("exposed comm", s.step, s.exposed_comm_us)
-            add("idle", s.step, b.idle_us)
-    n = len(analyses)
-    return {name: ("ms", [statistics.fmean(v) for _, v in sorted(per_step.items()) if len(v) == n])
-            for name, per_step in figures.items()}  # fmt: skip
 
 
 def compare_traces(a: Sequence[RankAnalysis], b: Sequence[RankAnalysis]) -> str:

@@ -197,7 +197,6 @@ def _confirm(outcome: Outcome, bench: Rounds, pick: Knobs, lean: Knobs, floor_kn
         n = rounds
         while n < CONFIRM_ROUNDS and bench.fit(len(configs), n + 1):
             n += 1
-        bench.extra += n - rounds
         lineup = bench.fresh(configs, n)
         got = {t.knobs: t for t in lineup}
         floor = got.get(floor_knobs) if floor_knobs else None

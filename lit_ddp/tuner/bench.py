@@ -5,8 +5,9 @@
 Every trial starts from the same weights and the same batch, wraps the module in a fresh
 ``DistributedDataParallel`` with its knobs on the one process group, builds a fresh optimizer like the user's, and
 times whole steps (zero_grad, forward, backward with its all-reduce, update; on CUDA synchronized at the step's
-end, which a tuner may do). Every rank's step times are all-reduced (max: a step lasts as long as its slowest
-rank), so every rank sees the same numbers and takes the same path through the search.
+end, which a tuner may do) and the update alone (``optimizer.step()``; on CUDA between two events). Every rank's
+times are all-reduced (max: a step lasts as long as its slowest rank), so every rank sees the same numbers and
+takes the same path through the search.
 """
 
 import statistics
@@ -102,8 +103,9 @@ class TrialBench:
         trial = Trial(knobs)
         began = time.perf_counter()
         for _ in range(self.rounds if rounds is None else rounds):
-            times, loss, memory, peak = self._round(knobs)
+            times, updates, loss, memory, peak = self._round(knobs)
             trial.samples_ms += times
+            trial.update_ms += updates
             trial.rounds_ms.append(statistics.median(times))
             trial.loss, trial.ddp_bytes, trial.peak_bytes = loss, memory, peak
         weights = [p.detach().clone() for p in self.module.parameters()]
@@ -116,7 +118,7 @@ class TrialBench:
         trial.seconds = self._reduce([time.perf_counter() - began], dist.ReduceOp.MAX)[0]
         return trial
 
-    def _round(self, knobs: Knobs) -> tuple[list[float], float, int, int | None]:
+    def _round(self, knobs: Knobs) -> tuple[list[float], list[float], float, int, int | None]:
         self.module.load_state_dict(self.start)
         self.module.train()
         torch.manual_seed(self.seed)
@@ -138,7 +140,8 @@ class TrialBench:
         if hook is not None:
             ddp.register_comm_hook(*hook)
         optimizer = _fresh_optimizer(self.optimizer, knobs.optimizer)
-        times = []
+        times, updates = [], []
+        update = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
         with no_logging(self.module):
             for step in range(self.warmup + self.steps):
                 began = time.perf_counter()
@@ -146,19 +149,26 @@ class TrialBench:
                 with self.step_context():
                     loss = ddp(self.batch)
                 loss.backward()
+                update_began = time.perf_counter()
+                if update is not None:  # on the device's clock: the update's kernels, not their launch
+                    update[0].record()
                 optimizer.step()
-                if cuda:
+                if update is not None:
+                    update[1].record()
                     torch.cuda.synchronize(self.device)
                 if step >= self.warmup:
                     times.append((time.perf_counter() - began) * 1e3)
+                    updates.append(update[0].elapsed_time(update[1]) if update is not None else
+                                   (time.perf_counter() - update_began) * 1e3)  # fmt: skip
         memory = ddp_memory(ddp, [optimizer]).held
         peak = torch.cuda.max_memory_allocated(self.device) if cuda else 0
         del ddp, optimizer
         for p in self.module.parameters():  # with gradient_as_bucket_view they are views into the dropped buckets
             p.grad = None
-        slowest = self._reduce([*times, float(memory), float(peak)], dist.ReduceOp.MAX)
+        slowest = self._reduce([*times, *updates, float(memory), float(peak)], dist.ReduceOp.MAX)
         mean_loss = self._reduce([loss.item()], dist.ReduceOp.SUM)[0] / self._world()
-        return slowest[: len(times)], mean_loss, int(slowest[-2]), int(slowest[-1]) if cuda else None
+        n = len(times)
+        return slowest[:n], slowest[n : 2 * n], mean_loss, int(slowest[-2]), int(slowest[-1]) if cuda else None
 
     def _world(self) -> int:
         return dist.get_world_size() if dist.is_initialized() else 1

@@ -97,7 +97,7 @@ def search(measure: Callable[[Knobs], Trial], model: Model, base: Knobs, budget_
     With ``optimizer_in_config`` false (the user builds the optimizer), an optimizer change is confirmed apart, as a
     script change with its own figure, and the pick is what a config carries."""
     plan = stages(model, base, comm_shows=True, allow_lossy=allow_lossy)
-    comparisons = 2 + sum(len(c) for _, c in plan) + 2  # the floor twice, every candidate, the confirmation
+    comparisons = 2 + sum(len(c) for _, c in plan) + 4  # the floor twice, every candidate, the confirmation's
     level = noise.family_confidence(CONFIDENCE, comparisons)
     bench, notes, skipped = Rounds(measure, budget_s), [], []
     floor_knobs = _floor_of(base) if model.world_size > 1 else None
@@ -179,7 +179,7 @@ def _stage(bench: Rounds, best: Knobs, knobs: list[Knobs], rounds: int, level: f
 
 def _close(c: Comparison) -> bool:
     """Not beyond the noise yet, leaning faster, and a gain over ``MIN_GAIN`` still inside the interval."""
-    return c.word == "same" and c.after_ms < c.before_ms and c.speedup.high > 1 + MIN_GAIN
+    return c.word == "same" and c.difference.estimate < 0 and c.speedup.high > 1 + MIN_GAIN
 
 
 def _confirm(outcome: Outcome, bench: Rounds, pick: Knobs, lean: Knobs, floor_knobs: Optional[Knobs], rounds: int,
@@ -192,7 +192,10 @@ def _confirm(outcome: Outcome, bench: Rounds, pick: Knobs, lean: Knobs, floor_kn
     if pick == base:
         return
     carried, lean = (pick, lean) if optimizer_in_config else (_no_optimizer(pick, base), _no_optimizer(lean, base))
-    configs = list(dict.fromkeys([base, carried, lean, pick, *([floor_knobs] if floor_knobs else [])]))
+    plain = _no_optimizer(carried, base)  # the DDP changes alone: the optimizer's own figure is against them
+    with_opt = [dataclasses.replace(k, optimizer=carried.optimizer) for k in (lean, base)] if plain != carried else []
+    floors = [floor_knobs] if floor_knobs else []
+    configs = list(dict.fromkeys([base, carried, lean, pick, plain, *with_opt, *floors]))
     for attempt in range(1 + RETRIES):
         n = rounds
         while n < CONFIRM_ROUNDS and bench.fit(len(configs), n + 1):
@@ -216,7 +219,11 @@ def _confirm(outcome: Outcome, bench: Rounds, pick: Knobs, lean: Knobs, floor_kn
         outcome.notes.append(
             f"{carried.label(base)} was kept in the stages, but head to head with yours it is "
             f"{v.word} ({v.after_ms:.2f} against {v.before_ms:.2f} ms): "
-            + (f"{choice.label(base)} is kept, for its memory" if choice else "yours is kept")
+            + (
+                f"{choice.label(base)} is kept" + (", for its memory" if choice == lean else "")
+                if choice
+                else "yours is kept"
+            )  # fmt: skip
         )
     if pick != carried and choice == carried:
         script = compare(got[carried], got[pick], outcome.confidence)
@@ -234,14 +241,34 @@ def _no_optimizer(knobs: Knobs, base: Knobs) -> Knobs:
 
 def _choose(got: dict[Knobs, Trial], base: Knobs, carried: Knobs, lean: Knobs,
             level: float) -> tuple[Optional[Knobs], Optional[Comparison]]:  # fmt: skip
-    """What the confirmation's rounds back: the pick if it is faster than yours; else the changes kept for their
-    memory alone, if level with yours (or faster) and lighter; else nothing."""
+    """What the confirmation's rounds back: the pick if its step is faster than yours; else, where it changes the
+    optimizer, the DDP changes that stand on their own (all of the pick's where they are faster than yours, the
+    memory ones where those are level and lighter, else none) with the optimizer change on top of them where it is
+    faster in the update, the one phase it changes (the step's noise can hide a real cut of the update); else the
+    changes kept for their memory alone, if level with yours (or faster) and lighter; else nothing."""
     verdict = compare(got[base], got[carried], level) if carried != base else None
     if verdict is not None and verdict.word == "faster":
         return carried, verdict
+    lighter = _lighter(got, base, carried, lean, level, verdict)
+    plain = _no_optimizer(carried, base)
+    if plain != carried:
+        under = plain if plain != base and compare(got[base], got[plain], level).word == "faster" else \
+            lighter[0] or base  # fmt: skip
+        top = dataclasses.replace(under, optimizer=carried.optimizer)
+        optimizer = compare(got[under], got[top], level)
+        if optimizer.word == "faster":
+            if under == base:  # the optimizer alone: its comparison is the verdict's
+                return top, optimizer
+            return top, dataclasses.replace(compare(got[base], got[top], level), word="faster", because=optimizer)
+    return lighter
+
+
+def _lighter(got: dict[Knobs, Trial], base: Knobs, carried: Knobs, lean: Knobs, level: float,
+             verdict: Optional[Comparison]) -> tuple[Optional[Knobs], Optional[Comparison]]:  # fmt: skip
+    """The changes kept for their memory (``lean``), where they are faster than yours or level and lighter."""
     if lean == base:
         return None, None
-    v = verdict if lean == carried else compare(got[base], got[lean], level)
+    v = verdict if lean == carried and verdict is not None else compare(got[base], got[lean], level)
     if v.word == "faster" or (v.word == "same" and got[lean].holds_less(got[base])):
         return lean, v
     return None, None

@@ -1,5 +1,7 @@
 """What one configuration measured (``Trial``: every timed step, in time order), and the noise model's word on two
-configurations measured in the same interleaved rounds (``Comparison``).
+configurations measured in the same interleaved rounds (``Comparison``). Two configurations that differ only in
+the optimizer's implementation run the same forward, backward and all-reduce: their difference is the update's,
+so it is judged on the update phase's own samples, where the rest of the step's noise does not drown it.
 
     python -m lit_ddp.tune --devices 2        # every "faster" the tuner prints is a compare() here
 
@@ -34,6 +36,7 @@ class Trial:
     max_dw: Optional[float] = None  # max |w - w_yours| after the same steps from the same start
     in_sync: bool = True  # every rank holds rank 0's weights at the end of every round
     seconds: float = 0.0  # wall time of all its rounds
+    update_ms: list[float] = field(default_factory=list)  # each step's ``optimizer.step()`` alone, as samples_ms
 
     @property
     def median(self) -> float:
@@ -46,6 +49,7 @@ class Trial:
     def absorb(self, more: "Trial") -> None:
         """Adds ``more``'s rounds (the same knobs, measured later) to this trial."""
         self.samples_ms += more.samples_ms
+        self.update_ms += more.update_ms
         self.rounds_ms += more.rounds_ms
         self.seconds += more.seconds
         self.loss, self.ddp_bytes, self.peak_bytes = more.loss, more.ddp_bytes, more.peak_bytes
@@ -59,26 +63,56 @@ class Trial:
 
 @dataclass(frozen=True)
 class Comparison:
-    """``after`` against ``before``, measured in the same interleaved rounds: their median steps, the speedup
-    (before / after) with its interval, and the noise model's word for ``after``: faster, slower or same."""
+    """``after`` against ``before``, measured in the same interleaved rounds: their median steps, the difference
+    judged (ms, after - before: the step's, or the update's for an optimizer change) with its interval, the step's
+    speedup (before / after) that interval allows, and the noise model's word for ``after``: faster, slower or
+    same."""
 
     before_ms: float
     after_ms: float
     speedup: noise.Interval
     word: str
+    difference: noise.Interval = noise.Interval(math.nan, -math.inf, math.inf)
+    phase: str = "step"  # "update": an optimizer change, judged on the one phase it changes
+    phase_ms: Optional[tuple[float, float]] = None  # the update's medians, before and after (phase "update")
     floor_ms: Optional[float] = None  # the step without any all-reduce, in the same rounds (where measured)
+    because: Optional["Comparison"] = None  # the verdict's: the optimizer change's own comparison, where it decides
 
     def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "speedup": dataclasses.asdict(self.speedup)}
+        return dataclasses.asdict(self)
 
 
 def compare(before: Trial, after: Trial, confidence: float) -> Comparison:
-    """The noise model on two trials' steps: ``faster``/``slower`` only when the interval of the difference of
-    their medians, at ``confidence``, excludes 0 and the difference is over ``MIN_GAIN`` of ``before``'s step."""
-    diff = noise.difference_interval(before.samples_ms, after.samples_ms, confidence=confidence)
-    word = noise.call(diff, min_effect=MIN_GAIN * before.median)
-    speedup = noise.ratio_interval(after.samples_ms, before.samples_ms, confidence=confidence)
-    return Comparison(before.median, after.median, speedup, word)
+    """The noise model on two trials: ``faster``/``slower`` only when the interval of the difference of their
+    medians, at ``confidence``, excludes 0 and the difference is over ``MIN_GAIN`` of ``before``'s step. The
+    difference is the step's; for a change of the optimizer alone (both with update samples), the update's, unless
+    the step itself is slower beyond the noise (then: slower)."""
+    step = noise.difference_interval(before.samples_ms, after.samples_ms, confidence=confidence)
+    word = noise.call(step, min_effect=MIN_GAIN * before.median)
+    if not _optimizer_only(before, after) or word == "slower":
+        return Comparison(before.median, after.median, _speedup(before.median, step), word, step)
+    update = noise.difference_interval(before.update_ms, after.update_ms, confidence=confidence)
+    medians = (statistics.median(before.update_ms), statistics.median(after.update_ms))
+    return Comparison(before.median, after.median, _speedup(before.median, update),
+                      noise.call(update, min_effect=MIN_GAIN * before.median), update, "update", medians)  # fmt: skip
+
+
+def _optimizer_only(before: Trial, after: Trial) -> bool:
+    same_ddp = dataclasses.replace(after.knobs, optimizer=before.knobs.optimizer) == before.knobs
+    return same_ddp and after.knobs != before.knobs and bool(before.update_ms) and bool(after.update_ms)
+
+
+def _speedup(before_ms: float, difference: noise.Interval) -> noise.Interval:
+    """``before / (before + difference)``: the step's speedup the difference's interval allows (can't tell where
+    the interval reaches a step of no time), so that the figure and the word rest on the same interval."""
+
+    def ratio(d: float) -> float:
+        return before_ms / (before_ms + d) if before_ms + d > 0 else math.inf
+
+    estimate = ratio(difference.estimate)
+    if math.isinf(difference.low) or math.isinf(difference.high) or math.isnan(estimate):
+        return noise.Interval(estimate, -math.inf, math.inf)
+    return noise.Interval(estimate, ratio(difference.high), ratio(difference.low))
 
 
 class Rounds:

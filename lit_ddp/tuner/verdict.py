@@ -6,6 +6,7 @@ How to read the table and what the verdict rests on: docs/tuning.md.
 """
 
 import math
+import statistics
 from typing import Optional
 
 from lit_ddp.analysis.noise import Interval
@@ -13,7 +14,7 @@ from lit_ddp.analysis.tables import fmt_ms, table
 from lit_ddp.formatting import fmt_bytes
 from lit_ddp.tuner.knobs import Knobs
 from lit_ddp.tuner.search import CONFIDENCE, Outcome
-from lit_ddp.tuner.trial import Trial, compare
+from lit_ddp.tuner.trial import Comparison, Trial, compare
 
 
 def report(outcome: Outcome, rows: int) -> str:
@@ -29,6 +30,7 @@ def report(outcome: Outcome, rows: int) -> str:
             fmt_ms(trial.median),
             f"{fmt_ms(interval.low)}-{fmt_ms(interval.high)}",
             str(len(trial.samples_ms)),
+            fmt_ms(statistics.median(trial.update_ms)) if trial.update_ms else "-",
             _exposed(trial, no_comm, base.knobs, outcome.confidence),
             f"{rows / trial.median * 1e3:,.0f}" if rows else "-",
             fmt_bytes(memory) if memory is not None else "-",
@@ -36,13 +38,13 @@ def report(outcome: Outcome, rows: int) -> str:
             "0" if trial.max_dw == 0 else f"{trial.max_dw:.2g}" if trial.max_dw is not None else "-",
             "yes" if trial.in_sync else "NO",
         ))  # fmt: skip
-    header = ("configuration", "step", "95% interval", "steps", "exposed comm", "samples/s", memory_title, "loss",
-              "max |Δw|", "in sync")  # fmt: skip
+    header = ("configuration", "step", "95% interval", "steps", "update", "exposed comm", "samples/s", memory_title,
+              "loss", "max |Δw|", "in sync")  # fmt: skip
     extra = f" (+{outcome.extra_rounds} where a call was close)" if outcome.extra_rounds else ""
     lines = [
         f"DDP tuning: {len(outcome.trials)} configuration(s) in interleaved rounds{extra}; step = the median step "
-        f"(slowest rank); faster = beyond the noise at {CONFIDENCE:.0%} for all the calls together "
-        f"({outcome.confidence:.2%} each; docs/noise.md)",
+        f"(slowest rank), update = its optimizer.step(); faster = beyond the noise at {CONFIDENCE:.0%} for all the "
+        f"calls together ({outcome.confidence:.2%} each; docs/noise.md)",
         table(header, lines_rows),
     ]
     if no_comm is not None:
@@ -71,6 +73,12 @@ def _x(interval: Interval) -> str:
     return f"{interval.estimate:.2f}x ({interval.low:.2f}x-{interval.high:.2f}x)"
 
 
+def _update(c: Comparison) -> str:
+    """An optimizer change's figure: the update's medians, and the step's speedup its difference allows."""
+    before, after = c.phase_ms or (math.nan, math.nan)
+    return f"the update, the one phase it changes ({fmt_ms(before)} -> {fmt_ms(after)}: the step {_x(c.speedup)})"
+
+
 def verdict(outcome: Outcome) -> str:
     """The pick against the user's configuration, from the rounds that confirmed it, with its interval; the change
     a config cannot carry, with its own figure; and what is left to cut where the all-reduce still shows."""
@@ -86,6 +94,12 @@ def verdict(outcome: Outcome) -> str:
         floor = f", no all-reduce at all {fmt_ms(v.floor_ms)}" if v.floor_ms is not None else ""
         steps = f"step {fmt_ms(v.before_ms)} -> {fmt_ms(v.after_ms)}, {_x(v.speedup)} head to head with yours{floor}"
         label = best.knobs.label(base.knobs)
+        if v.because is not None:  # the step's own interval could not tell; the optimizer's update did
+            steps = (f"step {fmt_ms(v.before_ms)} -> {fmt_ms(v.after_ms)} head to head with yours{floor} (its own "
+                     f"interval {_x(v.speedup)}); optimizer={best.knobs.optimizer} on top of the rest is faster "
+                     f"beyond the noise in {_update(v.because)}")  # fmt: skip
+        elif v.phase == "update":
+            steps += f", faster beyond the noise in {_update(v)}"
         if v.word == "faster":
             said = f"Verdict: {label}: {steps}{memory}, measured by lit_ddp.tune"
         else:
@@ -95,7 +109,7 @@ def verdict(outcome: Outcome) -> str:
         knobs, c = outcome.script
         said += (f". In configure_optimizers, {knobs.optimizer}=True for the optimizer (a change to your script, which "
                  f"the config cannot carry): step {fmt_ms(c.before_ms)} -> {fmt_ms(c.after_ms)}, {_x(c.speedup)} "
-                 "more, measured")  # fmt: skip
+                 f"more{f', from {_update(c)}' if c.phase == 'update' else ''}, measured")  # fmt: skip
     return said + _compression_hint(outcome)
 
 

@@ -371,6 +371,55 @@ def test_a_records_report_holds_its_last_collectives_its_place_and_the_line_it_w
     assert record.report(0, "hung", "", "").collectives == []
 
 
+def test_on_nccl_the_record_reads_nccls_own_flight_recorder_and_nothing_elsewhere(monkeypatch):
+    # A CUDA build keeps NCCL's collectives in its own dump, not in _dump_fr_trace's; a CPU build has no NCCL, so
+    # its dump and backend are stood in for here (what they return is the same pickle).
+    import pickle
+
+    import torch
+
+    from lit_ddp.measure import collectives
+
+    c10d, asked = torch._C._distributed_c10d, []
+    record = CollectiveRecord()
+    record.mark(2, "backward")
+    entry = {"collective_seq_id": 7, "profiling_name": "nccl:all_reduce", "input_sizes": [[4]],
+             "input_dtypes": ["Float"], "time_created_ns": time.time_ns(), "pg_id": 0}  # fmt: skip
+
+    def dump(*flags):
+        asked.append(flags)
+        return pickle.dumps({"version": "2.4", "entries": [entry]})
+
+    monkeypatch.setattr(c10d, "_dump_nccl_trace", dump, raising=False)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    assert collectives.nccl_entries() == [entry]
+    assert asked == [(True, True, False)]  # collectives and stacks, every entry (not only those in flight)
+    monkeypatch.setattr(_torch, "flight_recorder_entries", lambda: None)  # _dump_fr_trace holds none
+    assert [(c.seq, c.step, c.phase, c.bucket) for c in record.report(0, "hung", "", "").collectives] == [
+        (7, 2, "backward", 0)
+    ]
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert collectives.nccl_entries() == [] and len(asked) == 2  # gloo's are in _dump_fr_trace: not asked
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    assert collectives.nccl_entries() == [] and len(asked) == 2  # no process group
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    for error in (RuntimeError("NCCL is not initialized"), ValueError("bad dump"), pickle.UnpicklingError("x")):
+
+        def failing(*flags, error=error):
+            raise error
+
+        monkeypatch.setattr(c10d, "_dump_nccl_trace", failing)
+        assert collectives.nccl_entries() == []
+    monkeypatch.setattr(c10d, "_dump_nccl_trace", lambda *flags: b"not a pickle")
+    assert collectives.nccl_entries() == []
+    monkeypatch.setattr(c10d, "_dump_nccl_trace", lambda *flags: pickle.dumps({"version": "2.4"}))
+    assert collectives.nccl_entries() == []  # a dump without entries
+    monkeypatch.delattr(c10d, "_dump_nccl_trace")
+    assert collectives.nccl_entries() == []  # a build without NCCL
+
+
 def test_what_each_rank_that_never_arrived_did_instead_and_two_ranks_named_together():
     """Three ranks call #9 (two alike), the others stop short: one hung, one waited in its #7, two sent nothing;
     and one that failed in no collective."""

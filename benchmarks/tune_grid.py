@@ -76,6 +76,11 @@ def label(knobs: dict, base: dict) -> str:
     return ", ".join(changes) or "yours"
 
 
+def speedup(comparison: dict) -> str:
+    x = comparison["speedup"]
+    return f"{x['estimate']:.2f}x ({x['low']:.2f}x-{x['high']:.2f}x)"
+
+
 def run_case(case: str, work: Path, tune_args: list[str], confirm_rounds: int) -> tuple:
     run = tune_nodes if case == "nodes" else tune_loopback
     walls, records = {}, {}
@@ -135,8 +140,11 @@ def repeat(tunes: int, work: Path) -> list[tuple]:
             base, v, script = record["base"], record["verdict"], record["script"]
             answer = label(record["best"], base) + (f" + script {label(script['knobs'], base)}" if script else "")
             answers.append(answer)
-            figure = (f"{v['word']}: {v['before_ms']:.2f} -> {v['after_ms']:.2f} ms, {v['speedup']['estimate']:.2f}x "
-                      f"({v['speedup']['low']:.2f}x-{v['speedup']['high']:.2f}x)") if v else "-"  # fmt: skip
+            figure = (f"{v['word']}: {v['before_ms']:.2f} -> {v['after_ms']:.2f} ms, {speedup(v)}") if v else "-"
+            judged = (v or {}).get("because") or (v if v and v.get("phase") == "update" else None)
+            if judged:  # an optimizer change the update decided: its own figure (the step's can't tell alone)
+                before, after = judged["phase_ms"]
+                figure += f"; update {before:.2f} -> {after:.2f} ms: the step {speedup(judged)}"
             floor = v.get("floor_ms") if v else (record["no_comm"] or {}).get("median_ms")
             # A speed win must not be under the floor measured beside it; a level pick (memory) claims no speed. The
             # floor is your compute without the all-reduce: a pick with another optimizer changes that compute, and

@@ -18,7 +18,8 @@ from typing import Optional
 from lit_ddp.analysis import noise
 from lit_ddp.tuner.knobs import Knobs
 
-# A change that saves under 2% of the step is not worth a line of config: called "same" however sure the interval.
+# A change that may save under 2% of the step is not worth a line of config: "same" unless its whole interval is
+# beyond 2%.
 MIN_GAIN = 0.02
 
 
@@ -84,17 +85,26 @@ class Comparison:
 
 def compare(before: Trial, after: Trial, confidence: float) -> Comparison:
     """The noise model on two trials: ``faster``/``slower`` only when the interval of the difference of their
-    medians, at ``confidence``, excludes 0 and the difference is over ``MIN_GAIN`` of ``before``'s step. The
+    medians, at ``confidence``, lies wholly beyond ``MIN_GAIN`` of ``before``'s step on one side. The
     difference is the step's; for a change of the optimizer alone (both with update samples), the update's, unless
     the step itself is slower beyond the noise (then: slower)."""
     step = noise.difference_interval(before.samples_ms, after.samples_ms, confidence=confidence)
-    word = noise.call(step, min_effect=MIN_GAIN * before.median)
+    word = _word(step, MIN_GAIN * before.median)
     if not _optimizer_only(before, after) or word == "slower":
         return Comparison(before.median, after.median, _speedup(before.median, step), word, step)
     update = noise.difference_interval(before.update_ms, after.update_ms, confidence=confidence)
     medians = (statistics.median(before.update_ms), statistics.median(after.update_ms))
     return Comparison(before.median, after.median, _speedup(before.median, update),
-                      noise.call(update, min_effect=MIN_GAIN * before.median), update, "update", medians)  # fmt: skip
+                      _word(update, MIN_GAIN * before.median), update, "update", medians)  # fmt: skip
+
+
+def _word(difference: noise.Interval, gain_ms: float) -> str:
+    """Faster (slower) only when the whole interval is more than ``gain_ms`` faster (slower): a change that may
+    save less than ``MIN_GAIN`` is not called a speedup, however sure it is to save something. (A real gain at
+    about ``MIN_GAIN`` would otherwise be faster in one tune and level in the next.)"""
+    if noise.call(difference, null=-gain_ms) == "faster":
+        return "faster"
+    return "slower" if noise.call(difference, null=gain_ms) == "slower" else "same"
 
 
 def _optimizer_only(before: Trial, after: Trial) -> bool:

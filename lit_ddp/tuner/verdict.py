@@ -5,6 +5,7 @@
 How to read the table and what the verdict rests on: docs/tuning.md.
 """
 
+import dataclasses
 import math
 import statistics
 from typing import Optional
@@ -95,9 +96,10 @@ def verdict(outcome: Outcome) -> str:
         steps = f"step {fmt_ms(v.before_ms)} -> {fmt_ms(v.after_ms)}, {_x(v.speedup)} head to head with yours{floor}"
         label = best.knobs.label(base.knobs)
         if v.because is not None:  # the step's own interval could not tell; the optimizer's update did
-            steps = (f"step {fmt_ms(v.before_ms)} -> {fmt_ms(v.after_ms)} head to head with yours{floor} (its own "
-                     f"interval {_x(v.speedup)}); optimizer={best.knobs.optimizer} on top of the rest is faster "
-                     f"beyond the noise in {_update(v.because)}")  # fmt: skip
+            rest = dataclasses.replace(best.knobs, optimizer=base.knobs.optimizer)
+            on = rest.label(base.knobs) if rest != base.knobs else "your configuration"
+            steps += (f", which the step alone cannot tell; optimizer={best.knobs.optimizer} on top of {on} is "
+                      f"faster beyond the noise in {_update(v.because)}")  # fmt: skip
         elif v.phase == "update":
             steps += f", faster beyond the noise in {_update(v)}"
         if v.word == "faster":

@@ -348,6 +348,14 @@ def test_frame_of_names_the_users_line_of_a_traceback_or_of_a_live_stack():
     line = _live.__code__.co_firstlineno + 1
     assert _live() == f"test_hangs.py:{line} _live: return frame_of(frame=sys._getframe())"
     assert frame_of() == ""
+    ghost: dict = {}  # code whose file is nowhere: no line to read, and a frame kept after its call returned
+    exec(compile("import sys\ndef held():\n    return sys._getframe()\ndef f():\n    raise ValueError()\n",
+                 "/nowhere/ghost.py", "exec"), ghost)  # fmt: skip
+    try:
+        ghost["f"]()
+    except ValueError as error:
+        assert frame_of(error.__traceback__) == "ghost.py:5 f: "  # no text made up for the missing line
+    assert frame_of(frame=ghost["held"]()) == "ghost.py:3 held: "  # that frame's stack, not the caller's
 
 
 def test_a_records_report_holds_its_last_collectives_its_place_and_the_line_it_waited_at(monkeypatch):
@@ -418,6 +426,26 @@ def test_on_nccl_the_record_reads_nccls_own_flight_recorder_and_nothing_elsewher
     assert collectives.nccl_entries() == []  # a dump without entries
     monkeypatch.delattr(c10d, "_dump_nccl_trace")
     assert collectives.nccl_entries() == []  # a build without NCCL
+
+
+def test_only_the_last_collective_without_a_line_gets_the_line_a_rank_waited_at(monkeypatch):
+    record = CollectiveRecord()
+    record.mark(4, "training_step")
+    now = time.time_ns()
+
+    def entry(seq: int, frames=None) -> dict:
+        return {"collective_seq_id": seq, "profiling_name": "gloo:all_gather", "input_sizes": [[1]],
+                "input_dtypes": ["Float"], "time_created_ns": now, "pg_id": 0, "frames": frames or []}  # fmt: skip
+
+    user = [{"filename": "/home/u/train.py", "line": 7, "name": "training_step"}]
+    held = [entry(1), entry(2, user), entry(3)]  # the one before the last holds its line; the last, none
+    got = record.collectives(held, "train.py:9 f: g()")
+    assert [c.where for c in got] == ["", "train.py:7 training_step: ", "train.py:9 f: g()"]
+    assert record.collectives(held)[-1].where == ""  # no line waited at: nothing put there
+    monkeypatch.setattr(_torch, "flight_recorder_entries", lambda: held)
+    for kind in ("timeout", "collective error"):  # waiting in a collective: its line is the last one's
+        assert record.report(1, kind, "E", "train.py:9 f: g()").collectives[-1].where == "train.py:9 f: g()"
+    assert record.report(1, "hung", "", "train.py:9 f: g()").collectives[-1].where == ""
 
 
 def test_what_each_rank_that_never_arrived_did_instead_and_two_ranks_named_together():

@@ -33,6 +33,7 @@ def run_samples(phases: Optional[PhaseRecord], comm: Optional[CommRecord]) -> di
     and the peak memory of the step (the highest rank); the steady steps only (``is_steady``)."""
     out: dict[str, tuple[str, list[float]]] = {}
     if phases is not None:
+        # The step first (the rows' order); a mutant that lets "step" through twice writes the same row again.
         for p in ("step", *(p for p in PHASES if p != "step")):
             out[p] = ("ms", list(_per_step(phases, lambda r, p=p: getattr(r.ms, p)).values()))
     if comm is not None:

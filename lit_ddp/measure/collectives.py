@@ -33,6 +33,8 @@ REPORTED = 16  # a rank's last collectives in its report
 def frame_of(tb: Optional[TracebackType] = None, frame: Optional[FrameType] = None) -> str:
     """The user's line of a traceback, or of a live stack (a signal handler's ``frame``)."""
     summary = traceback.extract_tb(tb) if tb is not None else traceback.extract_stack(frame) if frame else []
+    # A line of None or "" is read from the file by user_frame (mutants of these defaults are equivalent there);
+    # a frame without a line number has none to read either way.
     return user_frame([Frame(f.filename, f.lineno or 0, f.name, f.line or "") for f in summary])
 
 
@@ -63,6 +65,8 @@ class CollectiveRecord:
         out: list[Collective] = []
         buckets: dict[Optional[int], int] = {}
         for entry in default_group(entries):
+            # An entry without a time is before every mark (0, 1: the same); one without a name is no all-reduce
+            # ("", None, any default: none ends so). Mutants of the two defaults are equivalent.
             step, phase = self.at(int(entry.get("time_created_ns", 0)))
             bucket = None
             if phase == "backward" and str(entry.get("profiling_name", "")).endswith("all_reduce"):

@@ -28,6 +28,7 @@ is ``gpu_fits.py``. The GPU tests and the suite are ``benchmarks/gpu_session.sh`
 
 import argparse
 import contextlib
+import importlib
 import platform
 import socket
 import subprocess
@@ -37,26 +38,31 @@ import traceback
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import lightning
 import torch
 
 if not __package__:  # run as a file: the repository on sys.path instead of benchmarks/
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from benchmarks import gpu_busy, gpu_events, gpu_paths, gpu_scaling, gpu_syncs  # noqa: E402
-from benchmarks.gpu_fits import QUICK, Budget, Section  # noqa: E402
-from lit_ddp import _torch  # noqa: E402
+if TYPE_CHECKING:
+    from benchmarks.gpu_fits import Budget, Section
 
-RUNNERS: dict[str, Callable[[Budget], Section]] = {
-    "paths": gpu_paths.paths_section,
-    "syncs": gpu_syncs.syncs_section,
-    "busy": gpu_busy.busy_section,
-    "events": gpu_events.events_section,
-    "scaling": gpu_scaling.scaling_section,
+# Each section's module and function, imported when it runs: without CUDA the refusal comes after torch's import
+# alone (Lightning's takes some 5 s on a small machine).
+RUNNERS = {
+    "paths": ("gpu_paths", "paths_section"),
+    "syncs": ("gpu_syncs", "syncs_section"),
+    "busy": ("gpu_busy", "busy_section"),
+    "events": ("gpu_events", "events_section"),
+    "scaling": ("gpu_scaling", "scaling_section"),
 }
 SECTIONS = tuple(RUNNERS)
+
+
+def runner(name: str) -> "Callable[[Budget], Section]":
+    module, function = RUNNERS[name]
+    return getattr(importlib.import_module(f"benchmarks.{module}"), function)
 
 
 class Report:
@@ -67,7 +73,7 @@ class Report:
         self.added = 0
         path.write_text("")
 
-    def add(self, section: Section, elapsed_s: Optional[float] = None, numbered: bool = True) -> None:
+    def add(self, section: "Section", elapsed_s: Optional[float] = None, numbered: bool = True) -> None:
         took = f" ({elapsed_s:.0f} s)" if elapsed_s is not None else ""
         if numbered:
             self.added += 1
@@ -78,8 +84,13 @@ class Report:
             f.write(text)
 
 
-def header() -> Section:
+def header() -> "Section":
     """torch, lightning, CUDA, cuDNN, NCCL, driver, GPU."""
+    import lightning
+
+    from benchmarks.gpu_fits import Section
+    from lit_ddp import _torch
+
     props = torch.cuda.get_device_properties(0)
     nccl = "-"
     with contextlib.suppress(Exception):
@@ -124,10 +135,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run_section(name: str, budget: Budget) -> Section:
+def run_section(name: str, budget: "Budget") -> "Section":
     """One section; a crash becomes a section with the traceback, so that it does not hide the others."""
+    from benchmarks.gpu_fits import Section
+
     try:
-        return RUNNERS[name](budget)
+        return runner(name)(budget)
     except Exception as err:
         lines = traceback.format_exc().rstrip().splitlines()
         first_line = (str(err).splitlines() or [""])[0]
@@ -140,6 +153,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"gpu_check: error: no CUDA device (torch {torch.__version__}, torch.cuda.is_available() is False); "
               "nothing was run", file=sys.stderr)  # fmt: skip
         return 2
+    from benchmarks.gpu_fits import QUICK, Budget, Section
+
     budget = QUICK if args.quick else Budget()
     report = Report(args.out)
     report.add(header(), numbered=False)

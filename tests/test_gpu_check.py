@@ -55,6 +55,16 @@ def test_without_cuda_it_exits_2_in_one_line_and_writes_nothing(tmp_path, how):
     assert not out.exists()
 
 
+def test_every_section_runs_a_function_of_its_own_module():
+    """The sections are imported when they run (the refusal without CUDA comes before Lightning's import): each
+    name leads to its module's function."""
+    from benchmarks import gpu_check
+
+    for name in gpu_check.SECTIONS:
+        section = gpu_check.runner(name)
+        assert callable(section) and section.__module__ == f"benchmarks.gpu_{name}", name
+
+
 def test_gpu_session_fits_one_device_call_with_the_gpu_tests_first():
     """``benchmarks/gpu_session.sh run``: its steps' limits, each with its kill grace, add up to no more than its
     budget, the budget leaves room in a 560 s device call, and the GPU tests run before the check and the suite."""

@@ -216,15 +216,17 @@ def test_on_cuda_the_per_step_path_copies_and_syncs_nothing_on_the_host(monkeypa
 
     gathers = []
 
-    def all_gather(row, world_size, async_op=False):
+    def all_gather(row, world_size, async_op=False, out=None):
         assert async_op
         gathers.append(row.clone())
-        return torch.stack([row, row]), FakeWork()
+        out.copy_(torch.stack([row, row]))
+        return out, FakeWork()
 
     sync = StepSync(sigterm_every_n_steps=1)
     sync._device = torch.device("cpu")  # the tensors are the CPU's; every CUDA call is the fakes'
     sync._host_copy = step_sync._HostCopy(torch.device("cpu"))
     sync._requeue = sync._requeued = False
+    sync._start(2)
     monkeypatch.setattr(step_sync, "all_gather", all_gather)
     monkeypatch.setattr(step_sync, "is_last_step", lambda trainer, batch_idx: False)
     trainer = SimpleNamespace(world_size=2, global_step=0, should_stop=False, profiler=None, callbacks=[])
@@ -236,7 +238,7 @@ def test_on_cuda_the_per_step_path_copies_and_syncs_nothing_on_the_host(monkeypa
         for global_step in (1, 2):
             sync.on_train_batch_start(trainer, None, None, global_step - 1)
             trainer.global_step = global_step
-            sync.put("loss", torch.tensor([0.5 * global_step]), results.append)
+            sync.put("loss", torch.tensor([0.5 * global_step]), lambda step, columns: results.append(columns.clone()))
             sync._sigterm = global_step == 2
             sync.on_train_batch_end(trainer, None, None, None, global_step - 1)
     # Step 1's row: sent at its end, waited for on the side stream, read at step 2's end through its event.
@@ -259,12 +261,15 @@ def test_no_gather_is_in_flight_when_a_profiler_starts_or_stops(monkeypatch):
 
     from lit_ddp.callbacks import step_sync
 
-    monkeypatch.setattr(step_sync, "all_gather", lambda row, n, async_op: (torch.stack([row, row]), FakeWork()))
+    monkeypatch.setattr(
+        step_sync, "all_gather", lambda row, n, async_op, out: (out.copy_(torch.stack([row, row])), FakeWork())
+    )
     monkeypatch.setattr(step_sync, "is_last_step", lambda trainer, batch_idx: False)
 
     def in_flight_after_each_step(profiler):
         sync = StepSync(sigterm_every_n_steps=1)
         sync._device, sync._requeue, sync._requeued = torch.device("cpu"), False, False
+        sync._start(2)
         timer = SimpleNamespace(profiled_steps=range(2, 5))  # PhaseTimer's: steps 2-4 profiled
         trainer = SimpleNamespace(world_size=2, global_step=0, should_stop=False, profiler=profiler, callbacks=[timer])
         left = []

@@ -10,6 +10,7 @@ docs/callbacks.md; a step: docs/architecture.md.
 """
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
-from lit_ddp.callbacks.shared import grad_scaler, is_last_step, log_metrics, say
+from lit_ddp.callbacks.shared import grad_scaler, is_last_step, line_printer, log_metrics
 from lit_ddp.callbacks.step_sync import StepSync
 from lit_ddp.errors import NonFiniteLossError
 from lit_ddp.measure.step_marks import OptimizerSteps, Updates
@@ -44,6 +45,8 @@ class LossMonitor(Callback):
         self._steps = OptimizerSteps()
         self._handles: list[Any] = []
         self._updates = Updates()
+        self._print: Callable[[str], None] = print  # rank 0's line printer, chosen at the start of training
+        self._logged: list[tuple[int, float]] = []  # (step, global mean loss) for the loggers, given in batches
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -51,7 +54,9 @@ class LossMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._losses, self._updates = [], Updates()
+        self._losses, self._updates, self._logged = [], Updates(), []
+        self._print = line_printer(trainer)
+        self._trainer = trainer
         if grad_scaler(trainer) is not None:  # 16-mixed: each optimizer's step tells a skipped update (Updates)
             self._handles = [opt.register_step_post_hook(self._on_step_end) for opt in trainer.optimizers]
 
@@ -75,6 +80,14 @@ class LossMonitor(Callback):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._log(trainer)
+
+    def _log(self, trainer: Trainer) -> None:
+        """The rows kept for the loggers, each at its step: every ``log_every_n_steps`` printed steps (Lightning's
+        own cadence for step metrics) and at the end of training, not in the step."""
+        logged, self._logged = self._logged, []
+        for step, loss in logged:
+            log_metrics(trainer, {"train/loss": loss}, step=step)
 
     @override
     def on_train_batch_end(
@@ -86,38 +99,44 @@ class LossMonitor(Callback):
         if loss is not None:
             # Automatic optimization hands over the loss divided by accumulate_grad_batches (what backward got).
             scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-            loss = loss.detach().reshape(1).float()  # a float32 loss as it is: no kernel
+            loss = loss.detach().float()  # a float32 loss as it is: no kernel
             self._losses.append(loss * scale if scale != 1 else loss)
         if not self._steps.ended(trainer):  # a micro-batch of the running step
             return
         step = trainer.global_step - 1  # the optimizer step has already advanced global_step
         losses, self._losses = self._losses, []
-        skipped = self._updates.skipped() if grad_scaler(trainer) is not None else False
+        skipped = self._updates.skipped() if grad_scaler(trainer) is not None else False  # resets it for the next
         due = bool(self.every_n_steps) and (step % self.every_n_steps == 0 or is_last_step(trainer, batch_idx))
         if not (due or self.check_finite) or not losses:
             return
-        # One micro-batch: its float32 loss as it is (exact in StepSync's float64 row, a NaN or an Inf stays one, so
-        # the gathered losses are the NaN check); several: their mean.
-        local = losses[0] if len(losses) == 1 else torch.cat(losses).mean().reshape(1)
+        # One micro-batch: its loss as it is (exact in StepSync's float64 row, a NaN or an Inf stays one, so the
+        # gathered losses are the NaN check); several: the float32 mean of them.
+        local = losses[0] if len(losses) == 1 else torch.stack(losses).mean().reshape(1)
         # A fused optimizer's skip is a flag on the device: it travels in the row, read once gathered (no sync here).
         # Without a grad scaler no update is ever skipped: the loss travels alone.
         if grad_scaler(trainer) is not None:
             flag = skipped.to(local) if isinstance(skipped, Tensor) else local.new_full((1,), float(skipped))
-            local = torch.cat([local, flag])
+            local = torch.cat([local.reshape(1), flag])
+        self._sync.put("loss", local, self._report if due else self._global_mean)
 
-        def report(gathered: Tensor) -> None:  # [world_size, 1 or 2]: loss, update skipped (with a grad scaler)
-            column = gathered[:, 0]
-            losses = column.tolist()
+    def _global_mean(self, step: int, gathered: Tensor) -> float:
+        """The global mean loss of ``step`` from every rank's row (``[world_size, 1 or 2]``: the loss, then whether
+        the grad scaler skipped the update); NaN or Inf on any rank raises on every rank, which all see the same
+        rows, at this step."""
+        losses = gathered[:, 0].tolist()
+        global_mean = sum(losses) / len(losses)
+        if not all(map(math.isfinite, losses)):
             bad = [rank for rank, value in enumerate(losses) if not math.isfinite(value)]
-            global_mean = losses[0] if len(losses) == 1 else column.mean().item()
-            if bad:  # every rank sees the same rows, so every rank raises here, at this step
-                raise NonFiniteLossError(
-                    f"loss is {global_mean} at step {step}: non-finite on rank(s) {bad}; training stopped"
-                )
-            if due:
-                skip = gathered.shape[1] > 1 and gathered[0, 1].item()
-                note = " (update skipped: the grad scaler found inf/NaN gradients)" if skip else ""
-                say(trainer, f"Step {step}, Loss {global_mean:.4f}{note}")
-                log_metrics(trainer, {"train/loss": global_mean}, step=step)
+            raise NonFiniteLossError(f"loss is {global_mean} at step {step}: non-finite on rank(s) {bad}; training "
+                                     "stopped")  # fmt: skip
+        return global_mean
 
-        self._sync.put("loss", local, report)
+    def _report(self, step: int, gathered: Tensor) -> None:
+        """A printed step: its line, from values on the host, and its row for the loggers, kept for ``_log``."""
+        global_mean = self._global_mean(step, gathered)
+        skipped = gathered.shape[1] > 1 and gathered[0, 1].item()
+        note = " (update skipped: the grad scaler found inf/NaN gradients)" if skipped else ""
+        self._print(f"Step {step}, Loss {global_mean:.4f}{note}")
+        self._logged.append((step, global_mean))
+        if len(self._logged) >= self._trainer.log_every_n_steps:
+            self._log(self._trainer)

@@ -5,6 +5,7 @@ and the end of training of the timers (every rank's part of the record to rank 0
 import os
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Optional, Protocol, TypeVar, Union, runtime_checkable
 
@@ -49,6 +50,29 @@ def say(trainer: Trainer, text: str) -> None:
         rank_zero_info(text)
 
 
+def line_printer(trainer: Trainer) -> Callable[[str], None]:
+    """How rank 0 prints a line every step, chosen once a fit: as ``say`` does, or, where that would only put the
+    line on the console of ``python -m lit_ddp.fit`` (``lit_ddp.run.console.stream``), straight into its stream. A
+    line through logging makes a record, looks up its caller's frame and runs the filters: about a tenth of a
+    host-bound step's tool work (docs/performance.md). On other ranks it prints nothing."""
+    if not trainer.is_global_zero:
+        return _nothing
+    bar = trainer.progress_bar_callback
+    stream = console.stream() if bar is None or not bar.is_enabled else None
+    if stream is None:
+        return lambda text: say(trainer, text)
+
+    def write(text: str) -> None:
+        stream.write(text + "\n")
+        stream.flush()  # each line as it comes, as logging's handler flushes it (a pipe, a Slurm log)
+
+    return write
+
+
+def _nothing(text: str) -> None:
+    pass
+
+
 def is_last_step(trainer: Trainer, batch_idx: int) -> bool:
     """In ``on_train_batch_end``: this batch ends training (``max_steps`` reached, or the last batch of the last
     epoch)."""
@@ -63,15 +87,16 @@ def is_last_step(trainer: Trainer, batch_idx: int) -> bool:
     )
 
 
-def all_gather(tensor: Tensor, world_size: int, async_op: bool = False) -> tuple[Tensor, Optional[dist.Work]]:
+def all_gather(tensor: Tensor, world_size: int, async_op: bool = False,
+               out: Optional[Tensor] = None) -> tuple[Tensor, Optional[dist.Work]]:  # fmt: skip
     """Every rank's 1-D ``tensor`` as ``[world_size, len]`` (filled once the returned work is done, when
-    ``async_op``): the tool's one tensor collective, torch's own (Lightning's ``all_gather`` adds an autograd
-    Function and a stack per call)."""
-    gathered = tensor.new_empty(world_size * tensor.numel())
+    ``async_op``), into ``out`` (contiguous, of that shape) where given: the tool's one tensor collective, torch's
+    own (Lightning's ``all_gather`` adds an autograd Function and a stack per call)."""
+    gathered = tensor.new_empty(world_size, tensor.numel()) if out is None else out
     # torch 2.13 deprecates all_gather_into_tensor for all_gather_single (same arguments); older has the first.
     gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-    work = gather(gathered, tensor.contiguous(), async_op=async_op)
-    return gathered.view(world_size, -1), work
+    work = gather(gathered.view(-1), tensor.contiguous(), async_op=async_op)
+    return gathered, work
 
 
 def gather_to_zero(trainer: Trainer, item: T) -> Optional[list[T]]:

@@ -39,18 +39,40 @@ from lit_ddp.run.even_epochs import EvenEpochs, Uneven
 
 @dataclass
 class _Slot:
-    values: Tensor  # this rank's values, 1-D float64 on the root device
-    on_result: Callable[[Tensor], None]  # called with [world_size, width] float64 on the CPU
+    """A caller's columns in the row."""
+
+    offset: int
+    width: int
 
 
-@dataclass
-class _InFlight:
-    """A step's gather, started and not yet read."""
+class _Rows:
+    """The preallocated buffers of one step's gather, for one layout of the row (the SIGTERM and requeue flags,
+    then each slot's columns): the row, every rank's rows once gathered, and, on CUDA, their pinned copy on the
+    host; with a view per slot into each, made once. Two take turns (``StepSync._pair``): a step's callers write
+    their values while the gather of the step before may still be in flight from the other. A caller's columns
+    are valid during its ``on_result`` call only: the buffers are used again two steps later."""
 
-    gathered: Tensor  # [world_size, 2 + widths]: the SIGTERM and requeue flags, then each slot's values
-    work: Optional[dist.Work]
-    slots: dict[str, _Slot]
-    copied: Any = None  # CUDA: the event after ``gathered``'s copy to pinned host memory (``_HostCopy``)
+    def __init__(self, slots: dict[str, _Slot], world_size: int, device: torch.device, host_copy: bool) -> None:
+        width = 2 + sum(slot.width for slot in slots.values())
+        self.row = torch.zeros(width, dtype=torch.float64, device=device)
+        if world_size == 1:  # nothing to exchange: the row is every rank's row
+            self.gathered = self.row.view(1, width)
+        else:
+            self.gathered = torch.zeros(world_size, width, dtype=torch.float64, device=device)
+        # What the callers read: the gathered rows on the host (on CUDA a pinned copy, made on a side stream).
+        self.host = self.gathered
+        if host_copy:
+            self.host = torch.zeros(world_size, width, dtype=torch.float64, pin_memory=device.type == "cuda")
+        self.flags, self.host_flags = self.row[:2], self.host[:, :2]
+        self.values = {key: self.row[s.offset : s.offset + s.width] for key, s in slots.items()}
+        self.columns = {key: self.host[:, s.offset : s.offset + s.width] for key, s in slots.items()}
+        self.flagged = False  # the flags hold a signal, to be cleared before the row is sent again
+        # This turn's gather: the callers that put (their key, what gets their columns), the step, the collective,
+        # and on CUDA the event after the copy to the host.
+        self.put: list[tuple[str, Callable[[int, Tensor], None]]] = []
+        self.step = -1
+        self.work: Optional[dist.Work] = None
+        self.copied: Any = None
 
 
 class _HostCopy:
@@ -58,33 +80,32 @@ class _HostCopy:
     copies with ``non_blocking=False`` (a ``memcpy_and_sync``), and ``gathered.cpu()`` a step later waits behind that
     step's backward and update on the current stream: either way the host could never run ahead of the GPU. Here
     the flags are filled on the device (no copy), a side stream waits for the collective (``Work.wait()`` makes the
-    *current* stream wait; NCCL's returns at once) and copies the row into pinned memory with ``non_blocking``, and
+    *current* stream wait; NCCL's returns at once) and copies the rows into pinned memory with ``non_blocking``, and
     an event recorded after it is waited for a step later, when it has long completed."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
 
-    def flags(self, sigterm: bool, requeue: bool) -> Tensor:
-        row = torch.zeros(2, dtype=torch.float64, device=self.device)
+    @staticmethod
+    def flags(flags: Tensor, sigterm: bool, requeue: bool) -> None:
+        flags.zero_()
         for i, flag in enumerate((sigterm, requeue)):
             if flag:
-                row[i].fill_(1.0)  # a fill kernel with the value as its argument: no host-to-device copy
-        return row
+                flags[i].fill_(1.0)  # a fill kernel with the value as its argument: no host-to-device copy
 
-    def start(self, gathered: Tensor, work: Optional[dist.Work]) -> tuple[Tensor, Any]:
-        """Queues the copy of ``gathered`` (once ``work`` is done) to pinned host memory; the host tensor and the
-        event that says it is there."""
+    def start(self, gathered: Tensor, host: Tensor, work: Optional[dist.Work]) -> Any:
+        """Queues the copy of ``gathered`` (once ``work`` is done) into the pinned ``host``; the event that says it
+        is there."""
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # world size 1: the row's own kernels
         with torch.cuda.stream(self.stream):
             if work is not None:
                 work.wait()  # the side stream waits for the collective's stream; the host does not
-            host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=self.device.type == "cuda")
             host.copy_(gathered, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(self.stream)
-        gathered.record_stream(self.stream)  # the allocator must not hand its memory out before the copy ran
-        return host, copied
+        gathered.record_stream(self.stream)  # a new layout drops these buffers: not reused before the copy ran
+        return copied
 
     @staticmethod
     def wait(copied: Any) -> None:
@@ -114,11 +135,14 @@ class StepSync(Callback):
         self.sigterm_every_n_steps = sigterm_every_n_steps
         self.uneven = uneven
         self._even: Optional[EvenEpochs] = None
-        self._slots: dict[str, _Slot] = {}
-        self._in_flight: Optional[_InFlight] = None
+        self._device = torch.device("cpu")
+        self._world_size = 1
+        self._slots: dict[str, _Slot] = {}  # the row's layout: each caller's columns
+        self._pair: list[_Rows] = []  # the two turns' buffers, made at the start of training and on a new layout
+        self._turn = 0  # which of the two this step's callers write into
+        self._in_flight: Optional[_Rows] = None  # the gather sent and not yet read
         self._host_copy: Optional[_HostCopy] = None  # made in setup, on CUDA
         self._profiles: Optional[list] = None  # [the Trainer's ProfilesSteps callback or None], found at the first step
-        self._no_flags = torch.zeros(2, dtype=torch.float64)  # the usual CPU flags: no tensor made per step
         self._sigterm = False
         self.ending = Ending.FINISHED  # how this fit ended, when it did not raise
         self.collectives = 0  # how many per-step collectives ran (for tests and benchmarks)
@@ -146,18 +170,44 @@ class StepSync(Callback):
             callbacks.insert(callbacks.index(caller) + 1, sync)
         return sync
 
-    def put(self, key: str, values: list[float] | Tensor, on_result: Callable[[Tensor], None]) -> None:
-        """Adds this rank's ``values`` for this step; after the step's collective (in this callback's
-        ``on_train_batch_end``, after those of the callbacks before it) ``on_result`` gets every rank's values,
-        ``[world_size, len(values)]``, on the CPU: at the end of the next step, or of this one if it is the
-        last. Every rank must put the same keys and widths."""
+    def put(self, key: str, values: list[float] | Tensor, on_result: Callable[[int, Tensor], None]) -> None:
+        """Adds this rank's ``values`` for this step into the step's row (a copy into a preallocated buffer); after
+        the step's collective (in this callback's ``on_train_batch_end``, after those of the callbacks before it)
+        ``on_result`` gets the step and every rank's values, ``[world_size, len(values)]`` float64 on the CPU, valid
+        during the call only: at the end of the next step, or of this one if it is the last. Every rank must put
+        the same keys and widths."""
+        width = values.numel() if isinstance(values, Tensor) else len(values)
+        slot = self._slots.get(key)
+        if slot is None or slot.width != width:
+            self._lay_out(key, width)
+        rows = self._pair[self._turn]
         if isinstance(values, Tensor):
-            row = values.detach().reshape(-1).to(device=self._device, dtype=torch.float64)
+            rows.values[key].copy_(values.detach().reshape(-1))  # a float32 loss or int64 bits: exact in float64
         else:  # from the host: pinned, so that the copy to a GPU does not wait for it
-            row = torch.tensor(values, dtype=torch.float64)
-            if self._device.type == "cuda":
-                row = row.pin_memory().to(self._device, non_blocking=True)
-        self._slots[key] = _Slot(row, on_result)
+            host = torch.tensor(values, dtype=torch.float64)
+            on_cuda = self._device.type == "cuda"
+            rows.values[key].copy_(host.pin_memory() if on_cuda else host, non_blocking=on_cuda)
+        if any(put_key == key for put_key, _ in rows.put):  # put again in one step: its latest values stand
+            rows.put = [(k, f) for k, f in rows.put if k != key]
+        rows.put.append((key, on_result))
+
+    def _lay_out(self, key: str, width: int) -> None:
+        """A key or width not seen in this fit (its first steps; a count the uneven data check adds): a new layout,
+        new buffers for both turns. This step's values put so far are carried over; a gather in flight keeps the
+        buffers it was sent from."""
+        widths = {k: s.width for k, s in self._slots.items() if k != key}
+        widths[key] = width
+        self._slots, offset = {}, 2
+        for k, w in widths.items():
+            self._slots[k] = _Slot(offset, w)
+            offset += w
+        before = self._pair[self._turn] if self._pair else None
+        self._pair = [_Rows(self._slots, self._world_size, self._device, self._host_copy is not None) for _ in range(2)]
+        if before is not None:
+            rows = self._pair[self._turn]
+            rows.put = [(k, f) for k, f in before.put if k != key]
+            for k, _ in rows.put:
+                rows.values[k].copy_(before.values[k])
 
     @staticmethod
     def ending_of(trainer: Trainer) -> Ending:
@@ -173,7 +223,8 @@ class StepSync(Callback):
         CollectiveRecorder.attach(trainer, before=self)  # its mark at a step's end comes before the gather
         self._device = trainer.strategy.root_device
         self._host_copy = _HostCopy(self._device) if self._device.type == "cuda" else None
-        self._sigterm, self.ending, self._in_flight, self._profiles = False, Ending.FINISHED, None, None
+        self._sigterm, self.ending, self._profiles = False, Ending.FINISHED, None
+        self._start(trainer.world_size)
         self._requeue = self._requeued = False
 
         def note_requeue(signum, frame) -> None:
@@ -203,6 +254,11 @@ class StepSync(Callback):
 
         _lightning.replace_sigterm_notifier(trainer, notify)
 
+    def _start(self, world_size: int) -> None:
+        """A fit's empty row (the flags alone) and nothing in flight."""
+        self._world_size, self._slots, self._turn, self._in_flight = world_size, {}, 0, None
+        self._pair = [_Rows({}, world_size, self._device, self._host_copy is not None) for _ in range(2)]
+
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._alive_at = time.monotonic()
@@ -228,16 +284,17 @@ class StepSync(Callback):
         self._finish(trainer)  # the previous step's gather: long done by now
         if self._even is not None:
             self._even.step_end(trainer, self.put)
+        put = bool(self._pair[self._turn].put)
         if trainer.world_size == 1:  # nobody to agree with: this rank's own flags decide, no tensor needed
-            if self._slots:
+            if put:
                 self._send(trainer)
                 self._finish(trainer)
             self._decide(trainer, self._sigterm, self._requeue)
             return
-        # Every rank must take the same branch here: it depends on the slots (every rank puts the same keys) and
+        # Every rank must take the same branch here: it depends on what was put (every rank puts the same keys) and
         # the step, never on a signal flag, which each rank's handler sets at its own moment (a rank gathering
         # alone pairs its all-gather with another rank's bucket all-reduce). A flag waits for the next row.
-        if self._slots or trainer.global_step % self.sigterm_every_n_steps == 0:
+        if put or trainer.global_step % self.sigterm_every_n_steps == 0:
             self._send(trainer)
         if is_last_step(trainer, batch_idx) or trainer.should_stop or self._profiler_toggles_next(trainer):
             self._finish(trainer)
@@ -247,32 +304,30 @@ class StepSync(Callback):
         # A NaN or a sync error raises before a checkpoint holding its step is written, wherever the checkpoint
         # callback is listed (before this one, this step's values are not even sent yet).
         self._finish(trainer)
-        if self._slots:
+        if self._pair and self._pair[self._turn].put:
             self._send(trainer)
             self._finish(trainer)
 
     def _send(self, trainer: Trainer) -> None:
-        """Starts the gather of this step's row: the SIGTERM and requeue flags, then every slot's values."""
-        slots, self._slots = self._slots, {}
-        copy = self._host_copy
-        if copy is not None:
-            flags = copy.flags(self._sigterm, self._requeue)
-        else:
-            sigterm, requeue = self._sigterm, self._requeue
-            flags = torch.tensor([float(sigterm), float(requeue)], dtype=torch.float64) if sigterm or requeue else \
-                self._no_flags  # fmt: skip
-        row = torch.cat([flags, *(slot.values for slot in slots.values())])
-        work = None
-        if trainer.world_size == 1:  # nothing to exchange: every value is already here
-            gathered = row.view(1, -1)
-        else:
-            gathered, work = all_gather(row, trainer.world_size, async_op=True)
+        """Starts the gather of this step's row (the SIGTERM and requeue flags, then what was put) from this turn's
+        buffers, and hands the next step the other turn's."""
+        rows = self._pair[self._turn]
+        signal = self._sigterm or self._requeue
+        if signal or rows.flagged:  # the usual step, where no rank has a signal, writes no flag
+            if self._host_copy is not None:
+                _HostCopy.flags(rows.flags, self._sigterm, self._requeue)
+            else:
+                rows.flags.copy_(torch.tensor([float(self._sigterm), float(self._requeue)], dtype=torch.float64))
+            rows.flagged = signal
+        rows.step = trainer.global_step - 1
+        if trainer.world_size > 1:
+            rows.work = all_gather(rows.row, trainer.world_size, async_op=True, out=rows.gathered)[1]
             self.collectives += 1
-        if copy is None:
-            self._in_flight = _InFlight(gathered, work, slots)
-            return
-        host, copied = copy.start(gathered, work)
-        self._in_flight = _InFlight(host, None, slots, copied)
+        if self._host_copy is not None:
+            rows.copied = self._host_copy.start(rows.gathered, rows.host, rows.work)
+            rows.work = None  # the side stream waited for it
+        self._in_flight = rows
+        self._turn ^= 1
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -281,21 +336,20 @@ class StepSync(Callback):
     def _finish(self, trainer: Trainer) -> None:
         """Waits for the gather in flight, if any, and hands each caller its columns; every rank takes the same
         decisions from the same rows."""
-        flight, self._in_flight = self._in_flight, None
-        if flight is None:
+        rows, self._in_flight = self._in_flight, None
+        if rows is None:
             return
-        if flight.work is not None:
-            flight.work.wait()
-        if flight.copied is not None:
-            _HostCopy.wait(flight.copied)
-        gathered = flight.gathered  # on the host now
-        start = 2
-        for slot in flight.slots.values():
-            width = slot.values.numel()
-            slot.on_result(gathered[:, start : start + width])
-            start += width
-        flags = gathered[:, :2]
-        if flags.any():  # one test for the usual step, where no rank has a signal
+        if rows.work is not None:
+            rows.work.wait()
+            rows.work = None
+        if rows.copied is not None:
+            _HostCopy.wait(rows.copied)
+            rows.copied = None
+        put, rows.put = rows.put, []
+        for key, on_result in put:
+            on_result(rows.step, rows.columns[key])
+        if rows.host_flags.any():  # one test for the usual step, where no rank has a signal
+            flags = rows.host_flags
             self._decide(trainer, bool(flags[:, 0].any()), bool(flags[:, 1].any()))
 
     def _decide(self, trainer: Trainer, sigterm: bool, requeue: bool) -> None:

@@ -87,6 +87,7 @@ class SyncCheck(Callback):
         self._out_of_sync = 0  # checks that found the ranks apart (mode="warn")
         self._params: Optional[list[Tensor]] = None  # the module's parameters, listed at the fit's first check
         self._weights: Optional[Tensor] = None  # model_fingerprint's positions
+        self._sent: dict[int, Tensor] = {}  # step -> its per-tensor fingerprints, until its row is read
         self.standing_aside = False  # this fit's strategy is not DDP's: nothing to compare, nothing done
 
     @override
@@ -94,7 +95,7 @@ class SyncCheck(Callback):
         if self.standing_aside:
             return
         self._last_checked_step, self._max_diff, self._out_of_sync = None, 0.0, 0
-        self._params, self._weights = None, None
+        self._params, self._weights, self._sent = None, None, {}
         if self.check_setup:
             self._check_optimizer_holds_wrapped_params(trainer)
         self._compare(trainer, pl_module, "weights", "before the first step")
@@ -136,15 +137,17 @@ class SyncCheck(Callback):
         per_tensor = fingerprints([p for p in self._params if p.requires_grad])
         if self._weights is None or len(self._weights) != len(per_tensor):
             self._weights = fingerprint_weights(len(per_tensor), per_tensor.device)
-        row = model_fingerprint(per_tensor, self._weights).view(torch.float64)
+        self._sent[step] = per_tensor
+        self._trainer, self._module = trainer, pl_module
+        self._sync.put("sync_check", model_fingerprint(per_tensor, self._weights).view(torch.float64), self._compared)
 
-        def compare(gathered: torch.Tensor) -> None:
-            bits = gathered.contiguous().view(torch.int64)
-            if (bits != bits[0]).any():  # every rank sees the same rows: all take this branch together
-                self._compare(trainer, pl_module, "weights", f"after step {step}", per_tensor)
-            self._last_checked_step = step
-
-        self._sync.put("sync_check", row, compare)
+    def _compared(self, step: int, gathered: Tensor) -> None:
+        """Every rank's model fingerprint after ``step``: the same rows on every rank, so all take the same branch."""
+        per_tensor = self._sent.pop(step)
+        bits = gathered.view(torch.int64)  # float64 columns viewed as the int64 bits they carry
+        if not bits.eq(bits[0]).all():
+            self._compare(self._trainer, self._module, "weights", f"after step {step}", per_tensor)
+        self._last_checked_step = step
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import warnings
+from typing import Optional, TextIO
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -130,6 +131,26 @@ def _drop_lightning_noise() -> None:
         warnings.filterwarnings("ignore", message=pattern)  # an equal filter is moved to the front, not repeated
 
 
+RANK_ZERO_LOGGER = "lightning.pytorch.utilities.rank_zero"  # where ``rank_zero_info`` logs
+_HANDLER: Optional[logging.StreamHandler] = None  # ``setup``'s, in this process
+
+
+def stream() -> Optional[TextIO]:
+    """The stream of ``setup``'s handler where a line of ``rank_zero_info`` would go there alone, as it is (no
+    other handler on the way, the level let through; the console's filter passes rank 0's lines that are no
+    banner): ``python -m lit_ddp.fit``'s stdout. None otherwise: in a script, or once the loggers were changed."""
+    if _HANDLER is None:
+        return None
+    logger: Optional[logging.Logger] = logging.getLogger(RANK_ZERO_LOGGER)
+    if not logger.isEnabledFor(logging.INFO) or _HANDLER.level > logging.INFO:
+        return None
+    handlers = []
+    while logger is not None:
+        handlers += logger.handlers
+        logger = logger.parent if logger.propagate else None
+    return _HANDLER.stream if handlers == [_HANDLER] else None
+
+
 # Set by ``setup`` for the ranks this process starts: a ddp_spawn rank is a fresh interpreter that set none of
 # this up, and sets it up again (when it unpickles the CLI's own ``RunSummary``, whatever the strategy).
 CONSOLE_ENV = "LIT_DDP_CONSOLE"
@@ -144,8 +165,9 @@ def setup_in_spawned_rank() -> None:
 
 def setup() -> None:
     """Lightning's and lit_ddp's log lines to stdout, bare, banners dropped; known-noise warnings off."""
+    global _HANDLER
     os.environ[CONSOLE_ENV] = str(os.getpid())
-    handler = logging.StreamHandler(sys.stdout)
+    handler = _HANDLER = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
     handler.addFilter(DropBanners())
     for name in ("lightning.pytorch", "lightning.fabric", "lit_ddp"):

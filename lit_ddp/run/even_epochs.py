@@ -97,14 +97,16 @@ class EvenEpochs:
         ahead = [Ahead(int(b), bool(e)) for b, e in gathered.tolist()]
         self._rows = not self._decide(trainer, ahead, trainer.fit_loop.epoch_loop.batch_idx + 1)
 
-    def step_end(self, trainer: Trainer, put: Callable[[str, list[float], Callable[[Tensor], None]], None]) -> None:
+    def step_end(
+        self, trainer: Trainer, put: Callable[[str, list[float], Callable[[int, Tensor], None]], None]
+    ) -> None:
         """From StepSync's ``on_train_batch_end`` at a step's end, before its row is sent."""
         if self._rows:
             mine = self._ahead(trainer)
             done = trainer.fit_loop.epoch_loop.batch_idx + 1
             put(SLOT, [float(trainer.current_epoch), float(done), float(mine.batches), float(mine.exact)], self._read)
 
-    def _read(self, gathered: Tensor) -> None:
+    def _read(self, step: int, gathered: Tensor) -> None:
         epoch, done = int(gathered[0, 0]), int(gathered[0, 1])
         trainer = self._trainer
         if not self._rows or epoch != trainer.current_epoch:

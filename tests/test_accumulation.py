@@ -186,13 +186,18 @@ def test_checkpoints_are_written_after_optimizer_steps_only(tmp_path, monkeypatc
 
 
 class RecordingSync:
-    """StepSync's ``put`` as LossMonitor and SyncCheck call it: what each batch end put in."""
+    """StepSync's ``put`` and ``reserve`` as LossMonitor and SyncCheck call them: what each batch end put in."""
 
     def __init__(self):
         self.puts = []
 
     def put(self, key, values, on_result):
         self.puts.append((key, values.detach().clone()))
+
+    def reserve(self, key, width, on_result):
+        columns = torch.zeros(width, dtype=torch.float64)  # filled by the caller
+        self.puts.append((key, columns))
+        return columns
 
 
 @pytest.mark.parametrize("kind", ["loss", "sync_check"])

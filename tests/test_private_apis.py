@@ -72,3 +72,39 @@ def test_ddp_strategy_keeps_the_hook_and_wraps_in_the_methods_we_override():
         assert f"self.{name} = " in source, f"DDPStrategy no longer sets {name}"
     for method in ("_configure_launcher", "_setup_model", "_register_ddp_hooks"):
         assert method in DDPStrategy.__dict__, f"DDPStrategy.{method} is gone: LitDDPStrategy overrides it"
+
+
+def test_lightning_passes_over_the_batch_hooks_a_lean_callback_does_not_override():
+    """LeanCallback's hooks that no class of it overrides are None on the instance, and Lightning's dispatch skips
+    them (no profiler context, no call); an overriding subclass and a ``super()`` call to the base's hook work."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch import Callback
+    from lightning.pytorch.profilers import PassThroughProfiler
+    from lightning.pytorch.trainer import call
+
+    calls = []
+
+    class Profiler(PassThroughProfiler):
+        def start(self, action_name):
+            calls.append(action_name.rpartition("<locals>.")[2])  # the hook's callback, by its state key
+
+    class Lean(_lightning.LeanCallback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            calls.append("Lean.on_train_batch_end")
+
+    class Users(Lean):
+        def on_before_backward(self, trainer, pl_module, loss):
+            calls.append("Users.on_before_backward")
+            super().on_before_backward(trainer, pl_module, loss)  # the base's own: Callback's no-op
+
+    lean, users = Lean(), Users()
+    assert lean.on_before_backward is None and lean.on_train_start is not None  # a batch hook, and one that is not
+    trainer = SimpleNamespace(lightning_module=None, callbacks=[lean, users], profiler=Profiler())
+    call._call_callback_hooks(trainer, "on_before_backward", None)
+    assert calls == ["Users.on_before_backward"] * 2  # once the profiler's, once its own
+    calls.clear()
+    call._call_callback_hooks(trainer, "on_train_batch_end", None, None, 0)
+    assert calls == ["Lean.on_train_batch_end", "Lean.on_train_batch_end", "Users.on_train_batch_end",
+                     "Lean.on_train_batch_end"]  # fmt: skip
+    assert Callback.on_before_backward is not None  # the class itself is untouched

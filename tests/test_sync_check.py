@@ -43,6 +43,34 @@ def test_fingerprints_see_a_single_bit(device):
     assert not torch.equal(fingerprints([zeros]), fingerprints([-zeros]))
 
 
+def test_the_views_kept_between_checks_follow_updates_and_a_replaced_parameter():
+    """A step's check reads the parameters through views made once: an in-place update shows through them, a
+    parameter whose storage was replaced (``p.data = ...``), made non-contiguous or frozen gets fresh ones; the
+    fingerprints are always those of the parameters as they are."""
+    model = torch.nn.Linear(4, 3)
+    check = SyncCheck()
+    check._params = list(model.parameters())
+
+    def checked():
+        trainable, views = check._trainable()
+        assert torch.equal(
+            fingerprints(trainable, views), fingerprints([p for p in model.parameters() if p.requires_grad])
+        )
+        return views
+
+    first = checked()
+    with torch.no_grad():
+        model.weight.add_(1.0)  # an optimizer's in-place update
+    assert checked() is first
+    model.weight.data = torch.randn(3, 4)  # new storage
+    replaced = checked()
+    assert replaced is not first and replaced[0][0].data_ptr() == model.weight.data_ptr()
+    model.weight.data = torch.randn(4, 3).t()  # not contiguous: copied every time
+    assert checked() is not checked()
+    model.bias.requires_grad_(False)
+    assert len(checked()[0]) == 1
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="every_n_steps=-1"):
         SyncCheck(every_n_steps=-1)

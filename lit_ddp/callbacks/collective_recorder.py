@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lit_ddp import _lightning, _torch
+from lit_ddp._lightning import LeanCallback
 from lit_ddp.errors import prog
 from lit_ddp.measure.collectives import CollectiveRecord
 from lit_ddp.run import hangs
@@ -25,7 +26,7 @@ from lit_ddp.run import hangs
 SHORT_TIMEOUT_S = 120.0
 
 
-class CollectiveRecorder(Callback):
+class CollectiveRecorder(LeanCallback):
     """Marks each step's phases for the collective record, and diagnoses a failure on every rank it reaches.
 
     Args:

@@ -19,7 +19,7 @@ from typing import Any, Literal, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -27,6 +27,7 @@ from torch.profiler import record_function
 from typing_extensions import override
 
 from lit_ddp import _lightning
+from lit_ddp._lightning import LeanCallback
 from lit_ddp.analysis.trace import BUCKET_PREFIX
 from lit_ddp.callbacks.shared import gather_to_zero, log_metrics, meta, profiled_steps, report_timers
 from lit_ddp.callbacks.step_sync import StepSync
@@ -100,7 +101,7 @@ class BucketTiming:
     micro: int = 0  # the step's backward pass (micro-batch) that handed the bucket over
 
 
-class CommMonitor(Callback):
+class CommMonitor(LeanCallback):
     """Times and accounts every gradient bucket's all-reduce. With a strategy that is not DDP's (one device,
     ``SingleDeviceStrategy``) there is no all-reduce: it stands aside with one warning, and writes no record.
 

@@ -6,15 +6,16 @@ The rules (two ranks on one GPU, ``CUDA_VISIBLE_DEVICES`` and ``device_ids`` mix
 ``LOCAL_RANK``) live in ``lit_ddp.measure.placement`` and are tested on hand-made maps there.
 """
 
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lit_ddp._lightning import LeanCallback
 from lit_ddp.callbacks.shared import exit_cleanly, gather_to_zero, say
 from lit_ddp.measure import placement
 
 
-class DeviceMap(Callback):
+class DeviceMap(LeanCallback):
     """Rank 0 prints a table of every rank's host, device and device-related environment at fit start, and
     warns about placements that skew device indexing."""
 

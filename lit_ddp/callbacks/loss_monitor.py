@@ -15,18 +15,19 @@ from typing import Any
 
 import torch
 from jsonargparse.typing import NonNegativeInt
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
+from lit_ddp._lightning import LeanCallback
 from lit_ddp.callbacks.shared import grad_scaler, is_last_step, line_printer, log_metrics
 from lit_ddp.callbacks.step_sync import StepSync
 from lit_ddp.errors import NonFiniteLossError
 from lit_ddp.measure.step_marks import OptimizerSteps, Updates
 
 
-class LossMonitor(Callback):
+class LossMonitor(LeanCallback):
     """Global-mean loss per step: printed by rank 0, logged as ``train/loss``, checked for NaN/Inf.
 
     Args:
@@ -99,8 +100,8 @@ class LossMonitor(Callback):
         if loss is not None:
             # Automatic optimization hands over the loss divided by accumulate_grad_batches (what backward got).
             scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-            loss = loss.detach().float()  # a float32 loss as it is: no kernel
-            self._losses.append(loss * scale if scale != 1 else loss)
+            loss = loss.detach()  # as it is, in its dtype: the row is float64, and a copy into it is exact
+            self._losses.append(loss.float() * scale if scale != 1 else loss)
         if not self._steps.ended(trainer):  # a micro-batch of the running step
             return
         step = trainer.global_step - 1  # the optimizer step has already advanced global_step
@@ -111,13 +112,15 @@ class LossMonitor(Callback):
             return
         # One micro-batch: its loss as it is (exact in StepSync's float64 row, a NaN or an Inf stays one, so the
         # gathered losses are the NaN check); several: the float32 mean of them.
-        local = losses[0] if len(losses) == 1 else torch.stack(losses).mean().reshape(1)
+        local = losses[0] if len(losses) == 1 else torch.stack(losses).float().mean()
+        on_result = self._report if due else self._global_mean
         # A fused optimizer's skip is a flag on the device: it travels in the row, read once gathered (no sync here).
         # Without a grad scaler no update is ever skipped: the loss travels alone.
-        if grad_scaler(trainer) is not None:
-            flag = skipped.to(local) if isinstance(skipped, Tensor) else local.new_full((1,), float(skipped))
-            local = torch.cat([local.reshape(1), flag])
-        self._sync.put("loss", local, self._report if due else self._global_mean)
+        if grad_scaler(trainer) is None:
+            self._sync.reserve("loss", 1, on_result).copy_(local)  # into the step's row: one copy, no other kernel
+            return
+        flag = skipped.to(local) if isinstance(skipped, Tensor) else local.new_full((1,), float(skipped))
+        self._sync.put("loss", torch.cat([local.float().reshape(1), flag.float().reshape(1)]), on_result)
 
     def _global_mean(self, step: int, gathered: Tensor) -> float:
         """The global mean loss of ``step`` from every rank's row (``[world_size, 1 or 2]``: the loss, then whether

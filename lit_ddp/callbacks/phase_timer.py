@@ -21,12 +21,13 @@ from typing import Any, Optional
 
 import torch
 from jsonargparse.typing import NonNegativeInt, PositiveFloat
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.profilers import PyTorchProfiler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit_ddp import _torch
+from lit_ddp._lightning import LeanCallback
 from lit_ddp.analysis.memory import oom_line
 from lit_ddp.analysis.phases import format_step
 from lit_ddp.callbacks.shared import (
@@ -49,7 +50,7 @@ __all__ = ["FIRST_PROFILED_STEP", "PhaseTimer"]
 METRICS = tuple(f"time/{phase}_ms" for phase in PHASES)
 
 
-class PhaseTimer(Callback):
+class PhaseTimer(LeanCallback):
     """Times forward, backward and update of each step on each rank, correctly on GPUs.
 
     Args:

@@ -17,9 +17,10 @@ import time
 from pathlib import Path
 from typing import Optional, Protocol, runtime_checkable
 
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
+from lit_ddp._lightning import LeanCallback
 from lit_ddp.callbacks.shared import say
 from lit_ddp.run import console
 
@@ -31,7 +32,7 @@ class SavesCheckpoints(Protocol):
     saved: Optional[Path]
 
 
-class RunSummary(Callback):
+class RunSummary(LeanCallback):
     """Rank 0 says how many steps this run trained (and from which checkpoint, on a resume), on how many ranks,
     where, the wall time, and where the logs are.
 

@@ -19,6 +19,7 @@ from torch import Tensor
 from tqdm import tqdm
 from typing_extensions import override
 
+from lit_ddp._lightning import LeanCallback
 from lit_ddp.analysis import stragglers
 from lit_ddp.analysis.comm import comm_table
 from lit_ddp.analysis.phases import phase_table
@@ -109,7 +110,7 @@ def gather_to_zero(trainer: Trainer, item: T) -> Optional[list[T]]:
     return items
 
 
-class ExitsCleanly(Callback):
+class ExitsCleanly(LeanCallback):
     """When training ends normally, this process will tear its process group down at exit, as the CLI does after
     ``fit`` (``lit_ddp.run.lifecycle.teardown_at_exit``): a script's ranks exit without gloo aborting one. Added by
     the tool's callbacks (``exit_cleanly``); a process whose training failed exits as Lightning leaves it."""

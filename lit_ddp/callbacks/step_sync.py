@@ -29,6 +29,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_ddp import _lightning
+from lit_ddp._lightning import LeanCallback
 from lit_ddp.callbacks.collective_recorder import CollectiveRecorder
 from lit_ddp.callbacks.shared import all_gather, exit_cleanly, is_last_step, profiling_callback, say
 from lit_ddp.errors import Ending, prog
@@ -112,7 +113,7 @@ class _HostCopy:
         copied.synchronize()  # a step later: long completed, so this returns at once
 
 
-class StepSync(Callback):
+class StepSync(LeanCallback):
     """Carries per-step values of every rank to every rank in one ``all_gather``, and SIGTERM with them.
 
     Args:
@@ -170,26 +171,30 @@ class StepSync(Callback):
             callbacks.insert(callbacks.index(caller) + 1, sync)
         return sync
 
-    def put(self, key: str, values: list[float] | Tensor, on_result: Callable[[int, Tensor], None]) -> None:
-        """Adds this rank's ``values`` for this step into the step's row (a copy into a preallocated buffer); after
-        the step's collective (in this callback's ``on_train_batch_end``, after those of the callbacks before it)
-        ``on_result`` gets the step and every rank's values, ``[world_size, len(values)]`` float64 on the CPU, valid
-        during the call only: at the end of the next step, or of this one if it is the last. Every rank must put
-        the same keys and widths."""
-        width = values.numel() if isinstance(values, Tensor) else len(values)
+    def reserve(self, key: str, width: int, on_result: Callable[[int, Tensor], None]) -> Tensor:
+        """This rank's ``width`` columns in this step's row, float64 on the root device, to be written by the caller
+        now (a preallocated buffer: ``copy_`` into it, or ``out=`` it); after the step's collective (in this
+        callback's ``on_train_batch_end``, after those of the callbacks before it) ``on_result`` gets the step and
+        every rank's values, ``[world_size, width]`` float64 on the CPU, valid during the call only: at the end of
+        the next step, or of this one if it is the last. Every rank must reserve the same keys and widths."""
         slot = self._slots.get(key)
         if slot is None or slot.width != width:
             self._lay_out(key, width)
         rows = self._pair[self._turn]
-        if isinstance(values, Tensor):
-            rows.values[key].copy_(values.detach().reshape(-1))  # a float32 loss or int64 bits: exact in float64
-        else:  # from the host: pinned, so that the copy to a GPU does not wait for it
-            host = torch.tensor(values, dtype=torch.float64)
-            on_cuda = self._device.type == "cuda"
-            rows.values[key].copy_(host.pin_memory() if on_cuda else host, non_blocking=on_cuda)
-        if any(put_key == key for put_key, _ in rows.put):  # put again in one step: its latest values stand
+        if rows.put and any(put_key == key for put_key, _ in rows.put):  # again in one step: its latest values
             rows.put = [(k, f) for k, f in rows.put if k != key]
         rows.put.append((key, on_result))
+        return rows.values[key]
+
+    def put(self, key: str, values: list[float] | Tensor, on_result: Callable[[int, Tensor], None]) -> None:
+        """``reserve`` and fill: ``values`` (a tensor, or floats from the host) copied into this step's row."""
+        if isinstance(values, Tensor):
+            # A float32 loss or int64 bits viewed as float64: exact in the row.
+            self.reserve(key, values.numel(), on_result).copy_(values.detach().reshape(-1))
+            return
+        host = torch.tensor(values, dtype=torch.float64)
+        on_cuda = self._device.type == "cuda"  # from the host: pinned, so that the copy to a GPU does not wait
+        self.reserve(key, len(values), on_result).copy_(host.pin_memory() if on_cuda else host, non_blocking=on_cuda)
 
     def _lay_out(self, key: str, width: int) -> None:
         """A key or width not seen in this fit (its first steps; a count the uneven data check adds): a new layout,

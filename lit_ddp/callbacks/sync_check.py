@@ -13,12 +13,13 @@ from typing import Literal, Optional
 
 import torch
 from jsonargparse.typing import NonNegativeInt
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lit_ddp._lightning import LeanCallback
 from lit_ddp.callbacks.shared import all_gather, is_last_step, say
 from lit_ddp.callbacks.step_sync import StepSync
 from lit_ddp.errors import SyncError
@@ -27,16 +28,24 @@ from lit_ddp.measure.step_marks import OptimizerSteps
 MAX_REPORTED = 5  # offending tensors gathered and named in one report
 
 
-def fingerprints(tensors: list[Tensor]) -> Tensor:
+def flat_views(tensors: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+    """Each tensor flattened, and its raw bits as integers (int16 for 2-byte dtypes, else int32): views of its
+    storage where it is contiguous (kept from step to step, they follow its updates), copies otherwise."""
+    flats = [t.reshape(-1) for t in tensors]
+    return flats, [f.view(torch.int16 if f.element_size() == 2 else torch.int32) for f in flats]
+
+
+def fingerprints(tensors: list[Tensor], views: Optional[tuple[list[Tensor], list[Tensor]]] = None) -> Tensor:
     """``[len(tensors), 2]`` int64: the sum of each tensor's raw bits as integers (wrapping, so exact and
-    independent of reduction order; any single-bit difference changes it) and its plain float sum. Three ops a
-    tensor, then six for all (this runs after every checked step): the sums are stacked before they are cast."""
+    independent of reduction order; any single-bit difference changes it) and its plain float sum. ``views``: the
+    tensors' ``flat_views``, kept from an earlier call: two ops a tensor then, and five for all (this runs after
+    every checked step): the sums are stacked before they are cast."""
     with torch.no_grad():
-        flats = [t.reshape(-1) for t in tensors]
-        bits = [f.view(torch.int16 if f.element_size() == 2 else torch.int32).sum(dtype=torch.int32) for f in flats]
+        flats, bit_views = flat_views(tensors) if views is None else views
+        bits = torch.stack([b.sum(dtype=torch.int32) for b in bit_views])
         # Mixed dtypes (bf16 and fp32 parameters) stack as the wider: each sum is exact in it, then in float64.
         values = torch.stack([f.sum() for f in flats]).to(torch.float64).view(torch.int64)
-        return torch.stack([torch.stack(bits).to(torch.int64), values], dim=1)
+        return torch.stack([bits.to(torch.int64), values], dim=1)
 
 
 def fingerprint_weights(n: int, device: torch.device) -> Tensor:
@@ -55,7 +64,7 @@ def model_fingerprint(per_tensor: Tensor, weights: Optional[Tensor] = None) -> T
     return (per_tensor * weights).sum(dim=0)
 
 
-class SyncCheck(Callback):
+class SyncCheck(LeanCallback):
     """Checks that all ranks hold identical parameters (and, optionally, gradients) during training. With a
     strategy that is not DDP's (one device, ``SingleDeviceStrategy``) it stands aside with one warning.
 
@@ -88,6 +97,8 @@ class SyncCheck(Callback):
         self._params: Optional[list[Tensor]] = None  # the module's parameters, listed at the fit's first check
         self._weights: Optional[Tensor] = None  # model_fingerprint's positions
         self._sent: dict[int, Tensor] = {}  # step -> its per-tensor fingerprints, until its row is read
+        self._viewed: list[Tensor] = []  # the trainable parameters of the last check, and their flat_views
+        self._views: Optional[tuple[list[Tensor], list[Tensor]]] = None
         self.standing_aside = False  # this fit's strategy is not DDP's: nothing to compare, nothing done
 
     @override
@@ -95,7 +106,7 @@ class SyncCheck(Callback):
         if self.standing_aside:
             return
         self._last_checked_step, self._max_diff, self._out_of_sync = None, 0.0, 0
-        self._params, self._weights, self._sent = None, None, {}
+        self._params, self._weights, self._sent, self._viewed, self._views = None, None, {}, [], None
         if self.check_setup:
             self._check_optimizer_holds_wrapped_params(trainer)
         self._compare(trainer, pl_module, "weights", "before the first step")
@@ -134,18 +145,36 @@ class SyncCheck(Callback):
         # that differed after *this* step, even if a one-bit difference has been rounded away since.
         if self._params is None:  # the module's parameters, once a fit (walking its modules costs every step)
             self._params = list(pl_module.parameters())
-        per_tensor = fingerprints([p for p in self._params if p.requires_grad])
+        per_tensor = fingerprints(*self._trainable())
         if self._weights is None or len(self._weights) != len(per_tensor):
             self._weights = fingerprint_weights(len(per_tensor), per_tensor.device)
         self._sent[step] = per_tensor
         self._trainer, self._module = trainer, pl_module
-        self._sync.put("sync_check", model_fingerprint(per_tensor, self._weights).view(torch.float64), self._compared)
+        row = self._sync.reserve("sync_check", 2, self._compared)  # the fingerprint's int64 bits, as float64
+        torch.sum(per_tensor * self._weights, dim=0, out=row.view(torch.int64))  # model_fingerprint, into the row
+
+    def _trainable(self) -> tuple[list[Tensor], tuple[list[Tensor], list[Tensor]]]:
+        """The parameters that require grad now, and their ``flat_views``: kept while the same tensors are checked
+        again and each flat view is still of its storage (a ``p.data = ...`` moves it; a tensor that is not
+        contiguous has a copy there, made afresh every time)."""
+        trainable = [p for p in self._params if p.requires_grad]
+        viewed, views = self._viewed, self._views
+        kept = (
+            views is not None
+            and len(viewed) == len(trainable)
+            and all(
+                a is b and a.data_ptr() == f.data_ptr() for a, b, f in zip(trainable, viewed, views[0], strict=True)
+            )
+        )
+        if not kept:
+            self._viewed, self._views = trainable, flat_views(trainable)
+        return trainable, self._views
 
     def _compared(self, step: int, gathered: Tensor) -> None:
         """Every rank's model fingerprint after ``step``: the same rows on every rank, so all take the same branch."""
         per_tensor = self._sent.pop(step)
-        bits = gathered.view(torch.int64)  # float64 columns viewed as the int64 bits they carry
-        if not bits.eq(bits[0]).all():
+        rows = gathered.view(torch.int64).tolist()  # the int64 bits the float64 columns carry, exactly
+        if any(row != rows[0] for row in rows):
             self._compare(self._trainer, self._module, "weights", f"after step {step}", per_tensor)
         self._last_checked_step = step
 

@@ -17,9 +17,10 @@ from typing import Any, Optional
 import torch
 from jsonargparse.typing import NonNegativeInt
 from lightning.fabric.plugins import TorchCheckpointIO
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
+from lit_ddp._lightning import LeanCallback
 from lit_ddp.errors import UsageError
 from lit_ddp.measure.step_marks import OptimizerSteps
 
@@ -44,7 +45,7 @@ def _get(config: Any, key: str) -> Any:
     return config.get(key) if hasattr(config, "get") else getattr(config, key, None)
 
 
-class LastCheckpoint(Callback):
+class LastCheckpoint(LeanCallback):
     """Writes ``<dirpath>/last.ckpt`` every ``every_n_steps`` steps and at the step where training is told to stop
     (a SIGTERM).
 

@@ -15,13 +15,14 @@ from typing import Any, Optional, get_args
 
 import torch.distributed as dist
 from jsonargparse.typing import PositiveFloat, PositiveInt
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import CombinedLoader
 from torch import Tensor
 from typing_extensions import override
 
 from lit_ddp import _lightning
+from lit_ddp._lightning import LeanCallback
 from lit_ddp.callbacks.shared import say
 from lit_ddp.tuner.bench import TrialBench, no_logging, optimizer_impls
 from lit_ddp.tuner.knobs import Hook, Knobs, Model, OptimizerImpl
@@ -32,7 +33,7 @@ from lit_ddp.tuner.verdict import report
 KNOWN_HOOKS = {"fp16_compress_hook": "fp16", "bf16_compress_hook": "bf16", **{h: h for h in ("powersgd1", "powersgd4")}}
 
 
-class DDPTuner(Callback):
+class DDPTuner(LeanCallback):
     """Tries DDP configurations on the Trainer's own model and prints which is fastest, beyond the noise.
 
     Args:

@@ -10,7 +10,7 @@ from lightning.pytorch import LightningModule, Trainer
 
 from lit_ddp import report
 from lit_ddp.analysis.comm import comm_summary, comm_table
-from lit_ddp.analysis.phases import MEASURE, phase_table, verdict
+from lit_ddp.analysis.phases import MEASURE, phase_table, roofline_table, verdict
 from lit_ddp.callbacks import CommMonitor, LossMonitor, PhaseTimer, StepSync, SyncCheck
 from lit_ddp.records.schema import (
     CommRecord,
@@ -203,6 +203,28 @@ def test_the_measured_two_node_run_is_communication_bound_with_the_fp16_figure(c
         "fp16 compression (CommMonitor(compression=fp16): half the bytes): step 746.24 ms -> ~"
         in capsys.readouterr().out
     )
+
+
+def test_the_roofline_of_a_phase_timed_at_0_ms_has_no_rate_and_no_fraction_of_peak():
+    """Update timed at 0.00 ms (a clock too coarse for it): no bytes/s and no share of the peak, '-' for both
+    (not "nan%"); one micro-batch a step at the default precision: nothing to note in the title; then forward at 0
+    ms too, and no peak known: '-' for every share."""
+    peaks = Roofline(4, 2e9, 4e9, 3e8, peak_tflops=10.0, peak_gbps=100.0, compute_dtype="float32")
+    record = phase_record([[(1.0, 2.0, 0.0, 0.25)] * 6], roofline=peaks)
+    assert roofline_table(record).splitlines() == [
+        "Roofline (rank 0, steady median):",
+        "phase           work     time      achieved  of peak",
+        "forward   2.00 GFLOP  1.00 ms  2.00 TFLOP/s    20.0%",
+        "backward  4.00 GFLOP  2.00 ms  2.00 TFLOP/s    20.0%",
+        "update      300.0 MB  0.00 ms             -        -",
+    ]
+    unknown = dataclasses.replace(peaks, forward_flop=0.0, peak_tflops=None, peak_gbps=None)
+    record = phase_record([[(0.0, 2.0, 0.0, 0.25)] * 6], roofline=unknown)
+    assert roofline_table(record).splitlines()[2:] == [
+        "forward       0 FLOP  0.00 ms             -        -",
+        "backward  4.00 GFLOP  2.00 ms  2.00 TFLOP/s        -",
+        "update      300.0 MB  0.00 ms             -        -",
+    ]
 
 
 def buckets(rank: int, micro_batches: int = 1, synced: tuple[int, ...] = (0,)) -> list[StepBuckets]:

@@ -266,7 +266,7 @@ def roofline_table(record: PhaseRecord) -> str:
     ):
         ms = phase_summary(record, 0, phase).median
         rate = work / (ms / 1e3) if ms > 0 else math.nan  # per second
-        frac = f"{rate / peak:.1%}" if peak else "-"
+        frac = f"{rate / peak:.1%}" if peak and not math.isnan(rate) else "-"  # no time, no rate: "-", not "nan%"
         # The update's bytes/s as every bandwidth the tool prints (fmt_bandwidth), FLOP/s by fmt_si's rule.
         if unit == "B":
             achieved = fmt_bandwidth(rate / 1e9)

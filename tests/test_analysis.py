@@ -10,7 +10,15 @@ from lightning.pytorch import LightningModule, Trainer
 
 from lit_ddp import report
 from lit_ddp.analysis.comm import comm_summary, comm_table
-from lit_ddp.analysis.phases import MEASURE, phase_table, verdict
+from lit_ddp.analysis.phases import (
+    MEASURE,
+    micro_batches,
+    phase_summary,
+    phase_table,
+    roofline_table,
+    step_parts,
+    verdict,
+)
 from lit_ddp.callbacks import CommMonitor, LossMonitor, PhaseTimer, StepSync, SyncCheck
 from lit_ddp.records.schema import (
     CommRecord,
@@ -125,14 +133,14 @@ def test_the_gpu_verdict_is_named_only_when_every_profiled_step_agrees(busy_ms, 
     assert verdict(record).startswith(start), verdict(record)
 
 
-def comm_bound_case(steps: int = 30, seed: int = 0) -> tuple:
+def comm_bound_case(steps: int = 30, seed: int = 0, ranks: int = 2) -> tuple:
     """The issue's measured case: 2 nodes over a 100 Mbit/s link, dim 1024 (4,198,400 bytes in one bucket): the
-    all-reduce takes ~336 ms of a ~352 ms step, forward ~3 ms; both ranks hand the bucket over together."""
+    all-reduce takes ~336 ms of a ~352 ms step, forward ~3 ms; every rank hands the bucket over at once."""
     rng = random.Random(seed)
-    rows, buckets = [[], []], [[], []]
+    rows, buckets = [[] for _ in range(ranks)], [[] for _ in range(ranks)]
     for s in range(steps):
         transfer = rng.gauss(336.0, 4.0)
-        for r in range(2):
+        for r in range(ranks):
             forward, compute, update, other = (rng.gauss(m, 0.3) for m in (3.0, 6.0, 5.0, 2.0))
             rows[r].append((forward, compute + transfer, update, other))
             arrival = (400.0 * s + forward + compute + rng.gauss(0.0, 0.2)) / 1e3
@@ -203,6 +211,187 @@ def test_the_measured_two_node_run_is_communication_bound_with_the_fp16_figure(c
         "fp16 compression (CommMonitor(compression=fp16): half the bytes): step 746.24 ms -> ~"
         in capsys.readouterr().out
     )
+
+
+def test_the_roofline_of_a_phase_timed_at_0_ms_has_no_rate_and_no_fraction_of_peak():
+    """Update timed at 0.00 ms (a clock too coarse for it): no bytes/s and no share of the peak, '-' for both
+    (not "nan%"); one micro-batch a step at the default precision: nothing to note in the title; then forward at 0
+    ms too, and no peak known: '-' for every share."""
+    peaks = Roofline(4, 2e9, 4e9, 3e8, peak_tflops=10.0, peak_gbps=100.0, compute_dtype="float32")
+    record = phase_record([[(1.0, 2.0, 0.0, 0.25)] * 6], roofline=peaks)
+    assert roofline_table(record).splitlines() == [
+        "Roofline (rank 0, steady median):",
+        "phase           work     time      achieved  of peak",
+        "forward   2.00 GFLOP  1.00 ms  2.00 TFLOP/s    20.0%",
+        "backward  4.00 GFLOP  2.00 ms  2.00 TFLOP/s    20.0%",
+        "update      300.0 MB  0.00 ms             -        -",
+    ]
+    unknown = dataclasses.replace(peaks, forward_flop=0.0, peak_tflops=None, peak_gbps=None)
+    record = phase_record([[(0.0, 2.0, 0.0, 0.25)] * 6], roofline=unknown)
+    assert roofline_table(record).splitlines()[2:] == [
+        "forward       0 FLOP  0.00 ms             -        -",
+        "backward  4.00 GFLOP  2.00 ms  2.00 TFLOP/s        -",
+        "update      300.0 MB  0.00 ms             -        -",
+    ]
+
+
+# The phase table's and the verdict's edges, on hand-made records (lit_ddp.analysis.phases).
+
+
+def test_the_micro_batches_are_the_steady_steps_most_common_count_or_the_kept_steps_or_1():
+    """A resumed fit (its warm-up at step 100), steps 102-104 profiled, on a clock the table has no words for:
+    the steady steps ran 1, 2, 2, 3 and 2 micro-batches (2, not the largest), the warm-up and profiled ones 1."""
+    record = phase_record([steps_of(0, 9)], profiled=[2, 3, 4])
+    for row, micro in zip(record.ranks[0].rows, (1, 1, 1, 1, 1, 2, 2, 3, 2), strict=True):
+        row.step, row.micro_batches = row.step + 100, micro
+    record.first_step, record.profiled_steps = 100, [102, 103, 104]
+    record.meta.clock = "time_ns"
+    assert micro_batches(record) == 2
+    assert phase_table(record).splitlines()[:2] == [
+        ("Phase times (time_ns), 1 rank(s), 2 micro-batches per optimizer step (each phase summed over them), step 100 "
+         "= warm-up (the fit resumed there), then 5 steady step(s) (steps 102-104 ran under the profiler without "
+         "completing a GPU-busy measurement, left out of the others):"),
+        "phase     step 100   median      min      max  slowest rank (median)",
+    ]  # fmt: skip
+    # 5 steady steps, the fewest the noise model takes: a bound is named. Backward leads forward by 3 + 0.1 i ms
+    # in steps i = 1, 5-8: 3.60 ms median.
+    assert re.search(r"backward bounds the step, 5\.20 ms \(69%\): the model's compute, 3\.60 ms per step \(.*, 95%, 5 "
+                     r"steps\) over forward \(1\.60 ms\)", verdict(record)), verdict(record)  # fmt: skip
+    one_step = phase_record([[(1.0, 2.0, 0.5, 0.25)]])  # a 1-step run: no steady step, the warm-up's count
+    one_step.ranks[0].rows[0].micro_batches = 4
+    assert micro_batches(one_step) == 4
+    assert micro_batches(phase_record([[]])) == 1  # nothing kept
+
+
+def test_a_phase_without_its_summary_is_the_median_of_the_steady_steps_else_of_the_kept_ones():
+    record = phase_record([[(100.0, 2.0, 0.5, 0.25), *steps_of(0, 5)[1:]]])  # a 100 ms warm-up forward
+    record.ranks[0].summaries = {}
+    # Steps 1-4's 1.1 to 1.4 ms (the sketch's median: the lower middle one), not the warm-up's 100 ms among them.
+    assert phase_summary(record, 0, "forward").median == pytest.approx(1.2, rel=0.01)
+    one_step = phase_record([[(1.0, 2.0, 0.5, 0.25)]])  # its summaries count nothing: the warm-up is all there is
+    assert [phase_summary(one_step, 0, p).median for p in ("forward", "step")] == pytest.approx([1.0, 3.75], rel=0.01)
+    assert verdict(one_step) == (
+        "Verdict: a CPU run (no device to idle): can't tell what bounds the step, because only 1 steady step(s) were "
+        f"kept; {MEASURE}"
+    )
+    without_warmup = phase_record([steps_of(0)])
+    del without_warmup.ranks[0].rows[0]  # the fit's first step not kept: nothing to show for it
+    assert phase_table(without_warmup).splitlines()[2].startswith("forward        -  1.40 ms  1.10 ms")
+
+
+def test_the_skipped_steps_line_names_ten_and_marks_more():
+    for count, named in (
+        (10, "12, 13, 14, 15, 16, 17, 18, 19, 20, 21"),
+        (11, "12, 13, 14, 15, 16, 17, 18, 19, 20, 21, ..."),
+    ):
+        record = phase_record([[(1.0, 6.0, 1.0, 0.5)] * 30])
+        record.meta.precision = "16-mixed"
+        record.skipped_steps, record.skipped_count = list(range(12, 12 + count)), count  # the record keeps 100
+        assert phase_table(record).splitlines()[-2] == (
+            f"{count} optimizer step(s) skipped by the 16-mixed grad scaler (inf/NaN gradients, no update; the scale "
+            f"was lowered): step(s) {named}; left out of the medians"
+        )
+
+
+def test_each_kind_of_work_outside_the_steps_gets_a_line_from_the_rank_that_spent_longest_on_it():
+    """Validation longest on rank 0 (70 ms against 45); a second kind on rank 1 only."""
+    record = phase_record([[(1.0, 6.0, 1.0, 0.5)] * 8] * 2)
+    record.ranks[0].outside = {"validation": Sketch.of([30.0, 40.0])}
+    record.ranks[1].outside = {"validation": Sketch.of([20.0, 25.0]), "test": Sketch.of([5.0])}
+    assert phase_table(record).splitlines()[8:10] == [
+        "test inside fit, kept out of the steps above: 1 run(s), 5.00 ms in all, 5.00 ms median (rank 1, the longest)",
+        ("validation inside fit, kept out of the steps above: 2 run(s), 70.00 ms in all, 30.11 ms median (rank 0, the "
+         "longest)"),
+    ]  # fmt: skip
+
+
+def test_step_parts_split_backward_by_commmonitors_record_and_keep_only_the_steps_it_has():
+    """Rank 0's steady steps 1-6, each 1 + 6 + 1 + 0.5 ms; CommMonitor kept no step 4 on rank 0 (left out) and no
+    step 5 on rank 1 (no arrival to wait for: no wait); 2 ms exposed per step, of which rank 0 waited 0.5 ms for
+    rank 1, and 3 ms at step 3 (all 2 ms of it, then). In this order: the phases as timed, then backward's parts."""
+
+    def bucket(step: int, arrival_ms: float) -> StepBuckets:
+        return StepBuckets(step, [1000], [2.5], [1.0], 2.5, 2.0, [(10.0 * step + arrival_ms) / 1e3])
+
+    late = {1: 0.5, 2: 0.5, 3: 3.0, 6: 0.5}
+    kept = [[bucket(s, 0.0) for s in range(7) if s != 4], [bucket(s, late.get(s, 0.0)) for s in range(7) if s != 5]]
+    comm = records.comm_record(kept, param_bytes=1000)
+    parts = step_parts(phase_record([[(1.0, 6.0, 1.0, 0.5)] * 7] * 2), comm)
+    assert list(parts.items()) == [
+        ("forward", [1.0] * 5), ("update", [1.0] * 5), ("data", [0.0] * 5), ("other", [0.5] * 5),
+        ("backward", [4.0] * 5), ("exposed", [1.5, 1.5, 0.0, 2.0, 1.5]), ("wait", [0.5, 0.5, 2.0, 0.0, 0.5]),
+    ]  # fmt: skip
+
+
+def test_a_straggler_is_the_verdict_with_the_phase_it_loses_its_time_in():
+    """Rank 1's forward takes 500 ms more at every step; rank 0 waits for it inside backward."""
+
+    def row(rank: int, step: int) -> StepBuckets:
+        return StepBuckets(step, [1000], [2.0], [0.0], 2.0, 2.0, [step + 0.5 * rank])
+
+    comm = records.comm_record([[row(r, s) for s in range(8)] for r in (0, 1)], param_bytes=1000)
+    phases = phase_record([[(1.0, 501.0, 1.0, 1.0)] * 8, [(501.0, 1.0, 1.0, 1.0)] * 8])
+    assert verdict(phases, comm) == (
+        "Verdict: straggler: rank 1 arrives 500.0 ms late at 100% of all-reduces (median within 500.0 to 500.0 ms); "
+        "its forward phase is +500.0 ms over the other ranks' median; rank(s) 0 wait 500.0 ms per step; the "
+        "all-reduce itself takes 2.0 ms"
+    )
+
+
+def test_a_cuda_clock_without_gpu_busy_time_gives_no_verdict_and_says_why():
+    unmeasured = phase_record([[(1.0, 6.0, 1.0, 0.5)] * 8], clock="cuda_event")
+    assert verdict(unmeasured) == "Verdict: unknown: GPU-busy time was not measured (PhaseTimer(kernel_steps=0))"
+    unfinished = phase_record([[(1.0, 6.0, 1.0, 0.5)] * 8], profiled=[2], clock="cuda_event")
+    assert verdict(unfinished) == "Verdict: unknown: GPU-busy time was not measured (no profiled step completed)"
+
+
+@pytest.mark.parametrize(
+    ("busy_ms", "says"),
+    [
+        ((8.0,), "GPU-bound: the GPU was busy 80% of the step; lower precision (bf16), fewer FLOPs or faster kernels "
+                 "would help"),
+        ((7.0, 8.0), "can't tell whether the GPU or the host bounds the step: the GPU was busy 75% of it (70% to 80% "
+                     "in the 2 profiled steps), across the 80% line; PhaseTimer(kernel_steps=N) profiles more steps"),
+    ],
+)  # fmt: skip
+def test_a_gpu_busy_exactly_80_percent_of_the_step_is_gpu_bound_and_one_profiled_step_has_no_range(busy_ms, says):
+    steps = [(2.0, 6.0, 1.0, 1.0)] * 8  # 10 ms
+    record = phase_record([steps], profiled=[2, 3][: len(busy_ms)], clock="cuda_event",
+                          busy=[(b, 0, 0, 0) for b in busy_ms])  # fmt: skip
+    assert verdict(record) == f"Verdict: {says}"
+
+
+def test_steps_timed_at_0_ms_give_shares_of_0_rather_than_dividing_by_zero():
+    zero = [(0.0, 0.0, 0.0, 0.0)] * 8
+    assert verdict(phase_record([zero])) == (
+        "Verdict: a CPU run (no device to idle): can't tell what bounds the step, because forward (0.00 ms, 0%) and "
+        "backward (0.00 ms, 0%), the largest parts, differ by 0.00 ms per step (0.00 ms to 0.00 ms, 95%, 7 steps): "
+        f"within the noise; {MEASURE}"
+    )
+    gpu = phase_record([zero], profiled=[2, 3], clock="cuda_event", busy=[(0.0, 0.0, 0.0, 0.0)] * 2)
+    assert verdict(gpu).startswith("Verdict: host-bound: the GPU was busy 0% of the step (0% to 0% in the 2 profiled ")
+
+
+def test_a_lead_whose_interval_holds_1_ms_but_not_0_is_beyond_the_noise_but_under_the_bar():
+    """Backward leads forward by 0.4 to 1.6 ms (1 ms median) in a 26 ms step: beyond the noise, under 10% of it."""
+    lead = [1.0, 0.4, 1.6, 0.6, 1.4, 0.8, 1.2, 1.0, 0.5, 1.5, 1.0, 0.7, 1.3]
+    line = verdict(phase_record([[(10.0, 10.0 + d, 4.0, 1.0) for d in lead]]))
+    assert re.search(r"differ by 1\.00 ms per step \(0\.\d\d ms to 1\.\d\d ms, 95%, 12 steps\): not beyond the noise "
+                     r"above 10% of the step; ", line), line  # fmt: skip
+
+
+def test_a_communication_bound_verdict_says_how_to_forecast_what_it_cannot_figure():
+    """Without the forecast's figures: the command for this run's ranks; for buckets compressed already, the
+    forecast of other links; with two figures, both."""
+    four = verdict(*comm_bound_case(ranks=4))
+    assert four.endswith("the next; python -m lit_ddp.forecast RUN --forecast 4 forecasts fp16 compression"), four
+    phases, comm = comm_bound_case()
+    compressed = verdict(phases, dataclasses.replace(comm, compression="fp16"))
+    assert compressed.endswith("the next; the buckets are fp16 already: python -m lit_ddp.forecast RUN --forecast 2 "
+                               "--link ... forecasts other links"), compressed  # fmt: skip
+    both = verdict(phases, comm, {"fp16": 168.0, "bf16": 168.5})
+    assert re.search(r"the next; fp16: step (35\d\.\d\d) ms -> ~18\d\.\d\d ms, forecast; bf16: step \1 ms -> "
+                     r"~18\d\.\d\d ms, forecast$", both), both  # fmt: skip
 
 
 def buckets(rank: int, micro_batches: int = 1, synced: tuple[int, ...] = (0,)) -> list[StepBuckets]:

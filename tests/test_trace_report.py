@@ -6,14 +6,24 @@ import random
 import shutil
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
 from lit_ddp import trace_report
 from lit_ddp.analysis import trace_tables
-from lit_ddp.analysis.trace import GRADIENT, Breakdown, RankAnalysis, StepAnalysis, analyze_rank, combine, load
+from lit_ddp.analysis.trace import (
+    GRADIENT,
+    Breakdown,
+    Collective,
+    RankAnalysis,
+    StepAnalysis,
+    analyze_rank,
+    combine,
+    load,
+)
 from tests.runner import run_module
-from tests.test_trace import A100, event, synthetic
+from tests.test_trace import A100, event, gpu, synthetic
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -191,3 +201,126 @@ def test_the_a100_traces_tables_and_json_hold_every_figure_where_it_belongs():
     for rank in written["ranks"]:
         rank["file"] = Path(rank["file"]).name  # the checkout's own path
     assert written == json.loads((golden / "a100_trace_report.json").read_text())
+
+
+def test_fmt_us_writes_microseconds_below_1000_and_milliseconds_from_1000_on():
+    assert [trace_tables.fmt_us(us) for us in (999.9, 1000.0, 1000.5, 250.0)] == [
+        "999.9 us", "1.00 ms", "1.00 ms", "250.0 us"]  # fmt: skip
+
+
+def test_a_trace_of_zero_length_work_shows_no_share_rather_than_dividing_by_zero(tmp_path):
+    """One memset of no duration: a span of 0, no step; every share of it is '-'."""
+    path = tmp_path / "rank0.json"
+    path.write_text(json.dumps({"traceEvents": gpu("memset", 100, 0, 90, cat="gpu_memset"),
+                                "distributedInfo": {"rank": 0, "world_size": 1}}))  # fmt: skip
+    assert trace_tables.trace_report([analyze_rank(load(path))]).splitlines() == [
+        ("GPU time per rank (union over every stream; overlap = share of communication under compute; idle split by "
+         "what ended each gap):"),
+        ("rank  steps     span     busy  compute  communication  overlap"
+         "         idle  host wait  kernel wait  other wait"),
+        ("0         -  0.00 ms  0.00 ms  0.00 ms        0.00 ms        -"
+         "  0.00 ms (-)    0.00 ms      0.00 ms     0.00 ms"),
+        ("Verdict: can't tell what bounds the GPUs: the profile holds 0 counted step(s) on every rank, fewer than the "
+         "5 the noise model needs to tell one part's lead from the steps' noise (over them: idle time -, compute -, "
+         "communication no compute hid - of the span); profile 5 or more steps (torch.profiler.schedule(active=5) or "
+         "more)"),
+    ]  # fmt: skip
+
+
+def counted(step: int, b: Breakdown, exposed_us: Optional[float] = None) -> StepAnalysis:
+    return StepAnalysis(step, True, b, {}, exposed_us)
+
+
+def test_hand_made_ranks_tables_print_every_cell_and_the_first_ranks_phases_only():
+    """Three ranks of a 3-rank job (no "of 3 ranks found" line), every step counted (no "left out" note): rank 0
+    counted steps 0-2, rank 1 step 1 only, rank 2 none ("-"); a step of 2 ms with 0.3 ms of compute and 1.2 ms of
+    communication, 0.1 ms of it under compute; a collective without a step, a size or a bandwidth; and the shares
+    in the verdict by size (communication no compute hid 55%, idle 25%, compute 15%), not by name."""
+    step = combine([breakdown(2000, 300, 1200, 100, 300, 100, 100)])
+    forward = breakdown(800, 300, 0, 0, 400, 100, 0)
+    collectives = (Collective(1, "all_reduce", 4_000_000, 1500.0, 2.67, 2.67, GRADIENT, 3, "backward", 0, 100.0),
+                   Collective(None, "broadcast", None, 1000.0, None, None, "other", None, None, None, 0.0))  # fmt: skip
+    ranks = [
+        RankAnalysis(Path("rank0.json"), 0, 3, combine([step] * 3), {"forward": combine([forward] * 3)},
+                     (counted(0, step), counted(1, step, 250.0), counted(2, step)), collectives),
+        RankAnalysis(Path("rank1.json"), 1, 3, step, {"forward": forward}, (counted(1, step),), ()),
+        RankAnalysis(Path("rank2.json"), 2, 3, step, {}, (), ()),
+    ]  # fmt: skip
+    assert trace_tables.trace_report(ranks).splitlines() == [
+        ("GPU time per rank (union over every stream; overlap = share of communication under compute; idle split by "
+         "what ended each gap):"),
+        ("rank  steps     span     busy  compute  communication  overlap"
+         "             idle  host wait  kernel wait  other wait"),
+        ("0       0-2  6.00 ms  4.50 ms  0.90 ms        3.60 ms     8.3%"
+         "  1.50 ms (25.0%)    0.90 ms      0.30 ms     0.30 ms"),
+        ("1         1  2.00 ms  1.50 ms  0.30 ms        1.20 ms     8.3%"
+         "  0.50 ms (25.0%)    0.30 ms      0.10 ms     0.10 ms"),
+        ("2         -  2.00 ms  1.50 ms  0.30 ms        1.20 ms     8.3%"
+         "  0.50 ms (25.0%)    0.30 ms      0.10 ms     0.10 ms"),
+        "",
+        "Per phase, rank 0 (the GPU ops each phase's CPU range queued, steps 0-2):",
+        ("phase       span     busy  compute  communication  overlap"
+         "             idle  host wait  kernel wait  other wait"),
+        ("forward  2.40 ms  0.90 ms  0.90 ms        0.00 ms        -"
+         "  1.50 ms (62.5%)    1.20 ms      0.30 ms     0.00 ms"),
+        "",
+        "Collectives of rank 0 (2 NCCL kernels; busbw by nccl-tests' factors for the group size):",
+        "step  collective                 kind      bytes     time      algbw      busbw",
+        "1     all_reduce  gradient all-reduce  4,000,000  1.50 ms  2.67 GB/s  2.67 GB/s",
+        "-      broadcast                other          ?  1.00 ms          -          -",
+        "Exposed communication (gradient all-reduce time after backward's last compute kernel): step 1 250.0 us",
+        ("Verdict: can't tell what bounds the GPUs: the profile holds 0 counted step(s) on every rank, fewer than the "
+         "5 the noise model needs to tell one part's lead from the steps' noise (over them: communication no compute "
+         "hid 55%, idle time 25%, compute 15% of the span); profile 5 or more steps (torch.profiler.schedule(active=5) "
+         "or more)"),
+    ]  # fmt: skip
+
+
+def identical_ranks(per_step: list[Breakdown]) -> list[RankAnalysis]:
+    """Two ranks of a 2-rank job whose counted steps are ``per_step``, all of them counted."""
+    steps = tuple(counted(s, b) for s, b in enumerate(per_step))
+    return [RankAnalysis(Path(f"rank{r}.json"), r, 2, combine(per_step), {}, steps, ()) for r in (0, 1)]
+
+
+# Every verdict in full, on 5 identical steps (the fewest the noise model takes; the lead's interval is then the
+# lead itself) of a 10 ms span, breakdown's figures in us: (span, compute, communication, overlap, host wait,
+# kernel wait, other wait).
+@pytest.mark.parametrize(
+    "figures, says",
+    [
+        ((10000, 2000, 500, 500, 2000, 1750, 3750),  # other wait exactly host + kernel wait: not stalled
+         "Verdict: host-bound: the GPUs were idle 75% of their span (host wait 26.7%, kernel wait 23.3% of it), 5.50 "
+         "ms per step (5.50 ms to 5.50 ms, 95%, 5 steps) over compute, the next; larger batches per rank, fewer kernel "
+         "launches (CUDA graphs, torch.compile, a fused optimizer) or less per-step Python would help"),
+        ((10000, 2000, 500, 500, 1000, 1000, 5500),
+         "Verdict: stalled: the GPUs were idle 75% of their span with work queued (other wait 73.3% of it), 5.50 ms "
+         "per step (5.50 ms to 5.50 ms, 95%, 5 steps) over compute, the next: a slower rank or a host sync holds them "
+         "back; compare the ranks' rows"),
+        ((10000, 8000, 1000, 1000, 500, 500, 0),
+         "Verdict: GPU-bound: compute kernels ran 80% of the GPUs' span, 7.00 ms per step (7.00 ms to 7.00 ms, 95%, 5 "
+         "steps) over idle time, the next; lower precision (bf16), fewer FLOPs or faster kernels would help"),
+        ((10000, 3000, 6000, 1000, 500, 500, 0),  # 5 ms of communication no compute hid, not the 6 ms it ran
+         "Verdict: communication-bound: 50% of the span only communication ran, which no compute hid, 2.00 ms per step "
+         "(2.00 ms to 2.00 ms, 95%, 5 steps) over compute, the next; what a bucket size or compression would change "
+         "depends on the bytes and the link: python -m lit_ddp.tune measures it on the model"),
+        ((10000, 500, 5000, 200, 4500, 0, 0),  # a lead of 0.3 ms, 3% of the span
+         "Verdict: can't tell what bounds the GPUs, because communication no compute hid (4.80 ms per step) and idle "
+         "time (4.50 ms), the largest, differ by 0.30 ms per step (0.30 ms to 0.30 ms, 95%, 5 steps): not beyond the "
+         "noise above 10% of the span (communication no compute hid 48%, idle time 45%, compute 5% of the span); "
+         "profile more steps, or python -m lit_ddp.tune measures what DDP's knobs change"),
+    ],
+)  # fmt: skip
+def test_every_verdict_in_full_at_the_fewest_counted_steps_the_noise_model_takes(figures, says):
+    assert trace_tables.trace_verdict(identical_ranks([breakdown(*figures)] * 5)) == says
+
+
+def test_a_lead_of_a_fraction_of_a_microsecond_is_within_the_noise():
+    """Idle time 0.3 us above compute's 4.5 ms in one step, 0.2 us below in another: the lead's interval holds 0
+    (and lies within 1 us of it)."""
+    steps = [breakdown(10000, 4500, 0, 0, 4500 + d, 0, 0) for d in (0.3, -0.1, 0.1, 0.2, -0.2)]
+    assert trace_tables.trace_verdict(identical_ranks(steps)) == (
+        "Verdict: can't tell what bounds the GPUs, because idle time (4.50 ms per step) and compute (4.50 ms), the "
+        "largest, differ by 0.00 ms per step (-0.00 ms to 0.00 ms, 95%, 5 steps): within the noise (idle time 45%, "
+        "compute 45%, communication no compute hid 0% of the span); profile more steps, or python -m lit_ddp.tune "
+        "measures what DDP's knobs change"
+    )

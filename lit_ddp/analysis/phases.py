@@ -84,7 +84,7 @@ def phase_table(
                      f"rank {slowest}: {fmt_ms(per_rank[slowest].median)}"))  # fmt: skip
     header = ["phase", f"step {record.first_step}", "median", "min", "max", "slowest rank (median)"]
     busy = record.ranks[0].busy_ms  # GPU kernel time inside each phase of the profiled steps
-    if busy:
+    if busy:  # zip's strict=... mutants here and below are equivalent: one row, one busy and one memory cell a phase
         header.append("GPU busy (rank 0)")
         rows = [(*row, fmt_ms(_busy_median(busy, phase))) for row, phase in zip(rows, PHASES, strict=True)]
     memory = has_memory(record)
@@ -192,6 +192,7 @@ def _cpu_verdict(record: PhaseRecord, comm: Optional[CommRecord], step_ms: float
         return f"can't tell what bounds the step, because only {n} steady step(s) were kept; {MEASURE}"
     medians = {p: statistics.median(v) for p, v in parts.items()}
     first, second = sorted(parts, key=medians.get, reverse=True)[:2]
+    # zip's strict=... mutants are equivalent: step_parts makes every part from the same rows.
     gap = noise.median_interval([a - b for a, b in zip(parts[first], parts[second], strict=True)])
     share = {p: medians[p] / step_ms if step_ms else 0.0 for p in parts}
     by = f"{fmt_ms(gap.estimate)} per step ({fmt_ms(gap.low)} to {fmt_ms(gap.high)}, 95%, {n} steps)"
@@ -234,6 +235,8 @@ def step_parts(record: PhaseRecord, comm: Optional[CommRecord]) -> dict[str, lis
     found = stragglers.arrivals(comm)
     waits = dict(zip(found.steps, found.waits[0], strict=True)) if found else {}
     rows = [r for r in rows if r.step in buckets]
+    # zip's strict=... mutants are equivalent here and above: exposed and wait are made from rows, and arrivals
+    # gives each rank one wait per step.
     parts = {p: [getattr(r.ms, p) for r in rows] for p in names if p != "backward"}
     exposed = [buckets[r.step].exposed_ms for r in rows]
     wait = [min(waits.get(r.step, 0.0), e) for r, e in zip(rows, exposed, strict=True)]
@@ -252,6 +255,8 @@ def _wire_advice(comm: Optional[CommRecord], step_ms: float, savings: Mapping[st
     if comm is not None and comm.compression:
         return (f"the buckets are {comm.compression} already: python -m lit_ddp.forecast RUN --forecast "
                 f"{comm.meta.world_size} --link ... forecasts other links")  # fmt: skip
+    # comm is never None here (the exposed part comes from CommMonitor's record): mutants of "if comm" and its
+    # fallback of 2 ranks are equivalent for the verdict, the only caller.
     return f"python -m lit_ddp.forecast RUN --forecast {comm.meta.world_size if comm else 2} forecasts fp16 compression"
 
 
@@ -259,6 +264,9 @@ def roofline_table(record: PhaseRecord) -> str:
     """Achieved FLOP/s of forward and backward, achieved bytes/s of the update, and fractions of peak."""
     r = record.roofline
     rows = []
+    # Mutants of the unit constants (1e12, 1e9, and fmt_bandwidth's 1e9 below) into 1e12 + 1 and 1e9 + 1 are
+    # equivalent: a change of 1e-12 or 1e-9 relative, in figures printed to 3 or 4 digits, shows only at an exact
+    # rounding tie.
     for phase, work, unit, peak in (
         ("forward", r.forward_flop, "FLOP", r.peak_tflops and r.peak_tflops * 1e12),
         ("backward", r.backward_flop, "FLOP", r.peak_tflops and r.peak_tflops * 1e12),
@@ -266,7 +274,7 @@ def roofline_table(record: PhaseRecord) -> str:
     ):
         ms = phase_summary(record, 0, phase).median
         rate = work / (ms / 1e3) if ms > 0 else math.nan  # per second
-        frac = f"{rate / peak:.1%}" if peak else "-"
+        frac = f"{rate / peak:.1%}" if peak and not math.isnan(rate) else "-"  # no time, no rate: "-", not "nan%"
         # The update's bytes/s as every bandwidth the tool prints (fmt_bandwidth), FLOP/s by fmt_si's rule.
         if unit == "B":
             achieved = fmt_bandwidth(rate / 1e9)

@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 import torch
 import torch.cuda.memory
+import torch.distributed as dist
+from torch import Tensor
 from torch.distributed import distributed_c10d
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -32,6 +34,12 @@ PRIVATE_NAMES = [
     PrivateName(torch.cuda.memory, "_record_memory_history", "PhaseTimer(memory_snapshot=True): allocation history"),
     PrivateName(torch.cuda.memory, "_dump_snapshot", "PhaseTimer(memory_snapshot=True): dumped on OOM"),
 ]
+if not hasattr(dist.ProcessGroup, "all_gather_single"):  # its public name from torch 2.13 on
+    PRIVATE_NAMES.append(
+        PrivateName(
+            dist.ProcessGroup, "_allgather_base", "StepSync's per-step gather, started without the Python layer"
+        )
+    )
 
 
 def ddp_logging_data(model: Any) -> dict[str, Any]:
@@ -84,6 +92,16 @@ def flight_recorder_entries() -> Optional[list[dict[str, Any]]]:
         return pickle.loads(dump(True, True, False)).get("entries", [])
     except (RuntimeError, ValueError, pickle.UnpicklingError):
         return None
+
+
+def all_gather_started(output: Tensor, input: Tensor) -> dist.Work:
+    """``dist.all_gather_single(output, input, async_op=True)`` on the default group, through the process group's
+    own method: the Python layer above it (argument checks, torch-function dispatch, the coalescing check) was a
+    third of the call, some 15-35 µs of a host-bound step (docs/performance.md). Flight Recorder records it the same
+    way (it records in the process group). torch 2.11 and 2.12 name the method ``_allgather_base``."""
+    group = dist.group.WORLD
+    start = getattr(group, "all_gather_single", None) or group._allgather_base
+    return start(output, input)
 
 
 def set_pg_timeout(timeout: timedelta) -> bool:

@@ -25,9 +25,11 @@ COLLECTIVES = tuple(
 
 
 def gathers_and_others(counts: dict[str, int]) -> tuple[int, dict[str, int]]:
-    """The single-tensor all-gathers (under either of torch's names), and every other collective."""
+    """The single-tensor all-gathers (under either of torch's names, or StepSync's start of one), and every other
+    collective."""
     others = dict(counts)
-    return others.pop("all_gather_single", 0) + others.pop("all_gather_into_tensor", 0), others
+    names = ("all_gather_single", "all_gather_into_tensor", "all_gather_started")
+    return sum(others.pop(name, 0) for name in names), others
 
 
 class CountCollectives(Callback):
@@ -41,15 +43,18 @@ class CountCollectives(Callback):
         self.counting = False
 
     def setup(self, trainer, pl_module, stage):
-        for name in COLLECTIVES:
-            original = getattr(dist, name)
+        from lit_ddp import _torch
+
+        self.counts["all_gather_started"] = 0
+        for module, name in [*((dist, name) for name in COLLECTIVES), (_torch, "all_gather_started")]:
+            original = getattr(module, name)
 
             def counted(*args, _name=name, _original=original, **kwargs):
                 if self.counting:
                     self.counts[_name] += 1
                 return _original(*args, **kwargs)
 
-            setattr(dist, name, counted)
+            setattr(module, name, counted)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.counting = trainer.global_step >= 1  # step 0 has DDP's and the sync check's start-up work
@@ -216,18 +221,17 @@ def test_on_cuda_the_per_step_path_copies_and_syncs_nothing_on_the_host(monkeypa
 
     gathers = []
 
-    def all_gather(row, world_size, async_op=False, out=None):
-        assert async_op
+    def all_gather_started(output, row):
         gathers.append(row.clone())
-        out.copy_(torch.stack([row, row]))
-        return out, FakeWork()
+        output.copy_(torch.cat([row, row]))
+        return FakeWork()
 
     sync = StepSync(sigterm_every_n_steps=1)
     sync._device = torch.device("cpu")  # the tensors are the CPU's; every CUDA call is the fakes'
     sync._host_copy = step_sync._HostCopy(torch.device("cpu"))
     sync._requeue = sync._requeued = False
     sync._start(2)
-    monkeypatch.setattr(step_sync, "all_gather", all_gather)
+    monkeypatch.setattr(step_sync._torch, "all_gather_started", all_gather_started)
     monkeypatch.setattr(step_sync, "is_last_step", lambda trainer, batch_idx: False)
     trainer = SimpleNamespace(world_size=2, global_step=0, should_stop=False, profiler=None, callbacks=[])
     results = []
@@ -262,7 +266,7 @@ def test_no_gather_is_in_flight_when_a_profiler_starts_or_stops(monkeypatch):
     from lit_ddp.callbacks import step_sync
 
     monkeypatch.setattr(
-        step_sync, "all_gather", lambda row, n, async_op, out: (out.copy_(torch.stack([row, row])), FakeWork())
+        step_sync._torch, "all_gather_started", lambda out, row: [out.copy_(torch.cat([row, row])), FakeWork()][1]
     )
     monkeypatch.setattr(step_sync, "is_last_step", lambda trainer, batch_idx: False)
 

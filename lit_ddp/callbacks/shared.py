@@ -88,12 +88,11 @@ def is_last_step(trainer: Trainer, batch_idx: int) -> bool:
     )
 
 
-def all_gather(tensor: Tensor, world_size: int, async_op: bool = False,
-               out: Optional[Tensor] = None) -> tuple[Tensor, Optional[dist.Work]]:  # fmt: skip
+def all_gather(tensor: Tensor, world_size: int, async_op: bool = False) -> tuple[Tensor, Optional[dist.Work]]:
     """Every rank's 1-D ``tensor`` as ``[world_size, len]`` (filled once the returned work is done, when
-    ``async_op``), into ``out`` (contiguous, of that shape) where given: the tool's one tensor collective, torch's
-    own (Lightning's ``all_gather`` adds an autograd Function and a stack per call)."""
-    gathered = tensor.new_empty(world_size, tensor.numel()) if out is None else out
+    ``async_op``): torch's own collective (Lightning's ``all_gather`` adds an autograd Function and a stack per
+    call). StepSync's per-step gather starts its own (``lit_ddp._torch.all_gather_started``)."""
+    gathered = tensor.new_empty(world_size, tensor.numel())
     # torch 2.13 deprecates all_gather_into_tensor for all_gather_single (same arguments); older has the first.
     gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
     work = gather(gathered.view(-1), tensor.contiguous(), async_op=async_op)

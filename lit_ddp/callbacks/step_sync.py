@@ -28,10 +28,10 @@ from lightning.pytorch.profilers import PyTorchProfiler
 from torch import Tensor
 from typing_extensions import override
 
-from lit_ddp import _lightning
+from lit_ddp import _lightning, _torch
 from lit_ddp._lightning import LeanCallback
 from lit_ddp.callbacks.collective_recorder import CollectiveRecorder
-from lit_ddp.callbacks.shared import all_gather, exit_cleanly, is_last_step, profiling_callback, say
+from lit_ddp.callbacks.shared import exit_cleanly, is_last_step, profiling_callback, say
 from lit_ddp.errors import Ending, prog
 from lit_ddp.measure.step_marks import OptimizerSteps
 from lit_ddp.run import hangs
@@ -60,6 +60,7 @@ class _Rows:
             self.gathered = self.row.view(1, width)
         else:
             self.gathered = torch.zeros(world_size, width, dtype=torch.float64, device=device)
+        self.flat = self.gathered.view(-1)  # what the collective fills
         # What the callers read: the gathered rows on the host (on CUDA a pinned copy, made on a side stream).
         self.host = self.gathered
         if host_copy:
@@ -326,7 +327,7 @@ class StepSync(LeanCallback):
             rows.flagged = signal
         rows.step = trainer.global_step - 1
         if trainer.world_size > 1:
-            rows.work = all_gather(rows.row, trainer.world_size, async_op=True, out=rows.gathered)[1]
+            rows.work = _torch.all_gather_started(rows.flat, rows.row)
             self.collectives += 1
         if self._host_copy is not None:
             rows.copied = self._host_copy.start(rows.gathered, rows.host, rows.work)

@@ -123,7 +123,7 @@ METHOD_PARTS = {
     "CommMonitor": {"_collect": "its window: buckets to rows (_collect)"},
 }  # fmt: skip
 FUNCTION_PARTS = {  # module-level functions as their callers look them up: (module, name) -> (owner, label)
-    ("lit_ddp.callbacks.step_sync", "all_gather"): ("StepSync", "the all_gather call (torch.distributed)"),
+    ("lit_ddp._torch", "all_gather_started"): ("StepSync", "the all_gather started (the process group's call)"),
     ("lit_ddp.callbacks.sync_check", "fingerprints"): ("SyncCheck", "the fingerprint"),
 }
 

@@ -117,7 +117,8 @@ class FakeTrainer(SimpleNamespace):
         super().__init__(strategy=strategy, is_global_zero=True, global_rank=0, world_size=1, loggers=[],
                          global_step=0, log_dir=str(log_dir), callbacks=[], progress_bar_callback=None,
                          precision="32-true", optimizers=[torch.optim.Adam(model.parameters())],
-                         accumulate_grad_batches=micro, profiler=None, sanity_checking=False)  # fmt: skip
+                         accumulate_grad_batches=micro, profiler=None, sanity_checking=False,
+                         log_every_n_steps=50)  # fmt: skip
 
 
 def test_phases_are_summed_over_the_micro_batches(monkeypatch, tmp_path):

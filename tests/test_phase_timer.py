@@ -38,7 +38,7 @@ class FakeTrainer(SimpleNamespace):
         super().__init__(strategy=strategy, is_global_zero=True, global_rank=0, world_size=1, loggers=[],
                          global_step=0, log_dir=str(log_dir), callbacks=[], progress_bar_callback=None,
                          precision="32-true", optimizers=[torch.optim.Adam(model.parameters())],
-                         profiler=None)  # fmt: skip
+                         profiler=None, log_every_n_steps=50)  # fmt: skip
 
 
 def drive_one_step(timer, trainer, model, clock):
@@ -91,6 +91,30 @@ def test_every_boundary_with_a_patched_clock(monkeypatch, tmp_path, caplog):
     assert "Step 0\n forward : 10.00 ms\n backward: 20.00 ms\n update  : 5.00 ms" in caplog.text
     assert "Step 1\n" not in caplog.text  # print_steps=1
     assert "Phase times (perf_counter: host time), 1 rank(s)" in caplog.text
+
+
+def test_the_window_is_resolved_every_log_every_n_steps_not_in_every_step(monkeypatch, tmp_path):
+    """The marks of ended steps wait, and are turned into rows (one logger row a step, at its step) in one go
+    once log_every_n_steps of them are pending, and at the end; the first print_steps steps are resolved at once,
+    for their printed blocks."""
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr("lit_ddp.measure.clock.perf_counter", lambda: clock.now)
+    model = LinearRegression(dim=8)
+    logged = []
+    trainer = FakeTrainer(model, tmp_path)
+    trainer.log_every_n_steps = 3
+    trainer.loggers = [SimpleNamespace(log_metrics=lambda metrics, step: logged.append(step))]
+    timer = PhaseTimer(print_steps=1)
+    timer.on_train_start(trainer, model)
+    seen = []
+    for _ in range(7):
+        drive_one_step(timer, trainer, model, clock)
+        seen.append(list(logged))
+    timer.on_train_end(trainer, model)
+    # Step 0 resolved at step 1's start, for its printed block; steps 1-3 at step 4's (3 pending), the rest at
+    # the end.
+    assert seen == [[], [0], [0], [0], [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3]]
+    assert logged == list(range(7))
 
 
 class HostClockAsCuda(HostClock):

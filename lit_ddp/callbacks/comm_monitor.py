@@ -187,6 +187,7 @@ class CommMonitor(LeanCallback):
         if isinstance(self._clock, CudaClock):
             self._clock.anchor()  # events to host time, for the arrivals: one synchronize, before the first step
         self._timings, self._pending, self._summaries, self._profiled = [], {}, {}, None
+        self._collected_at = trainer.global_step
         self._backwards, self._wire_dtype = {}, None
         self.record, self.ended = None, False
         self._unused, self._unused_sets = [], set()
@@ -235,7 +236,11 @@ class CommMonitor(LeanCallback):
         if self.standing_aside:
             return
         self._step = trainer.global_step
-        self._collect(trainer, block=False)
+        # The window's work (buckets to rows, summaries, the loggers' rows) in one go every log_every_n_steps steps
+        # (Lightning's cadence for logged step metrics), not a piece of it in every step.
+        if self._step - self._collected_at >= max(1, trainer.log_every_n_steps):
+            self._collect(trainer, block=False)
+            self._collected_at = self._step
 
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:

@@ -141,11 +141,17 @@ class PhaseTimer(LeanCallback):
             trainer.strategy.model.register_forward_pre_hook(self._on_forward_start),
             *(opt.register_step_post_hook(self._on_optimizer_step_end) for opt in trainer.optimizers),
         ]
+        self._resolve_every = max(1, trainer.log_every_n_steps)
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._fit.batch_start(trainer, batch)
-        self._resolve(trainer, block=False)
+        fit = self._fit
+        fit.batch_start(trainer, batch)
+        # The window's work (marks to phases, summaries, the loggers' rows) in one go every log_every_n_steps steps
+        # (Lightning's cadence for logged step metrics), not a piece of it in every step; while the first steps'
+        # blocks are printed, every step.
+        if fit.pending >= self._resolve_every or fit.step - fit.first_step <= self.print_steps:
+            self._resolve(trainer, block=False)
 
     def _on_forward_start(self, module, args) -> None:
         self._fit.mark_once("forward_start")

@@ -225,6 +225,11 @@ class FitPhases:
         if self.counter is not None:
             self.counter.stop()
 
+    @property
+    def pending(self) -> int:
+        """Steps ended and not resolved yet."""
+        return len(self._pending)
+
     def resolve(self, block: bool) -> list[tuple[int, StepPhases]]:
         """Turns marks into milliseconds, oldest first, as far as they have completed: the steps resolved."""
         done = []

@@ -124,6 +124,7 @@ METHOD_PARTS = {
 }  # fmt: skip
 FUNCTION_PARTS = {  # module-level functions as their callers look them up: (module, name) -> (owner, label)
     ("lit_ddp._torch", "all_gather_started"): ("StepSync", "the all_gather started (the process group's call)"),
+    ("lit_ddp.callbacks.step_sync", "all_gather"): ("StepSync", "the all_gather started (torch.distributed's call)"),
     ("lit_ddp.callbacks.sync_check", "fingerprints"): ("SyncCheck", "the fingerprint"),
 }
 
@@ -180,7 +181,8 @@ class HookClock(Callback):
                 )
         for (module, function), (owner, label) in FUNCTION_PARTS.items():
             mod = importlib.import_module(module)
-            setattr(mod, function, self._timed(getattr(mod, function), f"{owner}: {label}"))
+            if hasattr(mod, function):  # an older commit's code may lack it (the script is copied to compare)
+                setattr(mod, function, self._timed(getattr(mod, function), f"{owner}: {label}"))
         from lightning.pytorch.trainer import call
 
         call._call_callback_hooks = self._timed(call._call_callback_hooks, "Lightning: every callback hook call")

@@ -425,3 +425,24 @@ def test_the_all_reduce_table_of_two_ranks_shows_the_transfer_in_the_units_and_w
         ("The buckets are a second copy of the gradients: LitDDPStrategy(gradient_as_bucket_view=True) gives back "
          "12,374,000 bytes (12.4 MB) per rank."),
     ]  # fmt: skip
+
+
+def test_the_runs_own_link_is_its_upper_median_transfer_and_a_run_compressed_already_saves_nothing(tmp_path):
+    """4 steady steps of 375,000 bytes in 0.125, 0.25, 0.375 and 0.5 ms (both ranks): the upper median, 0.375 ms,
+    is 1 GB/s of busbw on 2 ranks; a run whose all-reduces took no time has no link; fp16 compression on already
+    leaves nothing to forecast."""
+    from lit_ddp.scaling.advice import run_link
+    from lit_ddp.scaling.links import Link
+
+    def comm(ms: list[float]) -> CommRecord:
+        rows = [[StepBuckets(s, [375_000], [t], [1.0], t, t, [float(s)]) for s, t in enumerate(ms)] for _ in (0, 1)]
+        return records.comm_record(rows, param_bytes=375_000)
+
+    assert run_link(comm([9.0, 0.25, 0.5, 0.125, 0.375])) == Link(
+        "this run's", 1.0, 0.0, source="the run's own all-reduces (CommMonitor's transfer times)"
+    )
+    assert run_link(comm([0.0] * 5)) is None
+    phases, measured = comm_bound_case()
+    save(phases, tmp_path / "phases.json"), save(measured, tmp_path / "comm.json")
+    assert wire_savings(tmp_path, measured)  # as measured: a figure
+    assert wire_savings(tmp_path, dataclasses.replace(measured, compression="fp16")) == {}

@@ -599,3 +599,11 @@ def test_a_one_rank_run_is_read_and_one_with_no_step_of_the_final_layout_or_no_s
     # comm.json kept other steps than phases.json: no step joins the two, no tail is measured (0, not a guess).
     apart = model.measured_run(accumulating_run(tmp_path / "apart", comm_steps=range(10, 14)))
     assert apart.tail_ms == 0.0 and apart.buckets == (Bucket(250, 4.0), Bucket(750, 5.5))
+
+
+@pytest.mark.timeout(10)
+def test_a_fitted_latency_of_a_picosecond_or_less_is_rounding():
+    """Times exactly on t = 1e-9 + S / 2^38 ms: the fit's intercept is one picosecond to the last bit, the bar,
+    and reads as no latency at all."""
+    points = [ProbePoint(s, 1e-9 + s / 2**38, 0.0, 0.0) for s in (1024, 2048)]
+    assert links.fit_probe(points, 2).hop_latency_us == 0.0

@@ -574,3 +574,64 @@ def test_the_phase_table_with_memory_validation_skipped_steps_and_the_all_reduce
     20 ms; character for character (tests/golden/phase_table_mixed.txt, the two tables one after the other)."""
     tables = [phase_table(*mixed_record(1.5)), phase_table(*mixed_record(20.0), {"fp16 compression (a test)": 9.0})]
     assert "\n\n".join(tables) + "\n" == (PHASE_TABLES / "phase_table_mixed.txt").read_text()
+
+
+# --- comm.py's and advice.py's survivors (mutation testing, issue 37) ---
+
+
+def two_buckets(rank: int, step: int) -> StepBuckets:
+    """Two ranks hand both buckets over together; rank 0's all-reduces take 2 ms longer than rank 1's, which
+    are the transfer: 11,000,000 bytes in 8 ms (1.375 GB/s, a rounding tie) and 1,374,000 bytes in 1 ms (1.374 GB/s,
+    just under one). The last step accumulates 4 micro-batches, the others 2 (a GradientAccumulationScheduler)."""
+    micro = 4 if step == 5 else 2
+    return StepBuckets(step, [11_000_000, 1_374_000], [8.0 + 2 * (1 - rank), 1.0 + 2 * (1 - rank)], [1.0, 3.0], 9.0,
+                       1.0, [float(step), step + 0.001], micro, [micro - 1])  # fmt: skip
+
+
+def test_the_all_reduce_table_of_two_ranks_shows_the_transfer_in_the_units_and_words_of_its_record():
+    """The transfer is the shortest duration across ranks, not rank 0's; the bandwidths are the bytes over it to
+    three figures (a tie rounds half to even: 1.375 -> 1.38); the accumulation line is the last step's; no unused
+    parameters looked for, no line; DDP's memory phrased for a script that builds LitDDPStrategy."""
+    from lit_ddp.formatting import Advice
+
+    record = records.comm_record([[two_buckets(r, s) for s in range(6)] for r in (0, 1)], param_bytes=12_374_000)
+    held = DDPMemory(12_374_000, 12_374_000, [11_000_000, 1_374_000], False, 0, 0)
+    record = dataclasses.replace(record, clock_offset_s=[0.0, 0.0], clock_error_s=[0.0, 0.0], ddp_memory=held)
+    lines = comm_table(record, advice=Advice(cli=False, strategy="LitDDPStrategy")).splitlines()
+    assert lines[:4] == [
+        "Gradient all-reduce per step (2 ranks, compression none, all ranks, steady median):",
+        "bucket       bytes  transfer      algbw      busbw     wait",
+        "0       11,000,000   8.00 ms  1.38 GB/s  1.38 GB/s  0.00 ms",
+        "1        1,374,000   1.00 ms  1.37 GB/s  1.37 GB/s  0.00 ms",
+    ]
+    assert lines[5:9] == [
+        "communication 9.00 ms per step, of which 1.00 ms exposed (not hidden under backward compute)",
+        ("gradient accumulation: 4 micro-batches per step; only the last one's backward all-reduced (micro-batch 3), "
+         "the other 3 ran under DDP's no_sync: the bytes above move once per 4 micro-batches"),
+        ("Memory per rank (exact, from the live objects): parameters 12,374,000 bytes; gradients 12,374,000 bytes (a "
+         "tensor per parameter); DDP's 2 gradient bucket(s) 12,374,000 bytes [11,000,000, 1,374,000]; optimizer "
+         "state 0 bytes; held 37,122,000 bytes (37.1 MB) before activations."),
+        ("The buckets are a second copy of the gradients: LitDDPStrategy(gradient_as_bucket_view=True) gives back "
+         "12,374,000 bytes (12.4 MB) per rank."),
+    ]  # fmt: skip
+
+
+def test_the_runs_own_link_is_its_upper_median_transfer_and_a_run_compressed_already_saves_nothing(tmp_path):
+    """4 steady steps of 375,000 bytes in 0.125, 0.25, 0.375 and 0.5 ms (both ranks): the upper median, 0.375 ms,
+    is 1 GB/s of busbw on 2 ranks; a run whose all-reduces took no time has no link; fp16 compression on already
+    leaves nothing to forecast."""
+    from lit_ddp.scaling.advice import run_link
+    from lit_ddp.scaling.links import Link
+
+    def comm(ms: list[float]) -> CommRecord:
+        rows = [[StepBuckets(s, [375_000], [t], [1.0], t, t, [float(s)]) for s, t in enumerate(ms)] for _ in (0, 1)]
+        return records.comm_record(rows, param_bytes=375_000)
+
+    assert run_link(comm([9.0, 0.25, 0.5, 0.125, 0.375])) == Link(
+        "this run's", 1.0, 0.0, source="the run's own all-reduces (CommMonitor's transfer times)"
+    )
+    assert run_link(comm([0.0] * 5)) is None
+    phases, measured = comm_bound_case()
+    save(phases, tmp_path / "phases.json"), save(measured, tmp_path / "comm.json")
+    assert wire_savings(tmp_path, measured)  # as measured: a figure
+    assert wire_savings(tmp_path, dataclasses.replace(measured, compression="fp16")) == {}

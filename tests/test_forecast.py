@@ -3,6 +3,7 @@ ring, NCCL's hierarchical form, topologies, the probe fit), the run loader on ha
 and one real 2-rank gloo probe."""
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -12,11 +13,11 @@ import pytest
 from lit_ddp import forecast, report
 from lit_ddp.errors import ForecastError
 from lit_ddp.records import schema as record
-from lit_ddp.records.schema import StepBuckets
+from lit_ddp.records.schema import Sketch, StepBuckets
 from lit_ddp.scaling import links, model
 from lit_ddp.scaling.links import Link, ProbePoint, Topology
 from lit_ddp.scaling.model import Bucket, Measured
-from tests.records import comm_record, phase_record
+from tests.records import comm_record, comm_summaries, phase_record
 
 # 1 GB/s = 1e6 bytes per ms: the numbers below are chosen so that the ms come out round.
 SLOW = Link("slow", busbw_gbps=1.0, hop_latency_us=0.0, source="test")
@@ -124,6 +125,7 @@ def test_rebucket_merges_like_ddp():
     assert model.rebucket(buckets, 1) == tuple(buckets)  # finer than measured: left as they are
     # Medians of ready times need not increase with the index; a merged bucket waits for its latest gradient.
     assert model.rebucket([Bucket(3, 2.0), Bucket(3, 1.0)], 6) == (Bucket(6, 2.0),)
+    assert model.rebucket([Bucket(3, 0.25), Bucket(3, 0.5)], 6) == (Bucket(6, 0.5),)  # sub-ms ready times as they are
     # What-if: one merged bucket can only start after backward's compute, so none of it overlaps.
     run = measured([Bucket(1e6, t) for t in (2.0, 4.0, 6.0, 8.0)])
     merged = model.rebucket(run.buckets, 100 * model.MIB)
@@ -528,3 +530,80 @@ def test_the_probe_fit_with_one_or_two_large_sizes_and_latency_weighted_by_relat
                  ProbePoint(1_000_000, 2.0, 0.0, 0.0)]  # fmt: skip
     link = links.fit_probe(one_large, 2)
     assert (link.busbw_gbps, link.hop_latency_us) == (pytest.approx(1.0), pytest.approx(500.0))
+
+
+# A run accumulating 2 micro-batches per step, per rank constant over its steady steps 1-3 (step 0: warm-up):
+# (forward, backward of both micro-batches, the last one's backward, update, data, other); the ranks differ in
+# every figure, so each of the model's inputs is one rank's or the other's.
+ACCUMULATING = [(4.0, 10.0, 6.0, 2.0, 1.0, 0.5), (3.0, 12.0, 7.0, 3.0, 0.5, 0.5)]
+ACCUMULATING_BUCKETS = [([1.0, 2.0], [3.0, 5.0]), ([1.0, 2.0], [4.0, 5.5])]  # per rank: ms, ready_ms (exposed 0.5)
+HELD = record.DDPMemory(parameters=1000, gradients=1000, buckets=[250, 750], gradient_as_bucket_view=False,
+                        optimizer_state=2000, bucket_cap=1 << 20, compression="bf16")  # fmt: skip
+
+
+def accumulating_run(run_dir, ranks=2, comm_steps=range(4), layout=(250, 750)):
+    """``phases.json`` and ``comm.json`` of the run above, on a CPU named "test CPU" with bf16 compression and
+    DDP's memory known; ``comm_steps``: the steps comm.json kept; ``layout``: DDP's final layout (the steps' own
+    buckets are always 250 and 750 bytes)."""
+    meta = record.RunMeta(ranks, "cpu", "test CPU", "gloo", "perf_counter", "32-true", "test", "test")
+    phase_ranks, comm_ranks = [], []
+    for r in range(ranks):
+        forward, backward, last, update, data, other = ACCUMULATING[r]
+        steady = record.StepPhases(forward, backward, update, other, forward + backward + update + data + other,
+                                   data, last)  # fmt: skip
+        rows = [record.StepRow(0, record.StepPhases(100.0, 100.0, 100.0, 100.0, 500.0, 100.0, 50.0), [], 2)]
+        rows += [record.StepRow(s, steady, [], 2) for s in (1, 2, 3)]
+        summaries = {p: Sketch.of([getattr(steady, p)] * 3) for p in (*record.PHASES, "backward_last")}
+        phase_ranks.append(record.RankPhases(r, rows, summaries))
+        ms, ready = ACCUMULATING_BUCKETS[r]
+        buckets = [StepBuckets(s, [250, 750], ms, ready, 3.0, 0.5, micro_batches=2, synced=[1]) for s in comm_steps]
+        comm_ranks.append(record.RankComm(r, buckets, comm_summaries(buckets, list(layout), [])))
+    record.save(record.PhaseRecord(meta, phase_ranks), run_dir / "phases.json")
+    comm = record.CommRecord(meta, comm_ranks, list(layout), 1000, compression="bf16", ddp_memory=HELD)
+    record.save(comm, run_dir / "comm.json")
+    return run_dir
+
+
+@pytest.mark.timeout(10)
+def test_with_accumulation_only_the_last_micro_batchs_backward_waits_for_the_all_reduce(tmp_path):
+    """Per rank the medians, then the slowest rank: forward 4, update 3, other + data 1.5 (rank 0's 0.5 + 1),
+    backward 12; the backward before the last micro-batch, backward - last: 10 - 6 = 4 and 12 - 7 = 5 -> 5; the
+    tail, the last micro-batch's backward - last ready - exposed: 6 - 5 - 0.5 and 7 - 5.5 - 0.5 -> 1. The record's
+    compression, device, memory and micro-batches come through as they are."""
+    run = model.measured_run(accumulating_run(tmp_path))
+    assert run == Measured(forward_ms=4.0, update_ms=3.0, other_ms=1.5, tail_ms=1.0,
+                           buckets=(Bucket(250, 4.0), Bucket(750, 5.5)), world_size=2, rows_per_rank=None,
+                           compression="bf16", backward_ms=12.0, exposed_ms=0.5, comm_ms=3.0, step_ms=19.0, n_steps=3,
+                           backward_before_ms=5.0, micro_batches=2, device="cpu", device_name="test CPU",
+                           held=HELD)  # fmt: skip
+    # At 1 rank: the last bucket ready at 5.5 ms, the 1 ms tail copied back by bytes (0.25, then 0.75 ms): 6.5 ms
+    # of the last micro-batch's backward after the 5 ms before it; step 4 + 5 + 6.5 + 3 + 1.5.
+    assert model.simulate(run, 1, one_node()) == model.Forecast(1, 20.0, 11.5, exposed_ms=0.0, comm_ms=0.0)
+    # The bucket view's what-if says what it gives back: DDP's 1,000 bytes of buckets, unless it is on already.
+    labels = [label for label, _, _ in model.what_ifs(run, [])]
+    assert labels[-1] == "gradient_as_bucket_view (no copy-back; 1.00 kB less held per rank)"
+    viewed = dataclasses.replace(run, held=dataclasses.replace(HELD, gradient_as_bucket_view=True))
+    assert model.what_ifs(viewed, [])[-1][0] == "gradient_as_bucket_view (no copy-back)"
+
+
+@pytest.mark.timeout(10)
+def test_a_one_rank_run_is_read_and_one_with_no_step_of_the_final_layout_or_no_step_in_both_records_is_not(
+    tmp_path,
+):
+    one = model.measured_run(accumulating_run(tmp_path / "one", ranks=1))
+    assert (one.world_size, one.n_steps, one.forward_ms, one.tail_ms, one.backward_before_ms) == (1, 3, 4.0, 0.5, 4.0)
+    # DDP rebuilt its buckets after the last step the run kept: no step ran on the final layout.
+    short = accumulating_run(tmp_path / "short", layout=(1000,))
+    with pytest.raises(ForecastError, match=f"^{short}: no step with DDP's final bucket layout: run more steps$"):
+        model.measured_run(short)
+    # comm.json kept other steps than phases.json: no step joins the two, no tail is measured (0, not a guess).
+    apart = model.measured_run(accumulating_run(tmp_path / "apart", comm_steps=range(10, 14)))
+    assert apart.tail_ms == 0.0 and apart.buckets == (Bucket(250, 4.0), Bucket(750, 5.5))
+
+
+@pytest.mark.timeout(10)
+def test_a_fitted_latency_of_a_picosecond_or_less_is_rounding():
+    """Times exactly on t = 1e-9 + S / 2^38 ms: the fit's intercept is one picosecond to the last bit, the bar,
+    and reads as no latency at all."""
+    points = [ProbePoint(s, 1e-9 + s / 2**38, 0.0, 0.0) for s in (1024, 2048)]
+    assert links.fit_probe(points, 2).hop_latency_us == 0.0

@@ -409,3 +409,47 @@ def test_the_out_of_memory_line_names_the_step_the_peak_and_the_holders_largest_
     cpu = record.OutOfMemory(oom.meta, 0, 3, "forward", "boom", record.DDPMemory(0, 0, [], False, 0, 0))
     assert oom_line(cpu) == ("rank 0 ran out of memory in step 3, forward (boom); held then: nothing the tool sees "
                              "(the rest is not measured on CPU)")  # fmt: skip
+
+
+@pytest.mark.timeout(10)
+def test_the_highest_rank_can_be_rank_0_its_summaries_come_first_and_without_kept_steps_the_line_says_no_step():
+    from lit_ddp.analysis import memory as text
+    from lit_ddp.analysis.memory import ddp_memory_lines
+    from tests.records import phase_record
+
+    phases = phase_record([[(1.0, 2.0, 0.5, 0.1)] * 5] * 3)
+    for rank, scale in zip(phases.ranks, (3, 1, 2), strict=True):
+        rank.memory = memory_steps(scale)
+    phases.memory_source = "cpu_profiler"
+    assert text.highest_rank(phases) == 0
+    # A summary over every step the rank ran, where it kept one, outranks its kept steps (3,000 x 3 + s retained).
+    phases.ranks[0].memory_summaries = {"peak.forward": record.Sketch.of([7000.0]),
+                                        "retained.forward": record.Sketch.of([4000.0])}  # fmt: skip
+    assert text.memory_cells(phases)[:2] == [("7.00 kB", "4.00 kB"), ("15.0 kB", "4.50 kB")]
+    # Its summaries alone, no kept step with memory figures: over no step.
+    phases.ranks[0].memory = []
+    phases.ranks[0].memory_summaries = {"peak.step": record.Sketch.of([20000.0]), "start": record.Sketch.of([3000.0])}
+    assert text.memory_line(phases).startswith("Memory (rank 0, the highest; no step; the CPU allocator's events ")
+    assert text.memory_line(phases).endswith("the step peaked at 20.0 kB median, 20.0 kB max, starting from 3.00 kB")
+    # Eight buckets are listed in full; a ninth would be "...".
+    eight = ddp_memory_lines(record.DDPMemory(8000, 8000, [1000] * 8, False, 0, 0)).splitlines()[0]
+    assert f"DDP's 8 gradient bucket(s) 8,000 bytes [{', '.join(['1,000'] * 8)}];" in eight
+
+
+@pytest.mark.timeout(10)
+def test_trace_memory_takes_steps_by_start_a_phase_from_the_steps_start_and_every_range_of_a_phase():
+    """A Trace built by hand, its ranges in no order (``trace.load`` sorts them; ``step_memory`` does not rely on
+    it): step 9 (0-100 us) accumulates two micro-batches, its first forward starting with the step, and frees all
+    by its update (which allocates nothing); step 10's forward starts where step 9 ends, and is step 10's alone."""
+    R = trace.Range
+    ranges = (R("lit_ddp.step#10", 100.0, 200.0), R("lit_ddp.step#9", 0.0, 100.0), R(trace.BACKWARD, 150.0, 200.0),
+              R(trace.FORWARD, 60.0, 70.0), R(trace.UPDATE, 90.0, 100.0), R(trace.FORWARD, 0.0, 30.0),
+              R(trace.BACKWARD, 30.0, 60.0), R(trace.BACKWARD, 70.0, 90.0), R(trace.FORWARD, 100.0, 150.0))  # fmt: skip
+    allocations = [(10.0, 100), (40.0, -60), (65.0, 20), (80.0, -60), (120.0, 50), (160.0, -50)]
+    events = tuple(trace.MemoryEvent(t, n, trace.CPU_DEVICE) for t, n in allocations)
+    nine, ten = trace_memory.step_memory(trace.Trace(ROOT / "hand-made", 0, 1, (), ranges, events))
+    # Forward: 100 in the first micro-batch, 60 in the second; what the last forward left held: 60.
+    assert nine == trace_memory.StepMemoryTrace(9, {"step": 100, "forward": 100, "backward": 100, "update": 0},
+                                                {"step": 0, "forward": 60, "backward": 0, "update": 0})  # fmt: skip
+    assert ten == trace_memory.StepMemoryTrace(10, {"step": 50, "forward": 50, "backward": 50},
+                                               {"step": 0, "forward": 50, "backward": 0})  # fmt: skip

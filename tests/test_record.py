@@ -302,3 +302,103 @@ def test_an_empty_sketch_writes_no_min_or_max_and_a_sketch_equals_only_a_sketch_
     assert (empty["count"], empty["min"], empty["max"]) == (0, None, None)
     assert Sketch.of([1.0, 2.0]) == Sketch.of([2.0, 1.0]) and Sketch.of([1.0]) != Sketch.of([2.0])
     assert Sketch.of([1.0]) != 1.0
+
+
+@pytest.mark.timeout(10)
+def test_a_fits_window_keeps_its_first_steps_from_its_own_first_step():
+    """A fresh fit keeps steps 0-9 then the last 50; a fit resumed at step 5 keeps 5-14 then the last 50."""
+    for first_step in (0, 5):
+        window = Window(first_step=first_step) if first_step else Window()
+        for step in range(first_step, first_step + 200):
+            window.add(step, step)
+        head, tail = range(first_step, first_step + HEAD_STEPS), range(first_step + 200 - TAIL_STEPS, first_step + 200)
+        assert [step for step, _ in window.items()] == [*head, *tail]
+
+
+@pytest.mark.timeout(10)
+def test_steady_rows_are_rank_0s_after_the_warm_up_of_a_resumed_fit_and_a_step_not_kept_has_no_row(tmp_path):
+    phases = phase_record([[(1.0, 2.0, 0.5, 0.25)] * 8, [(2.0, 2.0, 0.5, 0.25)] * 8], profiled=[7])
+    for rank in phases.ranks:
+        for row in rank.rows:
+            row.step += 5  # a fit resumed from step 5: steps 5-12, step 5 its warm-up, step 7 profiled
+    phases.first_step = 5
+    assert [(r.step, r.ms.forward) for r in phases.steady_rows()] == [(s, 1.0) for s in (6, 8, 9, 10, 11, 12)]
+    assert phases.ranks[1].row(6).ms.forward == 2.0 and phases.ranks[1].row(4) is None
+    # A run's folder is made as the record is written.
+    assert record.load(record.save(phases, tmp_path / "runs" / "version_0" / "phases.json")).first_step == 5
+
+
+@dataclasses.dataclass
+class Part:
+    """A part of a record as ``read`` may meet one: a field the constructor does not take (computed from the
+    others), a field of two types, and lists in a dict."""
+
+    lists: dict[str, list[int]]
+    count: int = dataclasses.field(init=False)
+    either: Sketch | float = 0.0
+    last: int = 0
+
+    def __post_init__(self) -> None:
+        self.count = sum(len(v) for v in self.lists.values())
+
+
+@pytest.mark.timeout(10)
+def test_read_reads_any_dataclass_by_its_fields_and_names_where_the_data_is_not_shaped_as_it():
+    part = Part({"a": [1, 2], "b": [3]}, 2.5, 7)
+    assert record.read(Part, record.as_json(part)) == part  # count, written, is computed again, not passed
+    with pytest.raises(RecordError) as refused:
+        record.read(Part, {"lists": {"a": [1], "b": "3"}})
+    assert str(refused.value) == "Part.lists['b']: expected a list, got str"
+    with pytest.raises(RecordError) as refused:
+        record.read(record.RunMeta, [2, "cpu"])
+    assert str(refused.value) == "RunMeta: expected an object of RunMeta's fields, got list"
+
+
+@pytest.mark.timeout(10)
+def test_load_says_what_is_wrong_with_a_record_in_its_words(tmp_path):
+    def refusal(data) -> str:
+        path = tmp_path / "record.json"
+        path.write_text(json.dumps(data))
+        with pytest.raises(RecordError) as refused:
+            record.load(path)
+        return str(refused.value).removeprefix(f"{path}: ")
+
+    now = record.SCHEMA_VERSION
+    assert refusal([1, 2]) == (f"run record schema None; this lit_ddp reads schema {now} (written by another version "
+                               "of the tool: run the job again)")  # fmt: skip
+    assert refusal({"schema": now, "kind": "memory"}) == (
+        "a damaged run record (kind 'memory' is none of ['comm', 'oom', 'phases'])"
+    )
+    phases, comm = records()
+    written = {"schema": now, **record.as_json(phases), "profiled_steps": "2"}
+    assert refusal(written) == "a damaged run record (PhaseRecord.profiled_steps: expected a list, got str)"
+    held = record.as_json(record.DDPMemory(6000, 3000, [3000], False, 12000, 1 << 20))
+    del held["parameters"]
+    written = {"schema": now, **record.as_json(comm), "ddp_memory": held}
+    assert refusal(written) == ("a damaged run record (CommRecord.ddp_memory: no 'parameters', a required field of "
+                                "DDPMemory)")  # fmt: skip
+
+
+@pytest.mark.timeout(10)
+def test_the_straggler_verdict_in_comm_json_survives_a_round_trip_with_its_phases_excess(tmp_path):
+    from lit_ddp.analysis.stragglers import Straggler
+
+    _, comm = records()
+    comm.straggler = record.as_json(Straggler(
+        rank=1, late_ms=250.0, share=0.83, wait_ms=[500.0, 0.0], transfer_ms=2.0, transfer_per_bucket_ms=[2.0],
+        wait_per_bucket_ms=[500.0], threshold_ms=200.0, spread_ms=500.0, cause="update", cause_extra_ms=500.0,
+        steps=12, extra_ms={"forward": 0.0, "update": 500.0}, late_low_ms=240.0, late_high_ms=260.0,
+    ))  # fmt: skip
+    assert plain(record.load(record.save(comm, tmp_path / "comm.json"))) == plain(comm)
+
+
+@pytest.mark.timeout(10)
+def test_load_oom_reads_every_ranks_record_in_rank_order_and_nothing_else(tmp_path):
+    phases, _ = records()
+    record.save(phases, tmp_path / "phases.json")
+    held = record.DDPMemory(6000, 3000, [3000], False, 12000, 1 << 20)
+    for rank in (2, 10, 1):  # neither the names' order nor the files' (nor its reverse) is the ranks'
+        oom = record.OutOfMemory(phases.meta, rank, 7, "backward", "CUDA out of memory", held)
+        record.save(oom, tmp_path / f"oom_rank{rank}.json")
+    assert [oom.rank for oom in record.load_oom(tmp_path)] == [1, 2, 10]
+    assert record.load_oom(tmp_path / "no_run") == []

@@ -9,7 +9,7 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_ddp import FixedBatchDataModule
-from lit_ddp.analysis import stragglers
+from lit_ddp.analysis import noise, stragglers
 from lit_ddp.callbacks import CommMonitor, PhaseTimer
 from lit_ddp.records.schema import CommRecord, RankComm, RunMeta, StepBuckets, load_run
 from tests.runner import ROOT, run_fit, run_module
@@ -355,3 +355,48 @@ def test_the_verdict_line_names_the_cause_or_says_no_phase_is_slower_and_why_the
         "no straggler: can't tell, 2 step(s) are too few (a straggler is last at "
         f"{stragglers.STRAGGLER_SHARE:.0%} of them, late beyond the noise, by a median above 1.0 ms)"
     )
+
+
+@pytest.mark.timeout(10)
+def test_the_step_is_the_median_gap_between_rank_0s_steps_however_short_and_unknown_without_two_steps():
+    """Steps half a millisecond apart are a step of 0.5 ms; two steps a host clock too coarse to tell apart (the
+    same time read twice) are left out; a single common step gives no gap: a step of 0, so the bar is the floor."""
+    steps = range(12)
+    short = stragglers.arrivals(record([[0.5 * s for s in steps]] * 2, [[0.1] * 12] * 2))
+    assert short.step_ms == pytest.approx(0.5)
+    coarse = [0.0, 100.0, 100.0, 300.0, 400.0]  # steps 1 and 2 read alike: gaps of 200 and 100 ms remain
+    assert stragglers.arrivals(record([coarse] * 2, [[1.0] * 5] * 2)).step_ms == pytest.approx(150.0)
+    one = record([[0.0, 100.0], [0.0, 125.0]], [[1.0] * 2] * 2)  # step 0 is the warm-up: one steady step
+    assert stragglers.arrivals(one).step_ms == 0.0
+    assert stragglers.find_straggler(one).threshold_ms == stragglers.MIN_LATE_MS
+
+
+@pytest.mark.timeout(10)
+def test_a_rank_late_beyond_the_noise_but_by_under_a_fifth_of_the_step_is_no_straggler():
+    """Rank 1 arrives about 10 ms late at every all-reduce of 100 ms steps: beyond the noise and the 5 ms floor, but
+    under the workload's bar of 20 ms. Its median's interval is the family's, for 2 ranks' lateness at once: wider
+    than one rank's 95%."""
+    rng = random.Random(0)
+    steps = range(30)
+    late = [[100.0 * s for s in steps], [100.0 * s + 10.0 + rng.gauss(0.0, 1.0) for s in steps]]
+    comm = record(late, [[1.0] * 30] * 2)
+    found = stragglers.find_straggler(comm)
+    assert found.rank is None and found.share == 1.0 and found.threshold_ms == pytest.approx(20.0)
+    assert stragglers.MIN_LATE_MS < found.late_low_ms < found.late_ms < 11.0, stragglers.verdict_line(found)
+    one_rank = noise.median_interval(stragglers.arrivals(comm).lateness[1], confidence=stragglers.CONFIDENCE)
+    assert found.late_low_ms < one_rank.low and found.late_high_ms > one_rank.high
+
+
+@pytest.mark.timeout(10)
+def test_a_steps_transfer_sums_its_buckets_and_a_straggler_level_in_every_phase_has_no_cause():
+    named = stragglers.find_straggler(late_at(9, late_ms=500.0))  # two buckets of 2 ms each
+    assert (named.transfer_ms, named.transfer_per_bucket_ms) == (4.0, [2.0, 2.0])
+    from tests.records import phase_record
+
+    steps = 13
+    comm = three_ranks_late([[0.0] * steps, [500.0] * steps, [0.0] * steps])
+    level = phase_record([[(10.0, 20.0 + (0.0 if rank == 1 else 500.0), 5.0, 1.0)] * steps for rank in range(3)])
+    found = stragglers.find_straggler(comm, level)  # the others' backward holds their 500 ms wait: taken off
+    assert found.rank == 1 and found.cause is None and found.extra_ms == pytest.approx(dict.fromkeys(
+        ("forward", "backward", "update", "data", "other"), 0.0))  # fmt: skip
+    assert "; none of its phases is slower than the other ranks' beyond the noise;" in stragglers.verdict_line(found)

@@ -46,6 +46,8 @@ def comm_table(record: CommRecord, phases: Optional[PhaseRecord] = None, advice:
     """
     n = record.meta.world_size
     ring = allreduce_bus_factor(n)
+    # Without phases alike: they only name the straggler's slow phase, which this table says only when it was
+    # given none (the phase table says it otherwise).
     found = stragglers.find_straggler(record, phases)
     rows = []
     for b, nbytes in enumerate(record.layout):

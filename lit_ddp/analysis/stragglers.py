@@ -80,8 +80,11 @@ def arrivals(comm: CommRecord) -> Optional[Arrivals]:
     if not steps:
         return None
     rows = [{r.step: r for r in rank.rows} for rank in comm.ranks]
+    # Without offsets any common one alike: only differences between ranks' arrivals are taken (step_ms below reads
+    # rank 0's clock as it is).
     offsets = comm.clock_offset_s if len(comm.clock_offset_s) == n else [0.0] * n
     buckets = range(len(comm.layout))
+    # caused starts alike for every rank (any common start keeps which rank caused most); step_ms is set below.
     found = Arrivals(steps, [[] for _ in range(n)], [[] for _ in range(n)], [0.0] * n, [],
                      [[] for _ in buckets], [[] for _ in buckets], 0.0)  # fmt: skip
     for step in steps:
@@ -155,8 +158,10 @@ def _excess(phases: PhaseRecord, rank: int, waits: dict[int, list[float]]) -> tu
     others = [s for r, s in enumerate(samples) if r != rank]
     extra = {p: _median(samples[rank][p]) - _median([_median(s[p]) for s in others]) for p in samples[rank]}
     top = max(extra, key=extra.get)
-    # The others' per-step median: one sample per step, as many as the straggler's.
+    # The others' per-step median: one sample per step, as many as the straggler's (zip's strict= alike: every
+    # rank's PhaseTimer keeps the same global steps, one Window rule, so the lists are as long).
     theirs = [statistics.median(values) for values in zip(*(s[top] for s in others), strict=True)]
+    # confidence= alike while CONFIDENCE is noise's default, 0.95.
     beyond = noise.call(noise.difference_interval(theirs, samples[rank][top], confidence=CONFIDENCE)) == "slower"
     return extra, top if beyond else None
 

@@ -30,7 +30,8 @@ def step_memory(trace: Trace, device_type: int = CPU_DEVICE) -> list[StepMemoryT
     if not events:
         return []
     times = [m.ts_us for m in events]
-    levels = [0]  # bytes allocated since the trace began, after each event
+    # Bytes allocated since the trace began, after each event; any start alike: every figure is a level less the base.
+    levels = [0]
     for m in events:
         levels.append(levels[-1] + m.bytes)
 
@@ -45,6 +46,8 @@ def step_memory(trace: Trace, device_type: int = CPU_DEVICE) -> list[StepMemoryT
         base = level_at(step.start_us)
         inside = [r for r in trace.ranges if r.name in OWN_PHASES and step.start_us <= r.start_us < step.end_us]
         peak, retained = {"step": peak_in(step.start_us, step.end_us) - base}, {"step": level_at(step.end_us) - base}
+        # key= alike: a phase's figures come from its own ranges alone, which sorted as tuples (name first) are in
+        # start order too (only the dicts' key order moves, and they are read by key).
         for r in sorted(inside, key=lambda r: r.start_us):
             phase = OWN_PHASES[r.name]
             peak[phase] = max(peak.get(phase, 0), peak_in(r.start_us, r.end_us) - base)

@@ -36,4 +36,5 @@ def union_length(intervals: Iterable[tuple[float, float]], start: float = -math.
     """Length of the union of (start, end) ``intervals`` inside ``[start, end]``, in their unit: the time something
     was busy (also CommMonitor's communication time); an interval that ends before it starts counts for nothing."""
     clipped = ((max(s, start), min(e, end)) for s, e in intervals)
+    # e >= s alike: an empty interval adds no length, and merged into another it moves neither end.
     return length(merge((s, e) for s, e in clipped if e > s))

@@ -47,7 +47,7 @@ def wire_savings(run_dir: Path | str | None, comm: CommRecord | None) -> dict[st
     if link is None:
         return {}
     n = comm.meta.world_size
-    topo = Topology(link, link, gpus_per_node=n)
+    topo = Topology(link, link, gpus_per_node=n)  # the inter-node link alike: n ranks on one node never take it
     half = tuple(replace(b, nbytes=b.nbytes / 2) for b in run.buckets)
     saving = simulate(run, n, topo).step_ms - simulate(run, n, topo, half).step_ms
     return {"fp16 compression (CommMonitor(compression=fp16): half the bytes)": saving}

@@ -134,7 +134,7 @@ def fit_probe(points: Sequence[ProbePoint], world_size: int, name: str = "measur
     if slope <= 0:
         raise ForecastError(f"the probe's times do not grow with size (slope {slope!r} ms/byte): no bandwidth to fit")
     intercept = sum(w * (t - slope * s) for w, (s, t) in zip(weights, pts, strict=True)) / sum(weights)
-    intercept = intercept if intercept > 1e-9 else 0.0  # a picosecond: rounding, not a latency (>= alike)
+    intercept = intercept if intercept > 1e-9 else 0.0  # a picosecond or less: rounding, not a latency
     return Link(
         name,
         busbw_gbps=allreduce_bus_factor(world_size) / slope / BYTES_PER_MS_PER_GBPS,

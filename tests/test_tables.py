@@ -49,7 +49,7 @@ def test_the_probe_table_and_its_fit_write_bandwidth_by_magnitude():
 
 @pytest.mark.parametrize(
     ("ms", "text"),
-    [(999.99, "999.99 ms"), (1000, "1.00 s"), (1000.5, "1.00 s"), (123_456, "123.46 s")],
+    [(999.99, "999.99 ms"), (999.996, "1.00 s"), (1000, "1.00 s"), (1000.5, "1.00 s"), (123_456, "123.46 s")],
 )
 def test_milliseconds_turn_to_seconds_at_1000(ms, text):
     assert fmt_ms(ms) == text

@@ -204,8 +204,8 @@ def test_the_a100_traces_tables_and_json_hold_every_figure_where_it_belongs():
 
 
 def test_fmt_us_writes_microseconds_below_1000_and_milliseconds_from_1000_on():
-    assert [trace_tables.fmt_us(us) for us in (999.9, 1000.0, 1000.5, 250.0)] == [
-        "999.9 us", "1.00 ms", "1.00 ms", "250.0 us"]  # fmt: skip
+    assert [trace_tables.fmt_us(us) for us in (999.9, 999.96, 1000.0, 1000.5, 250.0)] == [
+        "999.9 us", "1.00 ms", "1.00 ms", "1.00 ms", "250.0 us"]  # fmt: skip
 
 
 def test_a_trace_of_zero_length_work_shows_no_share_rather_than_dividing_by_zero(tmp_path):

@@ -7,8 +7,8 @@ from lit_ddp.formatting import fmt_si  # noqa: F401 (its home was here: phases.p
 
 
 def fmt_ms(value: float) -> str:
-    """Milliseconds, or seconds from 1000 ms on."""
-    return f"{value:.2f} ms" if value < 1000 else f"{value / 1000:.2f} s"
+    """Milliseconds, or seconds from 1000 ms on (as printed: 999.996 ms is 1.00 s, not 1000.00 ms)."""
+    return f"{value:.2f} ms" if round(value, 2) < 1000 else f"{value / 1000:.2f} s"
 
 
 def fmt_bandwidth(gb_per_s: float) -> str:

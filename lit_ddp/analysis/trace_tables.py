@@ -19,8 +19,8 @@ from lit_ddp.analysis.trace import TRACE_PHASES, Breakdown, RankAnalysis, combin
 
 
 def fmt_us(value: float) -> str:
-    """Microseconds under 1 ms, else as ``fmt_ms``."""
-    return f"{value:.1f} us" if value < 1000 else fmt_ms(value / 1000)
+    """Microseconds under 1 ms as printed (999.95 us is 1.00 ms, not 1000.0 us), else as ``fmt_ms``."""
+    return f"{value:.1f} us" if round(value, 1) < 1000 else fmt_ms(value / 1000)
 
 
 def _pct(part: float, whole: float) -> str:

@@ -526,3 +526,17 @@ def test_a_calls_text_lists_every_inputs_shape_and_a_report_without_collectives_
     assert Collective(3, "all_reduce", [], "Float").call() == "all_reduce Float[]"  # an entry without sizes
     data = {"rank": 1, "failed_at": 1.0, "kind": "hung"}  # JSON without the field: no collectives
     assert RankReport.from_json(data) == RankReport(1, 1.0, "hung")
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the location table of Python 3.11 on")
+def test_a_frame_without_a_line_number_is_at_line_0_with_no_text():
+    """Code whose location table holds no line (an entry of "no location", code 15, for every 8 code units): its
+    frame is at line 0, and no line of its file, which is there to read, is put to it."""
+    held: dict = {}
+    exec(compile("def f():\n    raise ValueError()\n", SCRIPT, "exec"), held)
+    code = held["f"].__code__
+    units = len(code.co_code) // 2
+    held["f"].__code__ = code.replace(co_linetable=bytes(0xF8 + min(8, units - i) - 1 for i in range(0, units, 8)))
+    with pytest.raises(ValueError) as raised:
+        held["f"]()
+    assert frame_of(raised.tb) == "hang_scripts.py:0 f: "

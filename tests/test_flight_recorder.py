@@ -269,8 +269,7 @@ def test_a_dump_without_entries_is_a_rank_with_no_collective():
 
 def test_a_ranks_line_for_an_empty_dump(tmp_path):
     (tmp_path / "dump0").write_bytes(pickle.dumps({"version": "2.4"}))
-    assert flight_recorder.flight_recorder_text(tmp_path).splitlines()[1:] == [
-        "(JSON dumps hold no Python stacks: DDP's buckets, the steps and the user's lines are not named)",
+    assert flight_recorder.flight_recorder_text(tmp_path).splitlines()[-2:] == [
         "rank 0: 0 collectives (0 DDP gradient bucket all-reduces in 0 backward pass(es)); the last, #-: - ()",
         "every rank's record agrees",
     ]

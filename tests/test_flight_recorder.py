@@ -304,3 +304,14 @@ def test_a_dump_is_read_from_the_time_given_on_and_by_default_whenever_it_was_wr
     os.utime(path, (1000.0, 1000.0))
     assert list(flight_recorder.read_dumps(tmp_path, since=1000.0)) == [0]
     assert flight_recorder.read_dumps(tmp_path, since=1000.5) == {}
+
+
+def test_an_entry_with_only_its_number_and_the_groups_an_entry_without_one_belongs_to():
+    """What an entry leaves out is left empty: no op, sizes, dtype, step, phase, bucket or line; a name without a
+    backend's prefix is the op itself. An entry that names no group is the default group's; another group's and a
+    point-to-point send are not."""
+    assert flight_recorder.collective_of({"collective_seq_id": 4}) == flight_recorder.Collective(4, "", [], "")
+    assert flight_recorder.collective_of({"collective_seq_id": 5, "profiling_name": "all_reduce"}).op == "all_reduce"
+    entries = [{"collective_seq_id": 1}, {"collective_seq_id": 1, "pg_id": 1},
+               {"collective_seq_id": 1, "pg_id": "0", "is_p2p": True}]  # fmt: skip
+    assert flight_recorder.default_group(entries) == entries[:1]

@@ -248,3 +248,70 @@ def test_an_entrys_frames_read_outermost_first_and_backward_is_autograds_engine(
     assert flight_recorder.in_backward({"frames": [{"filename": "/x/run_backward.py", "name": "f"}]})  # by its file
     assert not flight_recorder.in_backward({"frames": [{"filename": "/u/train.py", "name": "training_step"}]})
     assert not flight_recorder.in_backward({"frames": [{}]}) and not flight_recorder.in_backward({})
+
+
+def test_dumps_without_a_group_size_count_up_to_the_highest_rank_and_name_the_one_missing(tmp_path):
+    for rank in (0, 2):
+        (tmp_path / f"dump{rank}").write_text(json.dumps(hand_made_dump("all_gather")))
+    late = (
+        "rank(s) [1] never arrived at the last collective; rank(s) [0, 2] waited there until the timeout (in "
+        "collective #6, all_gather Float[2, 2] at step 2, after the backward (train.py:7 training_step: ); rank(s) "
+        "[1] sent no report: late, not diverged)"
+    )
+    assert flight_recorder.flight_recorder_text(tmp_path).splitlines()[-1] == late
+    assert flight_recorder.dumps_divergence(tmp_path) == late
+
+
+def test_a_dump_without_entries_is_a_rank_with_no_collective():
+    # a dump tells no time and no error
+    assert flight_recorder.dump_report(3, {}) == flight_recorder.RankReport(3, 0.0, "dump")
+
+
+def test_a_ranks_line_for_an_empty_dump(tmp_path):
+    (tmp_path / "dump0").write_bytes(pickle.dumps({"version": "2.4"}))
+    assert flight_recorder.flight_recorder_text(tmp_path).splitlines()[-2:] == [
+        "rank 0: 0 collectives (0 DDP gradient bucket all-reduces in 0 backward pass(es)); the last, #-: - ()",
+        "every rank's record agrees",
+    ]
+
+
+def test_a_dump_that_starts_in_a_backward_pass_counts_it_as_step_0():
+    """The ring buffer forgot what came before: the oldest entry, a bucket's all-reduce, starts step 0, and a
+    collective of the user's after it is after that step's backward."""
+    dump = {"entries": [fr_entry(5, "all_reduce", [[9]], AUTOGRAD), fr_entry(6, "all_gather", [[1]], USER),
+                        fr_entry(7, "all_reduce", [[9]], AUTOGRAD)]}  # fmt: skip
+    got = flight_recorder.dump_report(0, dump).collectives
+    assert [(c.seq, c.step, c.phase, c.bucket) for c in got] == [
+        (5, 0, "backward", 0), (6, 0, "after the backward", None), (7, 1, "backward", 0)]  # fmt: skip
+
+
+def test_the_users_line_is_read_from_its_file_past_other_libraries_frames():
+    """A dump's frames hold no text: the line comes from the file, its comment cut; a frame of any installed
+    package (site-packages) is a library's, however deep."""
+    other = flight_recorder.Frame("/venv/lib/python3.11/site-packages/other/hooks.py", 3, "hook", "call()")
+    frames = [flight_recorder.Frame(flight_dumps.__file__, LINE, "rank_main"), other]
+    assert flight_recorder.user_frame(frames) == (
+        f"flight_dumps.py:{LINE} rank_main: dist.all_reduce(torch.ones(1), async_op=True)"
+    )
+
+
+def test_a_dump_is_read_from_the_time_given_on_and_by_default_whenever_it_was_written(tmp_path):
+    path = tmp_path / "dump0"
+    path.write_text(json.dumps({**hand_made_dump("all_gather"), "pg_config": {"0": {"ranks": "[0, 1]"}}}))
+    os.utime(path, (0.0, 0.0))  # a copy that kept no time: the epoch
+    assert list(flight_recorder.read_dumps(tmp_path)) == [0]
+    assert flight_recorder.dumps_divergence(tmp_path).startswith("rank(s) [1] never arrived at the last collective")
+    os.utime(path, (1000.0, 1000.0))
+    assert list(flight_recorder.read_dumps(tmp_path, since=1000.0)) == [0]
+    assert flight_recorder.read_dumps(tmp_path, since=1000.5) == {}
+
+
+def test_an_entry_with_only_its_number_and_the_groups_an_entry_without_one_belongs_to():
+    """What an entry leaves out is left empty: no op, sizes, dtype, step, phase, bucket or line; a name without a
+    backend's prefix is the op itself. An entry that names no group is the default group's; another group's and a
+    point-to-point send are not."""
+    assert flight_recorder.collective_of({"collective_seq_id": 4}) == flight_recorder.Collective(4, "", [], "")
+    assert flight_recorder.collective_of({"collective_seq_id": 5, "profiling_name": "all_reduce"}).op == "all_reduce"
+    entries = [{"collective_seq_id": 1}, {"collective_seq_id": 1, "pg_id": 1},
+               {"collective_seq_id": 1, "pg_id": "0", "is_p2p": True}]  # fmt: skip
+    assert flight_recorder.default_group(entries) == entries[:1]

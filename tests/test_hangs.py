@@ -478,3 +478,65 @@ def test_the_first_cause_is_the_earliest_exception_before_any_earlier_timeout():
     assert first_cause({0: timeout, 1: late, 2: early}) is early
     assert first_cause({0: timeout, 3: RankReport(3, 0.5, "collective error")}).rank == 3
     assert first_cause({}) is None
+
+
+def test_a_rank_that_failed_before_its_first_collective_never_arrived_at_the_others_first():
+    """An empty record is a rank that reached no collective (torch numbers a group's collectives from 1); a
+    report without a step says no step; and no reports at all are nothing to compare."""
+    rank0 = RankReport(0, 1.0, "timeout", collectives=[grads(1, 0)])
+    rank1 = RankReport(1, 0.5, "exception", "ValueError: bad batch")
+    assert divergences({0: rank0, 1: rank1}, 2) == [
+        "collective #1: rank 0 called all_reduce Float[9] (DDP gradient bucket 0) at step 0, backward; rank 1 never "
+        "arrived: it raised ValueError: bad batch"
+    ]
+    assert divergences({}, 2) == [] and never_arrived({}, 2, "x") is None
+
+
+def test_records_are_compared_from_the_first_collective_every_record_still_holds():
+    """Ranks 1 and 2 waited in #6, rank 1's record forgot #4, rank 0 stopped after #3: the line is at #5, the first
+    number both waiting ranks still hold, and names them both; a number missing inside a record is not a rank that
+    never got there."""
+    rank0 = RankReport(0, 1.0, "exception", "E: x", collectives=[grads(2, 0), grads(3, 1)])
+    rank1 = RankReport(1, 2.0, "timeout", collectives=[grads(5, 2), grads(6, 3)])
+    rank2 = RankReport(2, 2.0, "timeout", collectives=[grads(4, 1), grads(5, 2), grads(6, 3)])
+    assert divergences({0: rank0, 1: rank1, 2: rank2}, 3) == [
+        "collective #5: ranks 1, 2 called all_reduce Float[9] (DDP gradient bucket 0) at step 2, backward; rank 0 "
+        "never arrived: it raised E: x"
+    ]
+    gap = RankReport(1, 1.0, "timeout", collectives=[grads(7, 2), grads(9, 3)])
+    full = RankReport(0, 1.0, "timeout", collectives=[grads(7, 2), grads(8, 2), grads(9, 3)])
+    assert divergences({0: full, 1: gap}, 2) == []
+
+
+def test_the_late_ranks_collective_is_named_only_where_every_report_ends_in_the_same_one():
+    three = [grads(7, 2), grads(8, 2), grads(9, 3)]
+    reports = {r: RankReport(r, 1.0, "timeout", collectives=list(three)) for r in (0, 1)}
+    assert never_arrived(reports, 3, "x") == (
+        "rank(s) [2] never arrived at x; rank(s) [0, 1] waited there until the timeout (in collective #9, all_reduce "
+        "Float[9] (DDP gradient bucket 0) at step 3, backward; rank(s) [2] sent no report: late, not diverged)"
+    )
+    bare = "rank(s) [2] never arrived at x; rank(s) [0, 1] waited there until the timeout"
+    assert never_arrived({0: reports[0], 1: RankReport(1, 1.0, "hung")}, 3, "x") == bare  # one holds none
+    other = RankReport(1, 1.0, "timeout", collectives=[grads(8, 2), Collective(9, "barrier", [], "", 3, "x")])
+    assert never_arrived({0: reports[0], 1: other}, 3, "x") == bare  # the same number, another call
+
+
+def test_a_calls_text_lists_every_inputs_shape_and_a_report_without_collectives_reads_back():
+    assert Collective(3, "all_gather", [[2], [3, 4]], "Float").call() == "all_gather Float[2], [3, 4]"
+    assert Collective(3, "all_reduce", [], "Float").call() == "all_reduce Float[]"  # an entry without sizes
+    data = {"rank": 1, "failed_at": 1.0, "kind": "hung"}  # JSON without the field: no collectives
+    assert RankReport.from_json(data) == RankReport(1, 1.0, "hung")
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the location table of Python 3.11 on")
+def test_a_frame_without_a_line_number_is_at_line_0_with_no_text():
+    """Code whose location table holds no line (an entry of "no location", code 15, for every 8 code units): its
+    frame is at line 0, and no line of its file, which is there to read, is put to it."""
+    held: dict = {}
+    exec(compile("def f():\n    raise ValueError()\n", SCRIPT, "exec"), held)
+    code = held["f"].__code__
+    units = len(code.co_code) // 2
+    held["f"].__code__ = code.replace(co_linetable=bytes(0xF8 + min(8, units - i) - 1 for i in range(0, units, 8)))
+    with pytest.raises(ValueError) as raised:
+        held["f"]()
+    assert frame_of(raised.tb) == "hang_scripts.py:0 f: "

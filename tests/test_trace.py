@@ -280,3 +280,112 @@ def test_a_nccl_kernel_without_collective_args_is_communication(tmp_path, name):
     two = a.steps[1]
     assert (two.step, two.breakdown.communication_us, two.breakdown.compute_us) == (2, 10, 20), two.breakdown
     assert [(c.step, c.bytes, c.duration_us) for c in a.collectives][1:] == [(2, None, 10)]
+
+
+def test_an_events_missing_fields_have_their_defaults_and_only_complete_events_and_named_ranges_are_kept(tmp_path):
+    """What a trace may leave out: a kernel's stream (then its thread's is taken, else -1), its name, a memory
+    event's device (the CPU's). Kept: "X" events with a duration (not an instant with one, not one without);
+    the ranges of steps, phases and buckets, in time order (no ``cpu_op`` of other names, no other category's range
+    however named); memory events in time order, those at one time in the file's. A kernel that the profiler gives
+    a collective's arguments is communication whatever its name."""
+    extra = [
+        {"ph": "X", "cat": "kernel", "name": "by_thread", "ts": 480, "dur": 1, "tid": 9, "args": {}},
+        {"ph": "X", "cat": "kernel", "ts": 482, "dur": 1},
+        *gpu("my_allreduce", 484, 1, 445, stream=20, **{"Collective name": "allreduce"}),
+        {"ph": "i", "name": "[memory]", "ts": 5, "args": {"Bytes": 100}},
+        {"ph": "i", "name": "[memory]", "ts": 5, "args": {"Bytes": -100, "Device Type": 1}},
+        {"ph": "i", "name": "[memory]", "ts": 1, "args": {"Bytes": 8, "Device Type": 1}},
+        7,
+        {"ph": "X", "cat": "kernel", "name": "no_duration", "ts": 486},
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 487, "dur": 1},
+        event("python_function", "ProfilerStep#9", 0, 1),
+    ]
+    trace = T.load(synthetic(tmp_path, extra=extra))
+    assert [(op.name, op.kind, op.stream) for op in trace.ops if op.start_us >= 400] == [
+        ("Memcpy DtoD (Device -> Device)", "memory", 7), ("gemm_E", "compute", 7), ("by_thread", "compute", 9),
+        ("", "compute", -1), ("my_allreduce", "communication", 20)]  # fmt: skip
+    assert [r.name for r in trace.ranges] == [
+        "ProfilerStep#1", "## optimizer ##", "## forward ##", "## backward ##", "ProfilerStep#2"]  # fmt: skip
+    assert trace.memory == (T.MemoryEvent(1, 8, 1), T.MemoryEvent(5, 100, T.CPU_DEVICE), T.MemoryEvent(5, -100, 1))
+
+
+def test_a_trace_without_its_rank_is_refused_in_full_and_a_world_size_that_is_no_number_is_unknown(tmp_path):
+    path = synthetic(tmp_path, name="trace.json", info=False)
+    with pytest.raises(T.TraceError) as refused:
+        T.load(path)
+    assert str(refused.value) == (f"{path}: cannot tell its rank: no distributedInfo in the trace and no 'rank<N>' in "
+                                  "its name")  # fmt: skip
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "distributedInfo": {"rank": 2, "world_size": "4"}}))
+    trace = T.load(path)
+    assert (trace.rank, trace.world_size) == (2, None)
+    (tmp_path / "b.json.gz").write_bytes(b"\x1f\x8b not really gzip")
+    with pytest.raises(T.TraceError) as refused:
+        T.load(tmp_path / "b.json.gz")
+    assert str(refused.value).endswith("b.json.gz: not a trace file (BadGzipFile: Unknown compression method)")
+
+
+def test_the_kernel_wait_threshold_reaches_every_step_and_phase_and_may_be_0(tmp_path):
+    path = synthetic(tmp_path)
+    wide = T.analyze_rank(T.load(path), kernel_wait_us=150)  # the gaps of 5 and 100 us now under it
+    assert (wide.total.host_wait_us, wide.total.kernel_wait_us, wide.total.other_wait_us) == (50, 105, 0)
+    assert wide.steps[0].breakdown == wide.total and wide.phases["update"].kernel_wait_us == 100
+    none = T.analyze_rank(T.load(path), kernel_wait_us=0).total
+    assert (none.host_wait_us, none.kernel_wait_us, none.other_wait_us) == (50, 0, 105)
+
+
+def test_a_single_step_ops_before_the_first_and_ops_queued_at_a_steps_edges(tmp_path):
+    """One step is counted, with what was queued before it; an op queued at a step's end is in that step, one
+    queued at the last step's start is the last step's (left out of the totals); one queued just as the GPU went
+    idle waited on the GPU, not on the host."""
+    ops = [*gpu("before", -10, 5, -20), *gpu("a", 10, 10, 5), *gpu("b", 30, 10, 20), *gpu("at_end", 105, 5, 100)]
+    events = [event("user_annotation", "ProfilerStep#1", 0, 100), *ops]
+    path = tmp_path / "rank0.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    a = T.analyze_rank(T.load(path))
+    assert [(p.op.name, p.step) for p in a.ops] == [("before", None), ("a", 1), ("b", 1), ("at_end", 1)]
+    assert [(s.step, s.counted, s.breakdown.busy_us) for s in a.steps] == [(1, True, 25)]
+    # Union [-10,-5) [10,20) [30,40) [105,110): a queued at 5 and at_end at 100, after the GPU went idle (host
+    # waits of 15 and 65); b queued at 20, as a ended: 10 us of kernel wait.
+    t = a.total
+    assert (t.span_us, t.busy_us, t.host_wait_us, t.kernel_wait_us, t.other_wait_us) == (120, 30, 80, 10, 0)
+    two = T.analyze_rank(T.load(synthetic(tmp_path, extra=gpu("F", 430, 5, 350))))  # queued as step 2 starts
+    assert two.total.busy_us == 265 and two.steps[1].breakdown.busy_us == 25
+
+
+COLLECTIVE = {"In msg nelems": 10, "Out msg nelems": 10, "dtype": "Float"}
+
+
+def test_a_collectives_size_group_bandwidth_and_kind_from_its_kernels_arguments(tmp_path):
+    """In step 2, outside every phase: a reduce-scatter's size is its input, a subgroup's size is its own and
+    without one the world's; a dtype of no known size gives no size, no duration no bandwidth, and one under a
+    microsecond its own; an all-reduce neither in the backward nor in a bucket (a metric's) is no gradient."""
+    scatter = {"Collective name": "_reduce_scatter_base", "In msg nelems": 1000, "Out msg nelems": 250,
+               "dtype": "Float", "Group size": 2}  # fmt: skip
+    fp8 = {**COLLECTIVE, "dtype": "Float8_e4m3fn"}  # not in DTYPE_BYTES
+    extra = [*gpu("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 480, 10, 445, stream=20, **scatter),
+             *gpu("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 491, 0.5, 446, stream=20, **COLLECTIVE),
+             *gpu("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 492, 0, 447, stream=20, **COLLECTIVE),
+             *gpu("ncclDevKernel_AllGather_RING_LL", 493, 1, 448, stream=20, **fp8)]  # fmt: skip
+    a = T.analyze_rank(T.load(synthetic(tmp_path, extra=extra)))
+    assert [(c.name, c.bytes, c.group_size, c.kind, c.phase) for c in a.collectives[1:]] == [
+        ("reduce_scatter", 4000, 2, "other", "other"), ("all_reduce", 40, 4, "other", "other"),
+        ("all_reduce", 40, 4, "other", "other"), ("all_gather", None, 4, "other", "other")]  # fmt: skip
+    scattered, short, instant, unknown = a.collectives[1:]
+    assert scattered.algbw_gbps == pytest.approx(0.4) and scattered.busbw_gbps == pytest.approx(0.2)  # (n-1)/n
+    assert short.algbw_gbps == pytest.approx(0.08) and short.busbw_gbps == pytest.approx(0.12)  # 2(n-1)/n
+    assert (instant.algbw_gbps, instant.busbw_gbps, unknown.algbw_gbps, unknown.busbw_gbps) == (None,) * 4
+    bare = synthetic(tmp_path, names=("x", "y", "z"), info=False, name="rank3.json",
+                     extra=gpu("ncclDevKernel_AllGather_RING_LL", 262, 5, 201, stream=20))  # fmt: skip
+    (_, gather) = T.analyze_rank(T.load(bare)).collectives
+    # Without phase ranges only a step's all-reduces are gradients; no group size nor world size: no bus factor.
+    assert (gather.step, gather.kind, gather.group_size, gather.busbw_gbps) == (1, "other", None, None)
+
+
+def test_collective_names_nccl_tests_has_and_those_it_has_none_for():
+    op = T.GpuOp("ncclDevKernel_Generic", "communication", 1, 0, 1, None, {})
+    assert T.collective_name(replace(op, args={"Collective name": "allgather_into_tensor_coalesced"})) == "all_gather"
+    # One nccl-tests has no name for keeps its words: snake-cased from the kernel, a leading underscore cut.
+    assert T.collective_name(replace(op, args={"Collective name": "_reduce_oop"})) == "reduce_oop"
+    assert T.collective_name(replace(op, name="ncclDevKernel_NewCollective_RING_LL")) == "new_collective"
+    assert T.collective_name(replace(op, name="custom_comm_kernel")) == "custom_comm_kernel"  # names no NCCL op

@@ -33,8 +33,9 @@ REPORTED = 16  # a rank's last collectives in its report
 def frame_of(tb: Optional[TracebackType] = None, frame: Optional[FrameType] = None) -> str:
     """The user's line of a traceback, or of a live stack (a signal handler's ``frame``)."""
     summary = traceback.extract_tb(tb) if tb is not None else traceback.extract_stack(frame) if frame else []
-    # A line of None or "" is read from the file by user_frame (mutants of these defaults are equivalent there);
-    # a frame without a line number has none to read either way.
+    # A line of None or "" is read from the file by user_frame (mutants of these defaults are equivalent there, and
+    # `f.line and ""` too: a summary's line is that line of that file, read by linecache); a frame without a line
+    # number is at line 0, where there is no text to read.
     return user_frame([Frame(f.filename, f.lineno or 0, f.name, f.line or "") for f in summary])
 
 

@@ -4,11 +4,13 @@ come first; on real runs, two of one job call nothing, and every rank's forward 
 
 import dataclasses
 import json
+import math
 import random
 import re
 import shutil
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
@@ -18,6 +20,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lit_ddp import FixedBatchDataModule, report
 from lit_ddp.analysis import compare, noise, row_samples
 from lit_ddp.callbacks import CommMonitor, PhaseTimer
+from lit_ddp.errors import RecordError
 from lit_ddp.records.schema import StepBuckets, StepMemory, load_run, save
 from tests import records
 from tests.slow_ranks import SlowRegression
@@ -472,3 +475,179 @@ def test_the_comparison_names_its_columns_rows_and_units_and_says_how_sure_it_is
                                                   "interval (99.44% each)", "word"]  # fmt: skip
     assert all(re.search(r"\d ms\s", line) for line in lines[header + 1 : -1]), lines
     assert lines[-1] == "Summary: no row differs beyond the noise (9 rows, 95% for all of them together)"
+
+
+def test_the_table_shows_each_rows_units_signs_and_interval_and_stars_a_same_beyond_the_noise():
+    i = noise.Interval
+    rows = [
+        compare.Row("step", "ms", 10.0, 12.0, i(2.0, 1.5, 2.5), "slower", (39, 38)),
+        compare.Row("forward", "ms", 1.0, 1.5, i(0.5, 0.4, 0.6), "same", (39, 38), whole_run=True),  # no star
+        compare.Row("update", "ms", 0.5, 0.6, i(0.1, 0.05, 0.15), "same", (39, 38)),  # beyond the noise: a star
+        compare.Row("other", "ms", 0.5, 0.5, i(0.0, -0.1, 0.1), "same", (39, 38)),
+        compare.Row("exposed comm", "ms", 1.0, 1.0, i(0.0, -math.inf, math.inf), "same", (4, 38)),
+        compare.Row("peak memory", "B", 1000.0, 3000.0, i(2000.0, 1900.0, 2100.0), "slower", (39, 38)),
+    ]
+    assert compare.render("B against A", ["A note"], rows).splitlines() == [
+        "A note",
+        "B against A:",
+        "row           A (median)  B (median)     B - A  interval (99.17% each)    word",
+        "step            10.00 ms    12.00 ms  +2.00 ms    +1.50 ms to +2.50 ms  slower",
+        "forward          1.00 ms     1.50 ms  +0.50 ms    +0.40 ms to +0.60 ms    same",
+        "update           0.50 ms     0.60 ms  +0.10 ms    +0.05 ms to +0.15 ms   same*",
+        "other            0.50 ms     0.50 ms  +0.00 ms    -0.10 ms to +0.10 ms    same",
+        "exposed comm     1.00 ms     1.00 ms  +0.00 ms    can't tell (4 steps)    same",
+        "peak memory      1.00 kB     3.00 kB  +2.00 kB    +1.90 kB to +2.10 kB  slower",
+        "same*: beyond the noise, but under 5% of the step (A's and B's mean)",
+        "Summary: peak memory changed most, +2.00 kB (+200%), slower in B; 2 of 6 rows differ beyond the noise",
+    ]
+    assert "interval (95.00% each)" in compare.render("One row", [], rows[:1])  # a family of one
+    assert "same*" not in compare.render("No star", [], rows[:2])
+    data = compare.Row("data", "ms", 0.0, 2.0, i(2.0, 1.0, 3.0), "slower", (39, 38))  # from nothing: no share of A
+    assert compare.summary([*rows, data]) == (
+        "Summary: data changed most, +2.00 ms, slower in B; 3 of 7 rows differ beyond the noise"
+    )
+    assert compare.summary(rows[1:2]) == ("Summary: can't tell: every phase moved with the whole run, so no time row "
+                                          "is called (1 rows); compare several runs of each")  # fmt: skip
+
+
+def test_compare_leaves_out_rows_missing_a_side_and_asks_each_row_for_the_familys_level():
+    rng = random.Random(6)
+    xs = [[rng.gauss(5, 1) for _ in range(40)] for _ in range(4)]
+    samples = [compare.Samples("x", "ms", xs[0], xs[1], spread=0.2), compare.Samples("none", "ms", [], xs[1]),
+               compare.Samples("y", "ms", xs[2], xs[3])]  # fmt: skip
+    rows = compare.compare(samples)
+    level = noise.family_confidence(compare.CONFIDENCE, 2)
+    assert [r.name for r in rows] == ["x", "y"]
+    assert rows[0].difference == noise.difference_interval(
+        xs[0], xs[1], confidence=level, between_runs=True, spread=0.2
+    )
+    (one,) = compare.compare([compare.Samples("x", "ms", xs[0], xs[1])])
+    assert one.difference == noise.difference_interval(xs[0], xs[1], between_runs=True)  # a family of one: 95%
+    a, b = [xs[0], xs[1][:30]], [xs[2][:20], xs[3], xs[1]]
+    several = compare.compare([compare.RunsSamples("x", "ms", a, b), compare.RunsSamples("y", "ms", b, a)])
+    assert several[0].difference == noise.runs_difference_interval(a, b, confidence=level)
+    assert several[0].steps == (30, 20) and several[1].steps == (20, 30)  # each side's shortest run
+    assert several[0].a == pytest.approx(statistics.fmean(statistics.median(x) for x in a))
+    # The floor is for time rows: a byte more of memory is a byte more
+    (memory,) = compare.compare([compare.Samples("peak memory", "B", [100.0] * 10, [101.0] * 10)], floor_ms=5.0)
+    assert memory.word == "slower"
+
+
+def test_a_whole_run_rule_sees_each_part_at_the_level_of_the_parts_together():
+    rng = random.Random(1)  # other: +0.12 ms on 0.2 ms of noise, beyond it at 95% alone but not at 98.75% for four
+    other_a, other_b = [rng.gauss(1.0, 0.2) for _ in range(30)], [rng.gauss(1.12, 0.2) for _ in range(30)]
+    assert noise.call(noise.difference_interval(other_a, other_b)) == "slower"
+    a = records.phase_record([[(2.0, 6.0, 1.0, o) for o in [1.0, *other_a]]]), None  # step 0: the warm-up
+    b = records.phase_record([[(3.0, 7.0, 2.0, o) for o in [1.0, *other_b]]]), None
+    assert compare.whole_run_shift(a, b) is None  # forward, backward, update slower; other the same
+    b_all = records.phase_record([[(3.0, 7.0, 2.0, o + 1.0) for o in [1.0, *other_b]]]), None
+    assert compare.whole_run_shift(a, b_all) == "slower"
+
+
+def test_the_set_ups_first_record_s_meta_and_four_buckets_named_in_full():
+    a, b = a_run(1), a_run(2)
+    b[0].meta = dataclasses.replace(b[0].meta, precision="bf16-mixed")  # B's phase record only
+    precision = "A and B differ in precision: 32-true against bf16-mixed (the dtype of the compute)"
+    assert compare.incompatibilities((None, a[1]), (b[0], None)) == [precision]  # comm only in A, phases only in B
+    assert compare.incompatibilities(a, b) == [precision]  # the phase record's meta first
+    a[1].wire_dtype = b[1].wire_dtype = "bfloat16"
+    b[1].layout = [1_000, 2_000, 3_000, 4_000]
+    assert compare.incompatibilities(a, b)[1:] == [
+        "A and B differ in DDP's bucket layout: 1 bucket(s) of 263,168 bytes against 4 bucket(s) of 1,000, 2,000, "
+        "3,000, 4,000 bytes (the per-bucket rows are left out)"
+    ]  # one dtype on the wire on both sides: no line
+
+
+def test_several_runs_name_how_each_sides_runs_differ_among_themselves_once_each():
+    a = [a_run(1), a_run(2, ranks=3), a_run(3, ranks=3)]
+    b = [a_run(4), a_run(5, param_bytes=131_072)]
+    lines = compare.compare_many(a, b).splitlines()
+    assert lines[:4] == [
+        "A's runs differ among themselves: rank count: 2 against 3 (each rank's share of the work differs)",
+        "B's runs differ among themselves: the model (gradient bytes): 263,168 against 131,072 (another model)",
+        "B's runs differ among themselves: DDP's bucket layout: 1 bucket(s) of 263,168 bytes against 1 bucket(s) "
+        "of 131,072 bytes (the per-bucket rows are left out)",
+        "2 run(s) of B against 3 of A (each side the mean of its runs' medians), per step after warm-up:",
+    ]
+    one_a = compare.compare_many(a[:1], [a_run(4), a_run(5)])
+    assert one_a.startswith("2 run(s) of B against 1 of A (each side the mean of its runs' medians), per step ")
+    assert [line.split()[0] for line in one_a.splitlines()[2:-1]][-3:] == ["exposed", "bucket", "bucket"]
+    assert "\nRun B against run A, per step after warm-up:\nrow " in compare.compare_many(a[:1], b[:1])
+
+
+def test_one_run_each_floors_its_rows_sees_moves_its_parts_do_not_explain_and_keeps_memory_words():
+    a, b = parts_run(1, (2.0, 6.0, 1.0, 0.5)), parts_run(2, (2.0, 6.0, 1.3, 0.5))  # update +0.3 ms of a 9.5 ms step
+    rows, why = compare.one_run_rows(a, b)
+    update = next(r for r in rows if r.name == "update")
+    assert update.difference.excludes(0.0) and update.word == "same" and why == []  # under the floor
+    # forward +2.2 ms is called; backward +1.7 and update +1.0 stay under the 1.8 ms floor: the step's +4.9 is
+    # explained under half by what was called
+    a, b = parts_run(3, (2.0, 30.0, 1.0, 0.5)), parts_run(4, (4.2, 31.7, 2.0, 0.5))
+    rows, why = compare.one_run_rows(a, b)
+    assert why == ["The step moved by +4.93 ms and the parts called beyond their noise (forward) make up +2.20 ms of "
+                   "it (45%): the rest moved with the whole run, the mark of a machine that slowed or freed one run "
+                   "more than of a change, so no time row is called (can't tell)"]  # fmt: skip
+    assert all(r.word == "same" and r.whole_run for r in rows)
+    a, b = a_run(1), a_run(2, moved=1.5)  # the whole run moved, and B holds twice the memory
+    for (phases, _), peak in ((a, 1000), (b, 2000)):
+        for rank in phases.ranks:
+            rank.memory = [StepMemory(s, 0, {"step": peak}, {}) for s in range(40)]
+    rows, why = compare.one_run_rows(a, b)
+    assert len(why) == 1 and {r.word for r in rows if r.unit == "ms"} == {"same"}
+    assert [(r.name, r.word, r.whole_run) for r in rows if r.unit == "B"] == [("peak memory", "slower", False)]
+    comm_rows = ["exposed comm", "bucket 0 transfer", "bucket 0 wait"]
+    for x, y in (((None, a[1]), b), (a, (None, b[1]))):  # comm only on one side: no whole-run rule
+        rows, why = compare.one_run_rows(x, y)
+        assert [r.name for r in rows] == comm_rows and why == []
+
+
+def test_several_runs_floor_their_rows_too():
+    a = [parts_run(10 + i, (2.0, 6.0, 1.0, 0.5)) for i in range(3)]
+    b = [parts_run(20 + i, (2.0, 6.0, 1.3, 0.5)) for i in range(3)]
+    update = next(r for r in compare.many_rows(a, b) if r.name == "update")
+    assert update.difference.excludes(0.0) and update.word == "same"  # +0.3 ms: under 5% of a 9.5 ms step
+
+
+def test_the_unexplained_move_needs_a_step_and_its_called_parts_moving_one_way():
+    cancel = [row("step", 10.0, 12.0, "slower"), row("forward", 2.0, 3.0, "slower"), row("backward", 6.0, 5.0,
+              "faster")]  # fmt: skip
+    assert compare.unexplained_move(cancel) is None  # the called parts sum to 0: no share of the step's move
+    still = [row("step", 10.0, 10.0, "same"), row("forward", 2.0, 3.0, "slower")]
+    assert compare.unexplained_move(still) is None  # the step did not move
+
+
+def test_compare_dirs_takes_a_directory_a_side_or_several_and_names_what_is_not_one(tmp_path):
+    (a,), (b,) = save_runs(tmp_path, "a", [a_run(1)]), save_runs(tmp_path, "b", [a_run(2)])
+    assert compare.compare_dirs(Path(a), b).startswith(f"A: {a}\nB: {b}\nOne run per side: ")  # a Path, a str
+    not_one = Path(a) / "phases.json"
+    with pytest.raises(RecordError, match=f"^{re.escape(str(not_one))} is not a directory$"):
+        compare.compare_dirs(not_one, b)
+
+
+def test_two_profiles_of_5_steps_compare_in_ms_and_profiles_of_none_say_so():
+    a = SimpleNamespace(steps=[traced_step(s, 1000.0 + 10 * s) for s in range(5)])
+    b = SimpleNamespace(steps=[traced_step(s, 2000.0 + 10 * s) for s in range(5)])
+    lines = compare.compare_traces([a], [b]).splitlines()
+    assert lines[0] == "Profile B against profile A, per counted step (mean over ranks):"  # 5 steps: no note
+    assert lines[2] == "step (span)        1.02 ms     2.02 ms  +1.00 ms    +0.87 ms to +1.13 ms  slower"
+    assert compare.compare_traces([], []).splitlines()[:2] == [
+        "A profile holds few steps (0): rows of fewer than 5 can't tell a change from the noise (profile more steps)",
+        "Profile B against profile A, per counted step (mean over ranks):",
+    ]
+
+
+def test_a_runs_spreads_leave_out_profiled_steps_and_its_step_spreads_at_least_its_parts_sum():
+    # Rank 0 (1, 3, 0.5, 0.25) ms, rank 1 (3, 1, 0.5, 0.25): their steps alike, forward and backward 2 ms apart;
+    # steps 2 and 3 profiled, rank 1's forward and exposed 9 ms there
+    per_rank = [[(1.0, 3.0, 0.5, 0.25)] * 5, [(9.0, 1.0, 0.5, 0.25) if s in (2, 3) else (3.0, 1.0, 0.5, 0.25)
+                                              for s in range(5)]]  # fmt: skip
+    phases = records.phase_record(per_rank, profiled=[2, 3])
+
+    def buckets(r: int, s: int) -> StepBuckets:
+        return StepBuckets(s, [100], [1.0], [0.0], 3.0, 9.0 if r and s in (2, 3) else 1.0, [0.1 * s])
+
+    comm = records.comm_record([[buckets(r, s) for s in range(5)] for r in range(2)], param_bytes=100,
+                               profiled=[2, 3])  # fmt: skip
+    spreads = row_samples.run_spreads(phases, comm)
+    assert (spreads["forward"], spreads["backward"], spreads["exposed comm"]) == (2.0, 2.0, 0.0)
+    assert spreads["step"] == 4.0  # the ranks' step medians agree: the sum of the parts' spreads

@@ -212,6 +212,7 @@ def compare_many(a_runs: Sequence[Run], b_runs: Sequence[Run]) -> str:
 def step_floor(a: Sequence[dict], b: Sequence[dict]) -> float:
     """``STEP_SHARE`` of the step: the mean of the two sides' step medians (each side the mean of its runs'), so
     the words are the same whichever side is A; 0 where a side has no step row."""
+    # Only the default's samples are read ([1]): a mutant of its unit (0) is equivalent
     sides = [[statistics.median(s["step"][1]) for s in side if s.get("step", (0, []))[1]] for side in (a, b)]
     if not all(sides):
         return 0.0
@@ -233,6 +234,8 @@ def one_run_rows(a: Run, b: Run) -> tuple[list[Row], list[str]]:
     same_layout = a[1] is None or b[1] is None or a[1].layout == b[1].layout
     names = [n for n in sa if n in sb and (same_layout or not n.startswith("bucket"))]
     spread_a, spread_b = run_spreads(*a), run_spreads(*b)
+    # Every row of a run's run_samples has its entry in that run's run_spreads: the defaults are never read (their
+    # mutants are equivalent)
     spread = {n: max(spread_a.get(n, 0.0), spread_b.get(n, 0.0)) for n in names}
     rows = compare(
         [Samples(n, sa[n][0], sa[n][1], sb[n][1], spread[n]) for n in names], floor_ms=step_floor([sa], [sb])

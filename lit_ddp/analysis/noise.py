@@ -54,6 +54,7 @@ def _medians(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """``RESAMPLES`` bootstrap medians of ``x``, spread about the median by the square root of the samples'
     correlation time: as many as ``n / tau`` independent samples would spread them."""
     estimate = float(np.median(x))
+    # rng.integers(len(x), ...) draws as rng.integers(0, len(x), ...): that mutant is equivalent
     replicates = np.median(x[rng.integers(0, len(x), size=(RESAMPLES, len(x)))], axis=1)
     return estimate + math.sqrt(correlation_time(x)) * (replicates - estimate)
 
@@ -138,7 +139,7 @@ def process_spread(medians: Sequence[float]) -> float:
     """How far apart two processes of one job were seen: the range of their medians (a run's ranks are separate
     processes of one job, each with its own placement, caches and share of the machine); 0 with fewer than two."""
     x = _clean(medians)
-    return float(x.max() - x.min()) if len(x) > 1 else 0.0
+    return float(x.max() - x.min()) if len(x) > 1 else 0.0  # len(x) >= 1 is equivalent: one median's range is 0
 
 
 def runs_difference_interval(
@@ -158,6 +159,9 @@ def runs_difference_interval(
     _check(confidence)
     sides = [[x for x in map(_clean, runs) if len(x) >= MIN_SAMPLES] for runs in (a_runs, b_runs)]
     if not sides[0] or not sides[1]:
+        # A side's first run is shorter than MIN_SAMPLES (or there is none: np.array(None) would clean to as empty
+        # an array), so difference_interval can't tell before it reads seed, between_runs or spread: mutants of
+        # those, and of leaving out confidence (checked above), are equivalent here.
         firsts = [_clean(runs[0]) if len(runs) else np.array([]) for runs in (a_runs, b_runs)]
         return difference_interval(*firsts, confidence=confidence, seed=seed, between_runs=True, spread=spread)
     if len(sides[0]) == len(sides[1]) == 1:
@@ -168,6 +172,7 @@ def runs_difference_interval(
     within = [float(np.mean([np.var(_medians(x, rng)) for x in side])) for side in sides]
     df = len(sides[0]) + len(sides[1]) - 2
     between = sum(float(np.sum((m - m.mean()) ** 2)) for m in medians) / df
+    # zip(strict=...) is equivalent here: medians and within are built from the two sides alike
     se = math.sqrt(sum(max(between, v) / len(m) for m, v in zip(medians, within, strict=True)))
     estimate = float(medians[1].mean() - medians[0].mean())
     half = t_quantile(confidence, df) * se
@@ -185,13 +190,16 @@ def t_quantile(confidence: float, df: int) -> float:
         theta = math.atan(t / math.sqrt(df))
         c2, term, total = math.cos(theta) ** 2, 1.0, 1.0
         start = 2 if df % 2 else 1
-        for k in range(start, df - 1, 2):
+        for k in range(start, df - 1, 2):  # k and df - 1 differ in parity: a stop of df - 2 ends at the same k
             term *= c2 * k / (k + 1)
             total += term
         if df % 2 == 0:
             return math.sin(theta) * total
+        # An odd df only: df > 2 would be the same test (an equivalent mutant)
         return 2 / math.pi * (theta + (math.sin(theta) * math.cos(theta) * total if df > 1 else 0.0))
 
+    # The bracket only has to hold t: a start of 2, a step of 3, a tie sent the other way (<=) or one halving more
+    # find the same t to the last digits (equivalent mutants; the tests compare to the tables' 4 figures).
     low, high = 0.0, 1.0
     while inside(high) < confidence:
         high *= 2
@@ -235,4 +243,4 @@ def call(interval: Interval, *, null: float = 0.0, min_effect: float = 0.0) -> s
     effect = interval.estimate - null
     if not interval.excludes(null) or not abs(effect) > min_effect:
         return "same"
-    return "slower" if effect > 0 else "faster"
+    return "slower" if effect > 0 else "faster"  # effect >= 0 is equivalent: an effect of 0 is "same" above

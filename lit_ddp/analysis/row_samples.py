@@ -50,6 +50,8 @@ def run_samples(phases: Optional[PhaseRecord], comm: Optional[CommRecord]) -> di
                 out[f"bucket {b} all-reduce"] = ("ms", [kept[0][s].ms[b] for s in steps])
     if phases is not None:
         per_rank = [{m.step: m.peak["step"] for m in _steady_memory(phases, rank)} for rank in phases.ranks]
+        # A record without ranks fails in _per_step above, so "if per_rank" is always true here (its "or True"
+        # mutant is equivalent)
         steps = sorted(set.intersection(*(set(d) for d in per_rank))) if per_rank else []
         if steps:
             out["peak memory"] = ("B", [float(max(d[s] for d in per_rank)) for s in steps])

@@ -135,6 +135,13 @@ def steady_step_ms(starts: Sequence[Sequence[float]], warmup: int) -> float:
     return median((b - a) * 1e3 for rank in starts for a, b in zip(rank[warmup:], rank[warmup + 1 :], strict=False))
 
 
+def step_samples_ms(starts: Sequence[Sequence[float]], warmup: int) -> list[float]:
+    """Each step's time (ms), in time order, the mean over ranks, the first ``warmup`` steps dropped: a run's
+    samples for the noise model (``lit_ddp.analysis.noise``)."""
+    per_rank = [[(b - a) * 1e3 for a, b in zip(rank[warmup:], rank[warmup + 1 :], strict=False)] for rank in starts]
+    return [statistics.fmean(step) for step in zip(*per_rank, strict=False)]
+
+
 # --------------------------------------------------------------------------- numbers in the benchmarks' tables
 
 

@@ -80,10 +80,36 @@ def test_variants_run_interleaved_and_each_is_the_median_of_its_runs(monkeypatch
     assert results["a"].step_ms == pytest.approx(20.0)
     assert (results["a"].low_ms, results["a"].high_ms) == pytest.approx((10.0, 30.0))
     assert results["a"].wall_s == pytest.approx(2.02) and results["a"].rss_mb == 5
+    assert all(run == pytest.approx([ms, ms]) for run, ms in zip(results["a"].samples, (10.0, 30.0, 20.0), strict=True))
+    assert results["b"].walls == pytest.approx([2.005] * 3)
+
+
+def test_step_samples_are_each_steps_mean_over_ranks_in_time_order():
+    starts = [[0.0, 0.010, 0.030, 0.040], [0.0, 0.012, 0.030, 0.046]]  # seconds, two ranks
+    assert common.step_samples_ms(starts, 1) == pytest.approx([19.0, 13.0])
+
+
+def runs_of(ms: float, spread: float, runs: int = 5) -> step_time.Measured:
+    """Runs of 20 steps each, whose medians differ by ``spread`` (a fraction) about ``ms``."""
+    run_ms = [ms * (1 + spread * (i - (runs - 1) / 2)) for i in range(runs)]
+    samples = [[m * (1 + 0.001 * (j % 3)) for j in range(20)] for m in run_ms]
+    return step_time.Measured(ms, min(run_ms), max(run_ms), 1.0, 2.0, 100.0, samples, [2.0] * runs)
+
+
+@pytest.mark.parametrize(("other_ms", "spread", "word"), [(2.06, 0.001, "MISSED"), (2.02, 0.001, "met"),
+                                                         (2.06, 0.05, "can't tell at this noise")])  # fmt: skip
+def test_a_target_is_met_or_missed_only_beyond_the_runs_noise(other_ms, spread, word):
+    """The ratio's interval is the noise model's on the runs (``noise.runs_difference_interval`` on log times):
+    steady runs 3% apart miss a 1.02x target, 1% apart meet it; runs 5% apart among themselves cannot tell the
+    same 3%."""
+    ratio = step_time.ratio_interval(runs_of(2.0, spread), runs_of(other_ms, spread))
+    assert ratio.estimate == pytest.approx(other_ms / 2.0, rel=1e-3)
+    assert ratio.low <= ratio.estimate <= ratio.high
+    assert step_time.verdict(ratio, 1.02).endswith(f"target <= 1.02x: {word})")
 
 
 def test_each_row_is_divided_by_the_baselines_of_the_same_invocation():
-    m = {name: step_time.Measured(ms, ms, ms, 1.0, 3.0, 100.0)
+    m = {name: step_time.Measured(ms, ms, ms, 1.0, 3.0, 100.0, [], [])
          for name, ms in ((step_time.PLAIN, 2.0), (step_time.LIGHTNING, 3.0), (step_time.DEFAULT, 4.5))}  # fmt: skip
     rows = step_time.block_rows(64, m, (step_time.PLAIN, step_time.LIGHTNING))
     assert rows[2][0] == f"{step_time.DEFAULT}, dim 64"
@@ -100,7 +126,7 @@ def test_check_fails_when_the_default_config_is_over_its_limit_against_bare_ligh
 
     def fake_measure(cmds, repeats, warmup):
         measured.update(cmds)
-        return {name: step_time.Measured(ms[name], ms[name], ms[name], 1.0, 2.0, 100.0) for name in cmds}
+        return {name: runs_of(ms[name], 0.001) for name in cmds}
 
     monkeypatch.setattr(step_time, "measure_interleaved", fake_measure)
     assert step_time.check(step_time.parse_args(["--check"])) == exit_code

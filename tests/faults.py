@@ -62,6 +62,19 @@ class FlipOneBit(Callback):
             bias.data.view(torch.int32)[magnitudes.argmin()] ^= 1
 
 
+class NudgeWeight(Callback):
+    """After ``step``'s update, adds ``by`` to one weight on ``rank``: ranks apart from then on (DDP never
+    re-syncs the weights). List it before SyncCheck."""
+
+    def __init__(self, rank: int = 1, step: int = 1, by: float = 1.0) -> None:
+        self.rank, self.step, self.by = rank, step, by
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step - 1 == self.step:
+            with torch.no_grad():
+                next(pl_module.parameters()).view(-1)[0] += self.by
+
+
 def slow_allreduce_hook(state, bucket):
     """DDP's all-reduce after 50 ms of waiting: a bucket's all-reduce ends well after its hand-over."""
     time.sleep(0.05)

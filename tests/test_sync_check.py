@@ -11,7 +11,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp.callbacks import SyncCheck
 from lit_ddp.callbacks.sync_check import fingerprints
-from tests.faults import FlipOneBit
+from tests.faults import FlipOneBit, NudgeWeight
 from tests.recorders import RecordLogs
 from tests.runner import run_fit
 from tests.trainers import fast_trainer
@@ -117,7 +117,7 @@ def warn_mode_log(tmp_path_factory) -> str:
     """What rank 0 of a 3-step run without the all-reduce, in warn mode, logged and warned (rank_zero_warn in a
     ddp_spawn worker: RecordLogs writes it where this process can read it)."""
     out = tmp_path_factory.mktemp("warn_mode")
-    callbacks = [RecordLogs(out), SyncCheck(mode="warn")]
+    callbacks = [RecordLogs(out), SyncCheck(every_n_steps=1, mode="warn")]
     trainer = fast_trainer(out, max_steps=3, callbacks=callbacks, ddp_comm_hook=noop_hook)
     trainer.fit(LinearRegression(dim=32, num_layers=2), FixedBatchDataModule(dim=32, batch_size=4))
     return RecordLogs.read(out, 0)
@@ -148,7 +148,16 @@ def test_a_one_bit_divergence_is_caught_and_named(make_trainer):
     # the fingerprint's bit sums see it. Its parameter is named from the fingerprints of that step (by the time
     # the row is read, a step later, the update may have rounded the difference away).
     model = LinearRegression(dim=32, num_layers=2)
-    trainer = make_trainer(max_steps=5, callbacks=[FlipOneBit(rank=1, step=2), SyncCheck()])
+    trainer = make_trainer(max_steps=5, callbacks=[FlipOneBit(rank=1, step=2), SyncCheck(every_n_steps=1)])
     with pytest.raises(Exception, match=r"SyncError: weights out of sync across 2 ranks after step 2: "
                                         r"net\.\d\.bias differs on rank\(s\) \[1\] from rank 0"):  # fmt: skip
+        trainer.fit(model, FixedBatchDataModule(dim=32, batch_size=4))
+
+
+def test_a_check_between_steps_says_when_the_ranks_were_last_seen_in_sync(make_trainer):
+    # Checked after steps 0, 3 and 4 (the last); rank 1's weight moves after step 1, and stays apart.
+    model = LinearRegression(dim=32, num_layers=2)
+    trainer = make_trainer(max_steps=5, callbacks=[NudgeWeight(rank=1, step=1), SyncCheck(every_n_steps=3)])
+    with pytest.raises(Exception, match=r"SyncError: weights out of sync across 2 ranks after step 3 \(in sync after "
+                                        r"step 0\): net\.0\.weight differs on rank\(s\) \[1\]"):  # fmt: skip
         trainer.fit(model, FixedBatchDataModule(dim=32, batch_size=4))

@@ -268,6 +268,18 @@ def test_less_memory_is_kept_only_when_level_within_the_noise():
     assert search(measure, plan, BASE, budget_s=1000).best.knobs == BASE  # lighter, but slower beyond the noise
 
 
+def test_a_lighter_change_slower_beyond_the_noise_is_not_built_on_in_the_stages():
+    # gradient_as_bucket_view holds less but is slower beyond the noise: the stage must not keep it, so that the
+    # next stage measures static_graph on top of yours (a real win) and not on top of the slower change.
+    means = {"yours": 11, "comm_hook=noop": 8, "gradient_as_bucket_view=true": 13, "static_graph=true": 9,
+             "gradient_as_bucket_view=true, static_graph=true": 12}  # fmt: skip
+    asked, measure = measuring(means, held=lambda k: 600 if k.gradient_as_bucket_view else 1000)
+    outcome = search(measure, model(grad_bytes=(1000,), optimizer_impls=()), BASE, budget_s=1000)
+    assert not any(k.gradient_as_bucket_view and k.static_graph for k in asked)
+    assert outcome.best.knobs == Knobs(static_graph=True) and outcome.verdict.word == "faster"
+    assert outcome.notes == []
+
+
 def test_a_speed_change_not_faster_head_to_head_is_dropped_and_the_memory_change_alone_stands():
     # fused was faster in its stage, on top of gradient_as_bucket_view (kept for its memory), but level with yours
     # head to head: the verdict is gradient_as_bucket_view alone, a memory win, and the output says why.

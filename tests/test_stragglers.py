@@ -279,6 +279,15 @@ def test_with_three_ranks_unevenly_late_lateness_is_against_the_latest_of_the_ot
     assert found.wait_ms == pytest.approx([500.0, 0.0, 250.0])
 
 
+def test_arriving_level_with_the_latest_of_the_others_is_not_late():
+    """Rank 1 is 500 ms behind at 10 of the 12 steady steps, and level with rank 2 (250 ms) at the other 2: late
+    at 10/12 of the all-reduces, not 12/12."""
+    steps = 13
+    late = [[0.0] * steps, [250.0 if s in (3, 7) else 500.0 for s in range(steps)], [250.0] * steps]
+    found = stragglers.find_straggler(three_ranks_late(late))
+    assert found.rank == 1 and found.share == pytest.approx(10 / 12)
+
+
 def test_the_verdict_names_the_phase_the_straggler_loses_its_time_in_and_who_waits_how_long():
     """Rank 1 of the three above is late because its update takes 500 ms more; each rank's backward holds its wait
     at the all-reduce, which the phase's excess leaves out (backward is level once the waits are taken off)."""

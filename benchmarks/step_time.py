@@ -208,10 +208,12 @@ def block_rows(dim: int, results: dict[str, Measured], baselines: tuple[str, ...
 
 
 def verdict(ratio: noise.Interval, target: float) -> str:
-    """Met or missed only beyond the runs' noise: the whole interval on one side of the target."""
+    """Met or missed only beyond the runs' noise: the whole interval on one side of the target. The estimate is
+    ``ratio_interval``'s (of the runs' mean log medians), which a run far off moves more than the table's ratio of
+    medians: the two can differ."""
     word = "met" if ratio.high <= target else "MISSED" if ratio.low > target else "can't tell at this noise"
-    return (f"{ratio.estimate:.2f}x ({CONFIDENCE:.0%} interval {ratio.low:.2f}-{ratio.high:.2f}; target <= "
-            f"{target:.2f}x: {word})")  # fmt: skip
+    return (f"{ratio.estimate:.2f}x over the runs ({CONFIDENCE:.0%} interval {ratio.low:.2f}-{ratio.high:.2f}; "
+            f"target <= {target:.2f}x: {word})")  # fmt: skip
 
 
 def floor_ms(nproc: int, dim: int, steps: int, warmup: int, repeats: int, plain_ms: float) -> Floor:

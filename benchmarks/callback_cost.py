@@ -21,8 +21,8 @@ processes on a shared machine do not inflate (``--clock wall`` counts the time t
 in a collective). The gather's own work runs on gloo's thread (or the GPU), not in these figures: what it costs the
 step is ``benchmarks/step_time.py``'s to measure. The runs:
 
-- the default config (LossMonitor printing every step with its NaN check, SyncCheck every step, StepSync,
-  CollectiveRecorder);
+- the default config (LossMonitor printing every step with its NaN check, SyncCheck after step 0, every 50th step
+  and the last, StepSync, CollectiveRecorder);
 - the NaN check alone (LossMonitor ``every_n_steps 0``, SyncCheck off): LossMonitor's row is the check's cost;
 - PhaseTimer and CommMonitor added to the default config (``print_steps 0``, ``kernel_steps 0``).
 """

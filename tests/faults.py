@@ -75,6 +75,22 @@ class NudgeWeight(Callback):
                 next(pl_module.parameters()).view(-1)[0] += self.by
 
 
+class StopAfterStep(Callback):
+    """Stops training after ``step`` from the end of the callback list (after StepSync), as EarlyStopping or a Timer
+    deciding after the batch: training ends with that step's gather still in flight."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_start(self, trainer, pl_module):
+        trainer.callbacks.remove(self)
+        trainer.callbacks.append(self)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step - 1 == self.step:
+            trainer.should_stop = True
+
+
 def slow_allreduce_hook(state, bucket):
     """DDP's all-reduce after 50 ms of waiting: a bucket's all-reduce ends well after its hand-over."""
     time.sleep(0.05)

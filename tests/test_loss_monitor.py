@@ -11,9 +11,10 @@ from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
-from lit_ddp.callbacks import LossMonitor
+from lit_ddp.callbacks import LossMonitor, SyncCheck
 from lit_ddp.run.checkpointing import LastCheckpoint
-from tests.faults import NaNOnRank
+from tests.faults import NaNOnRank, StopAfterStep
+from tests.recorders import RecordLogs
 from tests.runner import STEP_LINE, run_main, step_losses, step_numbers
 
 RANK_ZERO_LOGGER = "lightning.pytorch.utilities.rank_zero"  # where rank_zero_info goes
@@ -128,3 +129,17 @@ def test_a_nan_step_is_never_checkpointed(make_trainer, tmp_path):
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == 2
     assert all(torch.isfinite(v).all() for v in saved["state_dict"].values())
+
+
+def test_training_stopped_with_the_last_gather_in_flight_ends_with_that_steps_line_row_and_check(make_trainer,
+                                                                                               tmp_path):  # fmt: skip
+    """A callback after StepSync stops training after step 2, whose gather is then still in flight: its Step line,
+    its logger row and the weights after it (SyncCheck had checked step 0 only) are all there at the end."""
+    callbacks = [RecordLogs(tmp_path), LossMonitor(), SyncCheck(), StopAfterStep(2)]
+    trainer = make_trainer(max_steps=10, callbacks=callbacks, logger=CSVLogger(tmp_path, name="run", version=0))
+    trainer.fit(LinearRegression(dim=16), FixedBatchDataModule(dim=16, batch_size=4))
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
+        assert [row["step"] for row in csv.DictReader(f) if row.get("train/loss")] == ["0", "1", "2"]
+    log = RecordLogs.read(tmp_path, 0)
+    assert "Step 2, Loss" in log and "Step 3," not in log, log
+    assert "weights in sync across 2 ranks after step 2:" in log, log

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
@@ -438,3 +439,26 @@ def test_a_fit_resumed_from_last_ckpt_warms_up_and_profiles_its_own_steps(tmp_pa
     assert sorted(p.name for p in (run_dir / "traces").iterdir()) == [f"rank{r}.pt.trace.json.gz" for r in (0, 1)]
     first_phases = record.load(run_dir.parent / "version_0" / "phases.json")  # the first fit: its own steps
     assert (first_phases.first_step, first_phases.profiled_steps) == (0, [2, 3, 4])
+
+
+class RaiseAfterStep(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step - 1 == self.step:
+            raise RuntimeError(f"failed after step {self.step}")
+
+
+def test_a_failed_fit_logs_the_timings_of_its_window_so_far(make_trainer, tmp_path):
+    """Lightning's cadence holds PhaseTimer's rows for 50 steps; a fit that fails in step 29's batch end still logs
+    steps 0-28, whose marks ended (a step ends at the next one's start). One rank in this process: with ``ddp``'s
+    and torchrun's, the ranks whose callbacks Lightning tells of an exception (``ddp_spawn``/``ddp_fork`` ranks
+    are not told)."""
+    trainer = make_trainer(devices=1, spawn=False, max_steps=100, callbacks=[PhaseTimer(), RaiseAfterStep(29)],
+                           logger=CSVLogger(tmp_path, name="run", version=0))  # fmt: skip
+    with pytest.raises(RuntimeError, match="failed after step 29"):
+        trainer.fit(LinearRegression(dim=8), FixedBatchDataModule(dim=8, batch_size=4))
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
+        steps = [int(row["step"]) for row in csv.DictReader(f) if row.get("time/forward_ms")]
+    assert steps == list(range(29))

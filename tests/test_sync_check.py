@@ -11,7 +11,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp.callbacks import SyncCheck
 from lit_ddp.callbacks.sync_check import fingerprints
-from tests.faults import FlipOneBit, NudgeWeight
+from tests.faults import FlipOneBit, NudgeWeight, StopAfterStep
 from tests.recorders import RecordLogs
 from tests.runner import run_fit
 from tests.trainers import fast_trainer
@@ -159,5 +159,15 @@ def test_a_check_between_steps_says_when_the_ranks_were_last_seen_in_sync(make_t
     model = LinearRegression(dim=32, num_layers=2)
     trainer = make_trainer(max_steps=5, callbacks=[NudgeWeight(rank=1, step=1), SyncCheck(every_n_steps=3)])
     with pytest.raises(Exception, match=r"SyncError: weights out of sync across 2 ranks after step 3 \(in sync after "
+                                        r"step 0\): net\.0\.weight differs on rank\(s\) \[1\]"):  # fmt: skip
+        trainer.fit(model, FixedBatchDataModule(dim=32, batch_size=4))
+
+
+def test_training_stopped_between_checks_has_its_last_weights_compared(make_trainer):
+    # Checked after step 0 (every 50 by default); rank 1's weight moves after step 1 and training stops after step 2,
+    # before any check of its own: the weights it ends with are compared at the end.
+    model = LinearRegression(dim=32, num_layers=2)
+    trainer = make_trainer(max_steps=10, callbacks=[NudgeWeight(rank=1, step=1), SyncCheck(), StopAfterStep(2)])
+    with pytest.raises(Exception, match=r"SyncError: weights out of sync across 2 ranks after step 2 \(in sync after "
                                         r"step 0\): net\.0\.weight differs on rank\(s\) \[1\]"):  # fmt: skip
         trainer.fit(model, FixedBatchDataModule(dim=32, batch_size=4))

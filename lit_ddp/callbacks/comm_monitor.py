@@ -261,6 +261,15 @@ class CommMonitor(LeanCallback):
         self._unused_sets.add(tuple(name for name, _ in self._unused))
 
     @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if self.standing_aside:
+            return
+        try:  # the window's finished steps to the loggers: a failed run's buckets are the ones looked at
+            self._collect(trainer, block=False)
+        except RuntimeError as error:  # a CUDA error is sticky: no event can be read after it
+            rank_zero_warn(f"CommMonitor: the last window's buckets were not logged ({error})")
+
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.standing_aside:
             return

@@ -74,6 +74,8 @@ class LossMonitor(LeanCallback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._sync is not None:  # the last step's line and row, when training stopped with its gather in flight
+            self._sync.settle(trainer)
         self.on_exception(trainer, pl_module, None)
 
     @override

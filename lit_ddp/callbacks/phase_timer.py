@@ -212,6 +212,10 @@ class PhaseTimer(LeanCallback):
         if isinstance(exception, torch.OutOfMemoryError):  # a rank in this process (ddp, torchrun, one device)
             self.on_out_of_memory(trainer, exception)
         if self._fit is not None:
+            try:  # the window's finished steps to the loggers: a failed run's timings are the ones looked at
+                self._resolve(trainer, block=False)
+            except RuntimeError as error:  # a CUDA error is sticky: no event can be read after it
+                rank_zero_warn(f"PhaseTimer: the last window's steps were not logged ({error})")
             self._fit.close()
         self._remove_hooks()
 

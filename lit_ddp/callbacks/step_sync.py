@@ -339,6 +339,12 @@ class StepSync(LeanCallback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._finish(trainer)  # training stopped early (a SIGTERM, another callback): the last step's results
 
+    def settle(self, trainer: Trainer) -> None:
+        """Hands out now the results of the gather in flight, if any: for a caller's ``on_train_end``, which runs
+        before this callback's. Training that another callback stopped after this one's batch end (its
+        ``should_stop``) ends with the last step's row still in flight. Every rank calls it at the same point."""
+        self._finish(trainer)
+
     def _finish(self, trainer: Trainer) -> None:
         """Waits for the gather in flight, if any, and hands each caller its columns; every rank takes the same
         decisions from the same rows."""

@@ -180,15 +180,30 @@ class SyncCheck(LeanCallback):
         per_tensor = self._sent.pop(step)
         rows = gathered.view(torch.int64).tolist()  # the int64 bits the float64 columns carry, exactly
         if any(row != rows[0] for row in rows):
-            seen = self._in_sync_after
-            since = f" (in sync after step {seen})" if seen is not None and seen < step - 1 else ""
-            self._compare(self._trainer, self._module, "weights", f"after step {step}{since}", per_tensor)
+            self._compare(self._trainer, self._module, "weights", self._after(step), per_tensor)
         else:
             self._in_sync_after = step
         self._last_checked_step = step
 
+    def _after(self, step: int) -> str:
+        """When a check found the ranks apart: after ``step``, and after which step they were last seen alike."""
+        seen = self._in_sync_after
+        return f"after step {step}" + (f" (in sync after step {seen})" if seen is not None and seen < step - 1 else "")
+
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.standing_aside or trainer.world_size == 1:
+            return
+        self._sync.settle(trainer)  # a check in flight, when training stopped after StepSync's batch end
+        final = trainer.global_step - 1
+        if final >= 0 and (self._last_checked_step is None or self._last_checked_step < final):
+            # Stopped between checks (another callback's should_stop, a SIGTERM): the weights the run ends with,
+            # compared now, in one collective (every rank ends at the same step).
+            found = self._out_of_sync
+            self._compare(trainer, pl_module, "weights", self._after(final))
+            if self._out_of_sync == found:
+                self._in_sync_after = final
+            self._last_checked_step = final
         if self._last_checked_step is None:
             return
         n_params = sum(p.numel() for p in pl_module.parameters())

@@ -163,7 +163,8 @@ def ratio_interval(base: Measured, other: Measured, confidence: float = CONFIDEN
     """``other``'s step over ``base``'s with its interval: the noise model of the tool's own verdicts on the log
     step times, several runs a side (``noise.runs_difference_interval``: the runs' medians, each widened by what
     its own steps show), back as a ratio (of the runs' geometric mean medians)."""
-    logs = [[[math.log(x) for x in run] for run in m.samples] for m in (base, other)]
+    # A step of 0 or less is the wall clock set back between two marks, not a time: left out.
+    logs = [[[math.log(x) for x in run if x > 0] for run in m.samples] for m in (base, other)]
     d = noise.runs_difference_interval(*logs, confidence=confidence)
     return noise.Interval(math.exp(d.estimate), math.exp(d.low), math.exp(d.high))
 
@@ -212,6 +213,8 @@ def verdict(ratio: noise.Interval, target: float) -> str:
     ``ratio_interval``'s (of the runs' mean log medians), which a run far off moves more than the table's ratio of
     medians: the two can differ."""
     word = "met" if ratio.high <= target else "MISSED" if ratio.low > target else "can't tell at this noise"
+    if not (math.isfinite(ratio.low) and math.isfinite(ratio.high)):  # too few runs or steps (noise.MIN_SAMPLES)
+        return f"{ratio.estimate:.2f}x over the runs (too few runs for an interval; target <= {target:.2f}x: {word})"
     return (f"{ratio.estimate:.2f}x over the runs ({CONFIDENCE:.0%} interval {ratio.low:.2f}-{ratio.high:.2f}; "
             f"target <= {target:.2f}x: {word})")  # fmt: skip
 

@@ -251,3 +251,12 @@ def test_clean_exit_counts_non_zero_exits_and_aborts_that_leave_exit_0(capsys):
         row = clean_exit.run_case("manual", runs=4, timeout=1.0)
     assert row[:5] == ("manual", "4", "2", "-6: 1, timeout: 1", "2")
     assert capsys.readouterr().err.count("manual: exit") == 3  # each unclean run's stderr is shown
+
+
+def test_a_target_without_an_interval_says_so_and_judges_nothing():
+    """Runs of fewer than ``noise.MIN_SAMPLES`` steps give no interval: no met or MISSED from a bare estimate."""
+    few = step_time.Measured(2.0, 2.0, 2.0, 1.0, 2.0, 100.0, [[2.0, 2.0, 2.0]], [2.0])
+    ratio = step_time.ratio_interval(few, few._replace(samples=[[3.0, 3.0, 3.0]]))
+    assert step_time.verdict(ratio, 1.05) == (
+        "1.50x over the runs (too few runs for an interval; target <= 1.05x: can't tell at this noise)"
+    )

@@ -190,7 +190,7 @@ class StepSync(LeanCallback):
     def put(self, key: str, values: list[float] | Tensor, on_result: Callable[[int, Tensor], None]) -> None:
         """``reserve`` and fill: ``values`` (a tensor, or floats from the host) copied into this step's row."""
         if isinstance(values, Tensor):
-            # A float32 loss or int64 bits viewed as float64: exact in the row.
+            # A value copy (a float32 loss is exact in the row); bits to carry are a caller's reserve and its view.
             self.reserve(key, values.numel(), on_result).copy_(values.detach().reshape(-1))
             return
         host = torch.tensor(values, dtype=torch.float64)

@@ -172,7 +172,8 @@ class SyncCheck(LeanCallback):
             )
         )
         if not kept:
-            self._viewed, self._views = trainable, flat_views(trainable)
+            with torch.no_grad():  # plain views of the storage: no autograd view node kept with them
+                self._viewed, self._views = trainable, flat_views(trainable)
         return trainable, self._views
 
     def _compared(self, step: int, gathered: Tensor) -> None:

@@ -452,13 +452,23 @@ class RaiseAfterStep(Callback):
 
 def test_a_failed_fit_logs_the_timings_of_its_window_so_far(make_trainer, tmp_path):
     """Lightning's cadence holds PhaseTimer's rows for 50 steps; a fit that fails in step 29's batch end still logs
-    steps 0-28, whose marks ended (a step ends at the next one's start). One rank in this process: with ``ddp``'s
-    and torchrun's, the ranks whose callbacks Lightning tells of an exception (``ddp_spawn``/``ddp_fork`` ranks
-    are not told)."""
+    steps 0-28, whose marks ended (a step ends at the next one's start). One rank in this process."""
     trainer = make_trainer(devices=1, spawn=False, max_steps=100, callbacks=[PhaseTimer(), RaiseAfterStep(29)],
                            logger=CSVLogger(tmp_path, name="run", version=0))  # fmt: skip
     with pytest.raises(RuntimeError, match="failed after step 29"):
         trainer.fit(LinearRegression(dim=8), FixedBatchDataModule(dim=8, batch_size=4))
     with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
         steps = [int(row["step"]) for row in csv.DictReader(f) if row.get("time/forward_ms")]
+    assert steps == list(range(29))
+
+
+def test_a_failed_ddp_fit_logs_the_buckets_of_its_window_so_far(make_trainer, tmp_path):
+    """The same for CommMonitor, on 2 forked ranks: the tool's launcher tells their callbacks of the exception, as
+    Lightning does for ``ddp``'s and torchrun's ranks (``lit_ddp._lightning.CarryBackLauncher``)."""
+    trainer = make_trainer(max_steps=100, callbacks=[CommMonitor(), RaiseAfterStep(29)],
+                           logger=CSVLogger(tmp_path, name="run", version=0))  # fmt: skip
+    with pytest.raises(Exception, match="failed after step 29"):
+        trainer.fit(LinearRegression(dim=8), FixedBatchDataModule(dim=8, batch_size=4))
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
+        steps = [int(row["step"]) for row in csv.DictReader(f) if row.get("comm/bytes")]
     assert steps == list(range(29))

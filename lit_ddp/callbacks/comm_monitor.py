@@ -262,7 +262,7 @@ class CommMonitor(LeanCallback):
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if self.standing_aside:
+        if self.standing_aside or self._lock is None:  # the launching process of ddp_fork/ddp_spawn never set up
             return
         try:  # the window's finished steps to the loggers: a failed run's buckets are the ones looked at
             self._collect(trainer, block=False)

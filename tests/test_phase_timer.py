@@ -450,25 +450,19 @@ class RaiseAfterStep(Callback):
             raise RuntimeError(f"failed after step {self.step}")
 
 
-def test_a_failed_fit_logs_the_timings_of_its_window_so_far(make_trainer, tmp_path):
-    """Lightning's cadence holds PhaseTimer's rows for 50 steps; a fit that fails in step 29's batch end still logs
-    steps 0-28, whose marks ended (a step ends at the next one's start). One rank in this process."""
-    trainer = make_trainer(devices=1, spawn=False, max_steps=100, callbacks=[PhaseTimer(), RaiseAfterStep(29)],
-                           logger=CSVLogger(tmp_path, name="run", version=0))  # fmt: skip
-    with pytest.raises(RuntimeError, match="failed after step 29"):
-        trainer.fit(LinearRegression(dim=8), FixedBatchDataModule(dim=8, batch_size=4))
-    with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
-        steps = [int(row["step"]) for row in csv.DictReader(f) if row.get("time/forward_ms")]
-    assert steps == list(range(29))
-
-
-def test_a_failed_ddp_fit_logs_the_buckets_of_its_window_so_far(make_trainer, tmp_path):
-    """The same for CommMonitor, on 2 forked ranks: the tool's launcher tells their callbacks of the exception, as
-    Lightning does for ``ddp``'s and torchrun's ranks (``lit_ddp._lightning.CarryBackLauncher``)."""
-    trainer = make_trainer(max_steps=100, callbacks=[CommMonitor(), RaiseAfterStep(29)],
-                           logger=CSVLogger(tmp_path, name="run", version=0))  # fmt: skip
+@pytest.mark.parametrize(
+    ("callback", "column", "ranks"),
+    [(PhaseTimer, "time/forward_ms", {"devices": 1, "spawn": False}), (CommMonitor, "comm/bytes", {})],
+    ids=["PhaseTimer, one rank in this process", "CommMonitor, 2 forked ranks"],
+)
+def test_a_failed_fit_logs_its_windows_finished_steps(make_trainer, tmp_path, callback, column, ranks):
+    """Lightning's cadence holds the rows for 50 steps; a fit that fails in step 29's batch end still logs steps
+    0-28, whose marks ended (a step ends at the next one's start). Forked ranks' callbacks hear of the exception
+    from the tool's launcher (``lit_ddp._lightning.CarryBackLauncher``), as Lightning tells ``ddp``'s and
+    torchrun's; the launching process, which never set them up, hears of it too."""
+    trainer = make_trainer(max_steps=100, callbacks=[callback(), RaiseAfterStep(29)],
+                           logger=CSVLogger(tmp_path, name="run", version=0), **ranks)  # fmt: skip
     with pytest.raises(Exception, match="failed after step 29"):
         trainer.fit(LinearRegression(dim=8), FixedBatchDataModule(dim=8, batch_size=4))
     with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
-        steps = [int(row["step"]) for row in csv.DictReader(f) if row.get("comm/bytes")]
-    assert steps == list(range(29))
+        assert [int(row["step"]) for row in csv.DictReader(f) if row.get(column)] == list(range(29))

@@ -154,20 +154,17 @@ def test_a_one_bit_divergence_is_caught_and_named(make_trainer):
         trainer.fit(model, FixedBatchDataModule(dim=32, batch_size=4))
 
 
-def test_a_check_between_steps_says_when_the_ranks_were_last_seen_in_sync(make_trainer):
-    # Checked after steps 0, 3 and 4 (the last); rank 1's weight moves after step 1, and stays apart.
+@pytest.mark.parametrize(
+    ("sync_check", "stop", "found_after"),
+    [(SyncCheck(every_n_steps=3), [], 3), (SyncCheck(), [StopAfterStep(2)], 2)],
+    ids=["checked after steps 0, 3 and 4", "checked after step 0, training stopped after step 2"],
+)
+def test_a_check_between_steps_says_when_the_ranks_were_last_seen_in_sync(make_trainer, sync_check, stop,
+                                                                         found_after):  # fmt: skip
+    # Rank 1's weight moves after step 1, and stays apart: the next check finds it, and a run stopped before any
+    # has the weights it ends with compared at the end.
     model = LinearRegression(dim=32, num_layers=2)
-    trainer = make_trainer(max_steps=5, callbacks=[NudgeWeight(rank=1, step=1), SyncCheck(every_n_steps=3)])
-    with pytest.raises(Exception, match=r"SyncError: weights out of sync across 2 ranks after step 3 \(in sync after "
-                                        r"step 0\): net\.0\.weight differs on rank\(s\) \[1\]"):  # fmt: skip
-        trainer.fit(model, FixedBatchDataModule(dim=32, batch_size=4))
-
-
-def test_training_stopped_between_checks_has_its_last_weights_compared(make_trainer):
-    # Checked after step 0 (every 50 by default); rank 1's weight moves after step 1 and training stops after step 2,
-    # before any check of its own: the weights it ends with are compared at the end.
-    model = LinearRegression(dim=32, num_layers=2)
-    trainer = make_trainer(max_steps=10, callbacks=[NudgeWeight(rank=1, step=1), SyncCheck(), StopAfterStep(2)])
-    with pytest.raises(Exception, match=r"SyncError: weights out of sync across 2 ranks after step 2 \(in sync after "
-                                        r"step 0\): net\.0\.weight differs on rank\(s\) \[1\]"):  # fmt: skip
+    trainer = make_trainer(max_steps=5, callbacks=[NudgeWeight(rank=1, step=1), sync_check, *stop])
+    found = rf"SyncError: weights out of sync across 2 ranks after step {found_after} \(in sync after step 0\): "
+    with pytest.raises(Exception, match=found + r"net\.0\.weight differs on rank\(s\) \[1\]"):
         trainer.fit(model, FixedBatchDataModule(dim=32, batch_size=4))

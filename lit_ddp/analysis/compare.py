@@ -31,6 +31,8 @@ CONFIDENCE = 0.95  # for the family of all the rows: the chance that any row is 
 # in a 0.5 ms update, 2% of the step; a 10 ms sleep in forward made the update 0.25 ms slower (caches cold after
 # the sleep), 5.5% of A's 4.5 ms step but 1.5% of B's 16.9 ms.
 STEP_SHARE = 0.05
+# ``Row.held``: why a row beyond its noise is "same" with one run per side (``one_run_rows``)
+WHOLE_RUN, WAIT = "whole run", "wait"
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class Row:
     difference: noise.Interval  # median(b) - median(a)
     word: str  # slower / faster / same
     steps: tuple[int, int]
-    whole_run: bool = False  # "same" because every phase moved with it (``whole_run_shift``), not by the noise
+    held: str = ""  # WHOLE_RUN or WAIT where a one-run rule, not the noise, made the word "same"
 
 
 def compare(
@@ -107,9 +109,13 @@ def _interval(row: Row) -> str:
 def summary(rows: Sequence[Row]) -> str:
     """One line: the row that changed most beyond the noise (by its share of A), and how many did."""
     called = [r for r in rows if r.word != "same"]
-    if not called and any(r.whole_run for r in rows):
+    held = {r.held for r in rows}
+    if not called and WHOLE_RUN in held:
         return (f"Summary: can't tell: every phase moved with the whole run, so no time row is called ({len(rows)} "
                 "rows); compare several runs of each")  # fmt: skip
+    if not called and WAIT in held:
+        return (f"Summary: can't tell: only the ranks' waits moved beyond the noise ({len(rows)} rows); compare "
+                "several runs of each")  # fmt: skip
     if not called:
         return (f"Summary: no row differs beyond the noise ({len(rows)} rows, {CONFIDENCE:.0%} for all of them "
                 "together)")  # fmt: skip
@@ -123,7 +129,7 @@ def render(title: str, notes: Sequence[str], rows: Sequence[Row]) -> str:
     """The notes (what makes the runs hard to compare) first, then the table and the summary."""
     head = [f"{note}" for note in notes]
     level = noise.family_confidence(CONFIDENCE, max(1, len(rows)))
-    small = {r.name for r in rows if r.word == "same" and r.difference.excludes(0.0) and not r.whole_run}
+    small = {r.name for r in rows if r.word == "same" and r.difference.excludes(0.0) and not r.held}
     cells = [(r.name, _fmt(r.a, r.unit), _fmt(r.b, r.unit), _signed(r.difference.estimate, r.unit), _interval(r),
               r.word + ("*" if r.name in small else "")) for r in rows]  # fmt: skip
     text = table(("row", "A (median)", "B (median)", "B - A", f"interval ({level:.2%} each)", "word"), cells)
@@ -229,7 +235,15 @@ def run_rows(a: Run, b: Run) -> list[Row]:
 def one_run_rows(a: Run, b: Run) -> tuple[list[Row], list[str]]:
     """``run_rows``, and the line that says why no time row is called, if one is: every part of the step moved
     the same way beyond its noise (``whole_run_shift``), or the parts called explain under half of the step's
-    move (``unexplained_move``). Memory rows are called either way."""
+    move (``unexplained_move``); else the line that says why no bucket wait is called, if one moved beyond its
+    noise. Memory rows are called either way.
+
+    A bucket's wait (the last hand-over less the first) is a property of the run's processes and the machine's
+    load more than of the code: a rank late steadily is a process difference, allowed for as every row allows for
+    its ranks' spread (``run_spreads``), so only a change in how the hand-overs scatter from step to step is ever
+    beyond the noise, and that scatter is what load sets for a whole run (the waits of 2-rank runs of one job here:
+    0.05-0.14 ms on a quiet machine, 0.94-2.1 ms with two busy processes beside them; an A/A pair 0.01 against
+    0.98 ms). Who waits is each run's straggler line's to say; several runs per side compare the waits."""
     sa, sb = run_samples(*a), run_samples(*b)
     same_layout = a[1] is None or b[1] is None or a[1].layout == b[1].layout
     names = [n for n in sa if n in sb and (same_layout or not n.startswith("bucket"))]
@@ -247,9 +261,17 @@ def one_run_rows(a: Run, b: Run) -> tuple[list[Row], list[str]]:
                "no time row is called (can't tell)")  # fmt: skip
     else:
         why = unexplained_move(rows)
-    if why is None:
+    if why is not None:
+        return [replace(r, word="same", held=WHOLE_RUN) if r.unit == "ms" else r for r in rows], [why]
+    waits = [r.name for r in rows if r.word != "same" and r.name.startswith("bucket ") and r.name.endswith(" wait")]
+    if not waits:
         return rows, []
-    return [replace(r, word="same", whole_run=True) if r.unit == "ms" else r for r in rows], [why]
+    line = (f"The ranks' waits moved beyond their steps' noise ({', '.join(waits)}), which one run per side cannot "
+            "tell from the runs' processes and the machine's load: how far apart the ranks hand over their gradients "
+            "follows which rank shares a busy core and how loaded the machine is as much as the code, so it is not "
+            "called (can't tell); each run's own straggler line says who waits beyond that run's noise (python -m "
+            "lit_ddp.report RUN)")  # fmt: skip
+    return [replace(r, word="same", held=WAIT) if r.name in waits else r for r in rows], [line]
 
 
 # The parts whose sum is the step (``StepPhases``): what a change of the step is made of.
@@ -262,21 +284,27 @@ def unexplained_move(rows: Sequence[Row]) -> Optional[str]:
     than twice their sum: the rest of the move is spread over parts none of which is beyond its own noise, as
     when a machine slows a whole run (each part by a share, the shorter ones within their noise). A change to
     the model or a knob moves the parts it touches, and they make up the step's move (a 10 ms longer forward:
-    forward +10.9 ms of the step's +12.3 ms, 89%). None otherwise."""
+    forward +10.9 ms of the step's +12.3 ms, 89%). A step called beyond its noise with no part called is the
+    same mark, its parts' share 0. None otherwise."""
     by_name = {r.name: r for r in rows}
     step = by_name.get("step")
     called = [by_name[p] for p in STEP_PARTS if p in by_name and by_name[p].word != "same"]
-    if step is None or not called:
+    if step is None:
         return None
     moved, explained = step.difference.estimate, sum(r.difference.estimate for r in called)
+    machine = ("the mark of a machine that slowed or freed one run more than of a change, so no time row is called "
+               "(can't tell)")  # fmt: skip
+    if not called:
+        if step.word == "same":
+            return None
+        return (f"The step moved by {_signed(moved, 'ms')} beyond its noise and no part of it did: the move is "
+                f"spread over parts each within its own noise, {machine}")  # fmt: skip
     if moved * explained <= 0 or abs(explained) >= EXPLAINED * abs(moved):
         return None
     names = ", ".join(r.name for r in called)
-    return (
-        f"The step moved by {_signed(moved, 'ms')} and the parts called beyond their noise ({names}) make up "
-        f"{_signed(explained, 'ms')} of it ({explained / moved:.0%}): the rest moved with the whole run, the mark "
-        "of a machine that slowed or freed one run more than of a change, so no time row is called (can't tell)"
-    )
+    return (f"The step moved by {_signed(moved, 'ms')} and the parts called beyond their noise ({names}) make up "
+            f"{_signed(explained, 'ms')} of it ({explained / moved:.0%}): the rest moved with the whole run, "
+            f"{machine}")  # fmt: skip
 
 
 def many_rows(a_runs: Sequence[Run], b_runs: Sequence[Run]) -> list[Row]:

@@ -269,10 +269,18 @@ def test_a_dump_without_entries_is_a_rank_with_no_collective():
 
 def test_a_ranks_line_for_an_empty_dump(tmp_path):
     (tmp_path / "dump0").write_bytes(pickle.dumps({"version": "2.4"}))
-    assert flight_recorder.flight_recorder_text(tmp_path).splitlines()[-2:] == [
+    assert flight_recorder.flight_recorder_text(tmp_path).splitlines()[1:] == [  # no note on JSON's stacks
         "rank 0: 0 collectives (0 DDP gradient bucket all-reduces in 0 backward pass(es)); the last, #-: - ()",
         "every rank's record agrees",
     ]
+
+
+def test_a_rank_whose_dump_is_empty_never_arrived_and_its_line_says_its_dump_holds_none(tmp_path):
+    (tmp_path / "dump0").write_text(json.dumps(hand_made_dump("all_gather")))
+    (tmp_path / "dump1").write_text(json.dumps({"version": "2.4"}))
+    assert flight_recorder.flight_recorder_text(tmp_path).splitlines()[-1] == (
+        "collective #1: rank 0 called broadcast Float[4] before the first backward (train.py:7 training_step: ); "
+        "rank 1 never arrived: it left a Flight Recorder dump that holds no collective")  # fmt: skip
 
 
 def test_a_dump_that_starts_in_a_backward_pass_counts_it_as_step_0():

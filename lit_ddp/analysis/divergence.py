@@ -83,6 +83,8 @@ def _instead(report: Optional[RankReport], last_seq: int) -> str:
         return f"had called only up to #{last.seq}, {_place(last)}"
     if last is not None:
         return f"waited in its #{last.seq}, {_place(last)}"
+    if report.kind == "dump":  # a dump without the entry: its recorder held none (it called none, or was off)
+        return "left a Flight Recorder dump that holds no collective"
     return f"failed{at}{where}: {report.error}"
 
 

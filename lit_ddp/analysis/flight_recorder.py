@@ -161,7 +161,7 @@ def flight_recorder_text(directory: Path) -> str:
     reports = {rank: dump_report(rank, dump) for rank, dump in dumps.items()}  # a report's rank unread, as above
     world_size = max(_world_size(dumps), max(reports) + 1)
     lines = [f"Flight Recorder dumps of {len(reports)} rank(s) in {directory}:"]
-    if not all(has_frames(d) for d in dumps.values()):
+    if not all(has_frames(d) for d in dumps.values() if d.get("entries")):  # an empty dump tells no format
         lines.append("(JSON dumps hold no Python stacks: DDP's buckets, the steps and the user's lines are not named)")
     for rank, report in sorted(reports.items()):
         buckets = sum(c.bucket is not None for c in report.collectives)

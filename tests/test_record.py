@@ -377,6 +377,9 @@ def test_load_says_what_is_wrong_with_a_record_in_its_words(tmp_path):
     written = {"schema": now, **record.as_json(comm), "ddp_memory": held}
     assert refusal(written) == ("a damaged run record (CommRecord.ddp_memory: no 'parameters', a required field of "
                                 "DDPMemory)")  # fmt: skip
+    for kept in (phases, comm):  # a record of no rank: nothing any table could read
+        assert refusal({"schema": now, **record.as_json(kept), "ranks": []}) == (
+            f"a damaged run record ({type(kept).__name__}.ranks: no rank)")  # fmt: skip
 
 
 @pytest.mark.timeout(10)

@@ -371,7 +371,10 @@ def load(path: Path) -> PhaseRecord | CommRecord | OutOfMemory:
     try:
         if kind is None:
             raise RecordError(f"kind {data.get('kind')!r} is none of {sorted(kinds)}")
-        return read(kind, data)
+        found = read(kind, data)
+        if not isinstance(found, OutOfMemory) and not found.ranks:  # a callback writes every rank's, or none
+            raise RecordError(f"{kind.__name__}.ranks: no rank")
+        return found
     except (RecordError, KeyError, TypeError, ValueError) as err:
         raise RecordError(f"{path}: a damaged run record ({err})") from err
 

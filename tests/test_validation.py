@@ -5,6 +5,7 @@ own DDP strategy, 2 CPU ranks forked from the test process, a 200 ms validation 
 printed and recorded."""
 
 import re
+import statistics
 import time
 from types import SimpleNamespace
 
@@ -36,24 +37,27 @@ class WithValidation(FixedBatchDataModule):
 @pytest.mark.timeout(60)
 def test_validation_is_kept_out_of_the_steps_and_reported_apart(tmp_path):
     seed_everything(0)
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(start_method=cpu_start_method()), max_steps=8,
-                      val_check_interval=4, logger=CSVLogger(tmp_path / "out", name="run", version=0),
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(start_method=cpu_start_method()),
+                      max_steps=12, val_check_interval=4, logger=CSVLogger(tmp_path / "out", name="run", version=0),
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[PhaseTimer(), LossMonitor(), RecordLogs(tmp_path)])  # fmt: skip
     trainer.fit(Validated(dim=32), WithValidation(dim=32, batch_size=8))
     out = RecordLogs.read(tmp_path, 0)  # what rank 0 printed
-    found = re.search(r"^validation inside fit, kept out of the steps above: 2 run\(s\), ([0-9.]+) ms in all, "
+    found = re.search(r"^validation inside fit, kept out of the steps above: 3 run\(s\), ([0-9.]+) ms in all, "
                       r"([0-9.]+) ms median \(rank \d, the longest\)$", out, re.M)  # fmt: skip
     assert found, out[-3000:]
-    assert float(found.group(1)) >= 400 and float(found.group(2)) >= 200
+    assert float(found.group(1)) >= 600 and float(found.group(2)) >= 200
     phases, _ = record.load_run(tmp_path / "out" / "run" / "version_0")
     for rank in phases.ranks:
-        validation = rank.outside["validation"]  # after steps 3 and 7; the sanity check before training is not
-        assert validation.count == 2 and validation.min >= 200
-        for step in (3, 7):  # the steps it followed: none of its 200 ms in their data phase, nor in the step
-            ms = rank.row(step).ms
-            assert ms.data < 150 and ms.step < 150, (step, ms)
+        validation = rank.outside["validation"]  # after steps 3, 7 and 11; the sanity check before training is not
+        assert validation.count == 3 and validation.min >= 200
+        followed = [rank.row(step).ms for step in (3, 7, 11)]  # the steps it followed
+        for ms in followed:
             assert ms.forward + ms.backward + ms.update + ms.data + ms.other == pytest.approx(ms.step, abs=1e-6)
+        # None of its 200 ms in their data phase, nor in the step: the median of the three, as a machine's stall
+        # (CI once saw a rank's last data phase take a second under load) lengthens one of them, the bug all three
+        data, step = statistics.median(ms.data for ms in followed), statistics.median(ms.step for ms in followed)
+        assert data < 150 and step < 150, followed
 
 
 def test_validation_time_leaves_the_data_phase_and_the_step(monkeypatch, tmp_path):

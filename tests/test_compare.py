@@ -30,9 +30,11 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def a_run(seed: int, forward: float = 2.0, ranks: int = 2, steps: int = 40, param_bytes: int = 263_168,
-          moved: float = 0.0, rank_backward: Sequence[float] = (), scatter: float = 0.1):  # fmt: skip
+          moved: float = 0.0, rank_backward: Sequence[float] = (), scatter: float = 0.1,
+          buckets: int = 1):  # fmt: skip
     """Hand-made records of ``ranks`` ranks: phases around (forward, 6, 1, 0.5) ms with seeded noise, one bucket
-    handed over by every rank at the same time give or take ``scatter`` ms; ``moved`` on every phase (the machine
+    (or ``buckets`` of a share each) handed over by every rank at the same time give or take ``scatter`` ms;
+    ``moved`` on every phase (the machine
     slowed the whole run), and each rank's ``rank_backward`` on its backward (a process of the job slower than the
     others)."""
     rng = random.Random(seed)
@@ -41,8 +43,9 @@ def a_run(seed: int, forward: float = 2.0, ranks: int = 2, steps: int = 40, para
                 for r in range(ranks)]  # fmt: skip
 
     def bucket(s: int) -> StepBuckets:
-        arrival = (100.0 * s + rng.gauss(0, scatter)) / 1e3
-        return StepBuckets(s, [param_bytes], [rng.gauss(2.0, 0.1)], [5.0], 2.0, rng.gauss(1.0, 0.1), [arrival])
+        arrival = [(100.0 * s + b + rng.gauss(0, scatter)) / 1e3 for b in range(buckets)]
+        return StepBuckets(s, [param_bytes // buckets] * buckets, [rng.gauss(2.0, 0.1) for _ in range(buckets)],
+                           [5.0] * buckets, 2.0, rng.gauss(1.0, 0.1), arrival)  # fmt: skip
 
     buckets = [[bucket(s) for s in range(steps)] for _ in range(ranks)]
     phases = records.phase_record(per_rank)
@@ -357,6 +360,8 @@ def test_one_run_per_side_calls_no_wait_but_several_runs_compare_them():
     several = compare.many_rows([a_run(10 + i) for i in range(3)], [a_run(20 + i, scatter=2.0) for i in range(3)])
     assert {r.name: r.word for r in several}["bucket 0 wait"] == "slower"
     assert compare.one_run_rows(a, a_run(3, scatter=0.1))[1] == []  # waits alike: no line
+    (two,) = compare.one_run_rows(a_run(1, buckets=2, steps=80), a_run(3, scatter=2.0, buckets=2, steps=80))[1]
+    assert two.startswith("The ranks' waits moved beyond their steps' noise (bucket 0 wait, bucket 1 wait), "), two
 
 
 def test_the_unexplained_move_names_every_called_part_and_holds_for_small_moves():

@@ -47,9 +47,9 @@ def a_run(seed: int, forward: float = 2.0, ranks: int = 2, steps: int = 40, para
         return StepBuckets(s, [param_bytes // buckets] * buckets, [rng.gauss(2.0, 0.1) for _ in range(buckets)],
                            [5.0] * buckets, 2.0, rng.gauss(1.0, 0.1), arrival)  # fmt: skip
 
-    buckets = [[bucket(s) for s in range(steps)] for _ in range(ranks)]
+    per_step = [[bucket(s) for s in range(steps)] for _ in range(ranks)]
     phases = records.phase_record(per_rank)
-    return phases, records.comm_record(buckets, param_bytes=param_bytes)
+    return phases, records.comm_record(per_step, param_bytes=param_bytes)
 
 
 def words(text: str) -> dict[str, str]:
@@ -328,35 +328,37 @@ def test_a_step_that_moved_by_over_twice_what_its_called_parts_did_moved_as_a_wh
 
 
 def test_a_step_that_moved_beyond_its_noise_with_no_part_called_moved_as_a_whole():
-    spread = [row("step", 10.0, 12.0, "slower"), row("forward", 2.0, 2.5, "same"), row("backward", 6.0, 7.5, "same")]
+    spread = [row("step", 10.0, 12.0, "slower"), row("forward", 2.0, 2.5, "same"), row("backward", 6.0, 6.5, "same")]
     assert compare.unexplained_move(spread) == (
         "The step moved by +2.00 ms beyond its noise and no part of it did: the move is spread over parts each "
         "within its own noise, the mark of a machine that slowed or freed one run more than of a change, so no time "
         "row is called (can't tell)")  # fmt: skip
     faster = [row("step", 12.0, 10.0, "faster"), row("forward", 2.5, 2.0, "same")]
     assert compare.unexplained_move(faster).startswith("The step moved by -2.00 ms beyond its noise")
+    # A part beyond its noise, under the floor (same*): a change's mark, the step stays called
+    under_floor = row("backward", 6.0, 7.5, "same")
+    assert under_floor.difference.excludes(0.0) and compare.unexplained_move([spread[0], under_floor]) is None
     assert compare.unexplained_move([row("step", 10.0, 12.0, "same"), row("forward", 2.0, 2.5, "same")]) is None
 
 
 def test_one_run_per_side_calls_no_wait_but_several_runs_compare_them():
     # B's ranks hand over 2 ms apart give or take, A's 0.1 ms: the scatter a loaded machine gives a whole run
     a, b = a_run(1), a_run(2, scatter=2.0)
-    (wait,) = [r for r in compare.compare([compare.Samples("bucket 0 wait", "ms", *(
-        row_samples.run_samples(*run)["bucket 0 wait"][1] for run in (a, b)), row_samples.run_spreads(*b)[
-        "bucket 0 wait"])])]  # fmt: skip
-    assert wait.word == "slower"  # beyond the ranks' spread and the runs' halves...
-    rows, why = compare.one_run_rows(a, b)
-    assert {r.name: (r.word, r.held) for r in rows}["bucket 0 wait"] == ("same", compare.WAIT)  # ... not called
-    assert why == ["The ranks' waits moved beyond their steps' noise (bucket 0 wait), which one run per side cannot "
-                   "tell from the runs' processes and the machine's load: how far apart the ranks hand over their "
-                   "gradients follows which rank shares a busy core and how loaded the machine is as much as the "
-                   "code, so it is not called (can't tell); each run's own straggler line says who waits beyond "
-                   "that run's noise (python -m lit_ddp.report RUN)"]  # fmt: skip
-    assert {r.word for r in rows} == {"same"} and not [r for r in rows if r.held and r.name != "bucket 0 wait"]
-    text = compare.compare_runs(a, b)
-    assert "same*" not in text and text.splitlines()[-1] == (
-        "Summary: can't tell: only the ranks' waits moved beyond the noise (9 rows); compare several runs of each"
-    )
+    for x, y, way in ((a, b, "slower"), (b, a, "faster")):
+        called = {r.name: r.word for r in compare.compare([compare.Samples("bucket 0 wait", "ms", *(
+            row_samples.run_samples(*run)["bucket 0 wait"][1] for run in (x, y)))])}  # fmt: skip
+        assert called == {"bucket 0 wait": way}  # the rows' noise alone calls it either way...
+        rows, why = compare.one_run_rows(x, y)
+        assert {r.name: (r.word, r.held) for r in rows}["bucket 0 wait"] == ("same", compare.WAIT)  # ... not this
+        assert why == ["The ranks' waits moved beyond their steps' noise (bucket 0 wait), which one run per side "
+                       "cannot tell from the runs' processes and the machine's load: how far apart the ranks hand "
+                       "over their gradients follows which rank shares a busy core and how loaded the machine is as "
+                       "much as the code, so it is not called (can't tell); each run's own straggler line names the "
+                       "rank the others wait for, beyond that run's noise (python -m lit_ddp.report RUN)"]  # fmt: skip
+        assert {r.word for r in rows} == {"same"} and not [r for r in rows if r.held and r.name != "bucket 0 wait"]
+    assert compare.compare_runs(a, b).splitlines()[-1] == (
+        "Summary: can't tell: no row is called, and the ranks' waits moved beyond the noise, which one run per side "
+        "cannot tell from the machine (9 rows); compare several runs of each")  # fmt: skip
     several = compare.many_rows([a_run(10 + i) for i in range(3)], [a_run(20 + i, scatter=2.0) for i in range(3)])
     assert {r.name: r.word for r in several}["bucket 0 wait"] == "slower"
     assert compare.one_run_rows(a, a_run(3, scatter=0.1))[1] == []  # waits alike: no line

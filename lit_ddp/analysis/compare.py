@@ -114,8 +114,8 @@ def summary(rows: Sequence[Row]) -> str:
         return (f"Summary: can't tell: every phase moved with the whole run, so no time row is called ({len(rows)} "
                 "rows); compare several runs of each")  # fmt: skip
     if not called and WAIT in held:
-        return (f"Summary: can't tell: only the ranks' waits moved beyond the noise ({len(rows)} rows); compare "
-                "several runs of each")  # fmt: skip
+        return (f"Summary: can't tell: no row is called, and the ranks' waits moved beyond the noise, which one run "
+                f"per side cannot tell from the machine ({len(rows)} rows); compare several runs of each")  # fmt: skip
     if not called:
         return (f"Summary: no row differs beyond the noise ({len(rows)} rows, {CONFIDENCE:.0%} for all of them "
                 "together)")  # fmt: skip
@@ -227,8 +227,8 @@ def step_floor(a: Sequence[dict], b: Sequence[dict]) -> float:
 
 def run_rows(a: Run, b: Run) -> list[Row]:
     """The rows both runs have (the per-bucket ones only with one bucket layout), compared, each allowing for
-    the larger of the two runs' ``run_spreads``; no time row called where the whole run moved
-    (``one_run_rows``)."""
+    the larger of the two runs' ``run_spreads``; no time row called where the whole run moved, and no bucket
+    wait (``one_run_rows``)."""
     return one_run_rows(a, b)[0]
 
 
@@ -243,7 +243,8 @@ def one_run_rows(a: Run, b: Run) -> tuple[list[Row], list[str]]:
     its ranks' spread (``run_spreads``), so only a change in how the hand-overs scatter from step to step is ever
     beyond the noise, and that scatter is what load sets for a whole run (the waits of 2-rank runs of one job here:
     0.05-0.14 ms on a quiet machine, 0.94-2.1 ms with two busy processes beside them; an A/A pair 0.01 against
-    0.98 ms). Who waits is each run's straggler line's to say; several runs per side compare the waits."""
+    0.98 ms). Whom the others wait for is each run's straggler line's to say; several runs per side compare the
+    waits."""
     sa, sb = run_samples(*a), run_samples(*b)
     same_layout = a[1] is None or b[1] is None or a[1].layout == b[1].layout
     names = [n for n in sa if n in sb and (same_layout or not n.startswith("bucket"))]
@@ -269,8 +270,8 @@ def one_run_rows(a: Run, b: Run) -> tuple[list[Row], list[str]]:
     line = (f"The ranks' waits moved beyond their steps' noise ({', '.join(waits)}), which one run per side cannot "
             "tell from the runs' processes and the machine's load: how far apart the ranks hand over their gradients "
             "follows which rank shares a busy core and how loaded the machine is as much as the code, so it is not "
-            "called (can't tell); each run's own straggler line says who waits beyond that run's noise (python -m "
-            "lit_ddp.report RUN)")  # fmt: skip
+            "called (can't tell); each run's own straggler line names the rank the others wait for, beyond that "
+            "run's noise (python -m lit_ddp.report RUN)")  # fmt: skip
     return [replace(r, word="same", held=WAIT) if r.name in waits else r for r in rows], [line]
 
 
@@ -284,8 +285,8 @@ def unexplained_move(rows: Sequence[Row]) -> Optional[str]:
     than twice their sum: the rest of the move is spread over parts none of which is beyond its own noise, as
     when a machine slows a whole run (each part by a share, the shorter ones within their noise). A change to
     the model or a knob moves the parts it touches, and they make up the step's move (a 10 ms longer forward:
-    forward +10.9 ms of the step's +12.3 ms, 89%). A step called beyond its noise with no part called is the
-    same mark, its parts' share 0. None otherwise."""
+    forward +10.9 ms of the step's +12.3 ms, 89%). A step called beyond its noise while every part's interval
+    holds 0 is the same mark (a change moves a part beyond its noise, if under the floor). None otherwise."""
     by_name = {r.name: r for r in rows}
     step = by_name.get("step")
     called = [by_name[p] for p in STEP_PARTS if p in by_name and by_name[p].word != "same"]
@@ -295,8 +296,9 @@ def unexplained_move(rows: Sequence[Row]) -> Optional[str]:
     machine = ("the mark of a machine that slowed or freed one run more than of a change, so no time row is called "
                "(can't tell)")  # fmt: skip
     if not called:
-        if step.word == "same":
-            return None
+        parts = [by_name[p] for p in STEP_PARTS if p in by_name]
+        if step.word == "same" or any(r.difference.excludes(0.0) for r in parts):
+            return None  # the step did not move, or a part moved beyond its noise (under the floor): a change
         return (f"The step moved by {_signed(moved, 'ms')} beyond its noise and no part of it did: the move is "
                 f"spread over parts each within its own noise, {machine}")  # fmt: skip
     if moved * explained <= 0 or abs(explained) >= EXPLAINED * abs(moved):

@@ -187,3 +187,18 @@ def test_ranks_that_ddp_spawn_starts_follow_the_script_s_quiet_lightning():
     assert result.returncode == 0, out[-3000:]
     assert len(re.findall(r"^rank\s+local\s+node", out, re.M)) == 1  # the run happened, and printed
     assert [noise for noise in NOISE if noise in out] == [], out[-3000:]
+
+
+def test_the_step_lines_go_straight_to_the_clis_stream_only_where_no_filter_of_the_users_would_see_them(monkeypatch):
+    monkeypatch.setattr(console, "_HANDLER", None)  # put back after the test, with the loggers (conftest)
+    assert console.stream() is None  # a script: no console of the CLI's
+    console.setup()  # what python -m lit_ddp.fit does: its handler on stdout, the banners dropped
+    assert console.stream() is sys.stdout
+    rank_zero = logging.getLogger(console.RANK_ZERO_LOGGER)
+    monkeypatch.setattr(rank_zero, "filters", [console._DROP_LIGHTNING_BANNERS])  # quiet_lightning's
+    assert console.stream() is sys.stdout  # the tool's own filters pass a Step line
+    monkeypatch.setattr(rank_zero, "filters", [*rank_zero.filters, logging.Filter("mine")])
+    assert console.stream() is None  # a filter of the user's on the logger: the line goes through logging
+    monkeypatch.setattr(rank_zero, "filters", [])
+    monkeypatch.setattr(console._HANDLER, "filters", [*console._HANDLER.filters, lambda record: True])
+    assert console.stream() is None  # ... or on the handler

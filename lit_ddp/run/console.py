@@ -137,12 +137,15 @@ _HANDLER: Optional[logging.StreamHandler] = None  # ``setup``'s, in this process
 
 def stream() -> Optional[TextIO]:
     """The stream of ``setup``'s handler where a line of ``rank_zero_info`` would go there alone, as it is (no
-    other handler on the way, the level let through; the console's filter passes rank 0's lines that are no
-    banner): ``python -m lit_ddp.fit``'s stdout. None otherwise: in a script, or once the loggers were changed."""
+    other handler on the way, the level let through, no filter but the tool's own, which pass rank 0's lines that
+    are no banner): ``python -m lit_ddp.fit``'s stdout. None otherwise: in a script, or once the loggers were
+    changed (another handler, or a filter of the user's on the logger or the handler)."""
     if _HANDLER is None:
         return None
     logger: Optional[logging.Logger] = logging.getLogger(RANK_ZERO_LOGGER)
     if not logger.isEnabledFor(logging.INFO) or _HANDLER.level > logging.INFO:
+        return None
+    if not all(isinstance(f, (DropBanners, DropLightningBanners)) for f in (*logger.filters, *_HANDLER.filters)):
         return None
     handlers = []
     while logger is not None:

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor, nn
 
@@ -86,6 +87,12 @@ def main(argv: list[str] | None = None) -> None:
                       callbacks=[StepClock(args.timings)], logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     trainer.fit(BareRegression(args.dim, args.batch_size, args.steps))
+    # After the timed steps, as a careful script does: Lightning leaves gloo's process group alive, and its threads
+    # can then abort the process in interpreter teardown ("terminate called without an active exception"; a run
+    # of step_time.py did, which ended the whole invocation). Barrier first (pytorch#75097).
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from matplotlib.collections import LineCollection
 
 from lit_ddp import report
 from lit_ddp.analysis import plots
-from lit_ddp.records.schema import PHASES, PhaseRecord, StepPhases, StepRow, load_run, save
+from lit_ddp.records.schema import BOUNDARIES, PHASES, PhaseRecord, StepPhases, StepRow, load_run, save
 from tests.records import phase_record
 from tests.trainers import profile
 
@@ -23,9 +23,18 @@ def test_report_reprints_the_tables_and_draws_the_picture(make_trainer, tmp_path
     phases, comm = load_run(log_dir)
     timeline = plots.phases_figure(phases, comm).axes[1]
     lines = [c for c in timeline.collections if isinstance(c, LineCollection)]
-    assert len(lines) == 2 and [line.get_label() for line in lines[:1]] == ["backward's compute ends"]
+    assert len(lines) == 2 and [line.get_label() for line in lines[:1]] == ["last gradient ready"]
     legend = [t.get_text() for t in timeline.get_legend().get_texts()]
-    assert legend == ["other", *PHASES[:4], "all-reduce (one per bucket)", "exposed", "backward's compute ends"], legend
+    assert legend == ["other", *PHASES[:4], "all-reduce (one per bucket)", "exposed", "last gradient ready"], legend
+    # The dashed line is where the last bucket was handed over (the exposed part starts there), not the backward
+    # phase's end, which comes after DDP's wait for that bucket's all-reduce.
+    step = int(timeline.get_title().split()[3])
+    for rank, line in enumerate(lines):
+        marks = phases.ranks[rank].row(step).offsets_ms
+        buckets = next(b for b in comm.ranks[rank].rows if b.step == step)
+        backward_start = marks[BOUNDARIES.index("backward_start")]
+        assert line.get_segments()[0][0, 0] == pytest.approx(backward_start + max(buckets.ready_ms))
+        assert line.get_segments()[0][0, 0] < marks[BOUNDARIES.index("backward_end")]
 
 
 def test_report_refuses_a_directory_without_timings(tmp_path, capsys):

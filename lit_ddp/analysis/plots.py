@@ -140,7 +140,7 @@ def _phase_timeline(ax, phases: PhaseRecord, comm: Optional[CommRecord]) -> None
         buckets = next((b for b in comm.ranks[rank].rows if b.step == step), None) if comm else None
         if buckets is None:
             continue
-        backward_start, backward_end = marks[at["backward_start"]], marks[at["backward_end"]]
+        backward_start = marks[at["backward_start"]]
         last_ready = backward_start + max(buckets.ready_ms)
         exposed_label = "exposed" if rank == 0 else None  # on the first exposed part drawn, whichever bucket
         for b, (r, d) in enumerate(zip(buckets.ready_ms, buckets.ms, strict=True)):
@@ -152,8 +152,9 @@ def _phase_timeline(ax, phases: PhaseRecord, comm: Optional[CommRecord]) -> None
                 ax.broken_barh([(lo, end - lo)], (y + 0.05, 0.4), facecolor="none", edgecolor="#C44E52",
                                hatch="///", label=exposed_label)  # fmt: skip
                 exposed_label = None
-        ax.vlines(backward_end, y, y + 1, color="#555555", lw=0.8, linestyles="dashed",
-                  label="backward's compute ends" if rank == 0 else None)  # fmt: skip
+        # Not the backward phase's end: that comes after DDP's wait for the last all-reduce, the exposed part.
+        ax.vlines(last_ready, y, y + 1, color="#555555", lw=0.8, linestyles="dashed",
+                  label="last gradient ready" if rank == 0 else None)  # fmt: skip
     ax.set_yticks([2 * r + 0.5 for r in range(len(phases.ranks))])
     ax.set_yticklabels([f"rank {r}" for r in range(len(phases.ranks))])
     ax.set(title=f"timeline of step {step} (the median step)", xlabel="ms from the step's start")

@@ -128,6 +128,7 @@ def test_both_records_survive_a_json_round_trip(tmp_path):
     loaded_phases, loaded_comm = record.load_run(tmp_path)
     assert plain(loaded_phases) == plain(phases) and plain(loaded_comm) == plain(comm)
     assert record.load_run(tmp_path / "nothing") == (None, None)
+    assert record.load_run(str(tmp_path)) == (loaded_phases, loaded_comm)  # a str, as trainer.log_dir is
 
 
 class Filler:

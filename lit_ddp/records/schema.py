@@ -14,6 +14,7 @@ the window: docs/architecture.md.
 import dataclasses
 import functools
 import json
+import os
 import types
 import typing
 from collections import deque
@@ -379,13 +380,15 @@ def load(path: Path) -> PhaseRecord | CommRecord | OutOfMemory:
         raise RecordError(f"{path}: a damaged run record ({err})") from err
 
 
-def load_run(run_dir: Path) -> tuple[Optional[PhaseRecord], Optional[CommRecord]]:
-    """The run's ``phases.json`` and ``comm.json``; None for a file the run did not write."""
+def load_run(run_dir: Union[str, os.PathLike]) -> tuple[Optional[PhaseRecord], Optional[CommRecord]]:
+    """The run's ``phases.json`` and ``comm.json`` (``run_dir`` a path or a str, as ``trainer.log_dir``); None for a
+    file the run did not write."""
+    run_dir = Path(run_dir)
     found = [load(run_dir / name) if (run_dir / name).is_file() else None for name in ("phases.json", "comm.json")]
     return found[0], found[1]  # type: ignore[return-value]
 
 
-def load_oom(run_dir: Path) -> list[OutOfMemory]:
+def load_oom(run_dir: Union[str, os.PathLike]) -> list[OutOfMemory]:
     """The run's ``oom_rank<r>.json`` records, in rank order (none when no rank ran out of memory)."""
     found = [load(path) for path in Path(run_dir).glob("oom_rank*.json")]
     return sorted((r for r in found if isinstance(r, OutOfMemory)), key=lambda r: r.rank)

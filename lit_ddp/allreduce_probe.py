@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from lit_ddp.analysis.tables import fmt_bandwidth, table
-from lit_ddp.errors import ForecastError
+from lit_ddp.errors import ForecastError, UsageParser
 from lit_ddp.measure.allreduce import KIB, SLOW_LINK_SHARE, probe, probe_nodes
 from lit_ddp.run.rendezvous import init_loopback_process_group
 
@@ -123,7 +123,7 @@ def _no_fit(parser: argparse.ArgumentParser, error: ForecastError) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lit_ddp.allreduce_probe", description=__doc__.splitlines()[0])
+    parser = UsageParser(prog="python -m lit_ddp.allreduce_probe", description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=None,
                         help="ranks to start (>= 2; default 2); under torchrun or srun, the launcher's")  # fmt: skip
     parser.add_argument("--max-bytes", type=parse_bytes, default=64 * KIB**2,

@@ -7,9 +7,11 @@ Exit codes: 0 done; 1 a rank failed (``SyncError``, ``NonFiniteLossError``, any 
 reported in one line before any rank starts; 143 (128 + SIGTERM) stopped by SIGTERM.
 """
 
+import argparse
 import enum
 import os
 import sys
+from typing import NoReturn
 
 PROG = "lit-ddp-fit"
 
@@ -34,6 +36,14 @@ class Ending(enum.IntEnum):
     FINISHED = 0
     # 128 + SIGTERM, what a shell reports for a terminated process: a preempted job must not look finished.
     SIGTERM = 143
+
+
+class UsageParser(argparse.ArgumentParser):
+    """``argparse`` whose bad input is one line, ``PROG: error: ...``, and exit 2, as ``fit``'s: the usage block is
+    for ``--help``. The read-only commands (report, forecast, trace_report, allreduce_probe) parse with it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
 class UsageError(Exception):

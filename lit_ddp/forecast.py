@@ -15,7 +15,7 @@ from pathlib import Path
 
 from lit_ddp.analysis import plots
 from lit_ddp.analysis.tables import fmt_bandwidth, fmt_ms, table
-from lit_ddp.errors import ForecastError
+from lit_ddp.errors import ForecastError, UsageParser
 from lit_ddp.scaling.links import BYTES_PER_MS_PER_GBPS, LINK_NAMES, Topology, check_ranks, topology
 from lit_ddp.scaling.model import Measured, measured_run, simulate, what_ifs
 
@@ -196,11 +196,13 @@ def run(args: argparse.Namespace, run_dir: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lit_ddp.forecast", description=__doc__.splitlines()[0])
+    parser = UsageParser(prog="python -m lit_ddp.forecast", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="a run's log directory (phases.json, comm.json)")
     parser.add_argument("--no-plot", action="store_true", help="text only")
     add_arguments(parser)
     args = parser.parse_args(argv)
+    if not args.run_dir.is_dir():
+        parser.error(f"{args.run_dir} is not a directory")
     if args.forecast is None:
         args.forecast = [8, 64, 512]
     try:

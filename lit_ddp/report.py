@@ -15,7 +15,6 @@ per-rank ``torch.profiler`` traces instead (``lit_ddp.trace_report``). The pictu
 (``pip install 'lit_ddp[plot]'``).
 """
 
-import argparse
 import pickle
 import sys
 from pathlib import Path
@@ -27,13 +26,13 @@ from lit_ddp.analysis.compare import compare_dirs
 from lit_ddp.analysis.flight_recorder import flight_recorder_text
 from lit_ddp.analysis.memory import oom_line
 from lit_ddp.analysis.phases import phase_table
-from lit_ddp.errors import RecordError
+from lit_ddp.errors import RecordError, UsageParser
 from lit_ddp.records.schema import load_oom, load_run
 from lit_ddp.scaling.advice import wire_savings
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lit_ddp.report", description=__doc__.splitlines()[0])
+    parser = UsageParser(prog="python -m lit_ddp.report", description=__doc__.splitlines()[0])
     parser.add_argument("run_dirs", type=Path, nargs="*", metavar="run_dir",
                         help="a run's log directory (phases.json / comm.json); several with --compare")  # fmt: skip
     parser.add_argument("--no-plot", action="store_true", help="tables only")
@@ -68,15 +67,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.compare is not None:
             if len(args.compare) > 1:
                 parser.error("--trace A --compare B takes one folder of traces on each side")
-            return trace_report.compare(args.trace, args.compare[0])
-        return trace_report.run(args.trace, args.json, picture=not args.no_plot)
+            return trace_report.compare(args.trace, args.compare[0], prog=parser.prog)
+        return trace_report.run(args.trace, args.json, picture=not args.no_plot, prog=parser.prog)
     if args.json is not None:
         parser.error("--json goes with --trace")
     if args.run_dir is None:
         parser.error("give a run directory, or --trace DIR")
-    for run_dir in (*args.run_dirs, *(args.compare or ())):
+    given = (*args.run_dirs, *(args.compare or ()))
+    for at, run_dir in enumerate(given):
         if not run_dir.is_dir():
             parser.error(f"{run_dir} is not a directory")
+        if any(run_dir.resolve() == earlier.resolve() for earlier in given[:at]):
+            # A run against itself is a comparison of nothing, and a run counted twice on a side would narrow its
+            # interval as if it were another run.
+            parser.error(f"{run_dir} is given twice: each run goes on one side, once")
     if args.compare is not None:
         try:
             print(compare_dirs(args.run_dirs, args.compare))

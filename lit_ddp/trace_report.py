@@ -5,11 +5,11 @@
 
 Finds the traces under DIR (``*.pt.trace.json[.gz]`` at any depth, else every ``*.json[.gz]`` in DIR, or DIR as
 one trace file), prints the tables of ``lit_ddp.analysis.trace_tables``, writes ``trace.png`` beside the traces
-(``pip install 'lit_ddp[plot]'``) and, with ``--json OUT``, every figure in microseconds. Exit codes: 0 done; 1
-no picture; 2 nothing to analyse (one line on stderr). docs/traces.md.
+(``pip install 'lit_ddp[plot]'``) and, with ``--json OUT``, every figure in microseconds. Exit codes: 0 done
+(without matplotlib too); 1 no picture (its folder not writable); 2 nothing to analyse (one line on stderr).
+docs/traces.md.
 """
 
-import argparse
 import json
 import sys
 from collections import defaultdict
@@ -27,7 +27,7 @@ from lit_ddp.analysis.trace import (
     load,
 )
 from lit_ddp.analysis.trace_tables import to_json, trace_report
-from lit_ddp.errors import EXIT_USAGE
+from lit_ddp.errors import EXIT_USAGE, UsageParser
 
 TRACE_REPORT_PROG = "python -m lit_ddp.trace_report"
 PICTURE = "trace.png"
@@ -68,9 +68,10 @@ def _same(a: Path, b: Path) -> bool:
     return a.resolve() == b.resolve()
 
 
-def run(path: Path, json_out: Optional[Path] = None, picture: bool = True) -> int:
+def run(path: Path, json_out: Optional[Path] = None, picture: bool = True, prog: str = TRACE_REPORT_PROG) -> int:
     """The report of the traces under ``path``; the exit code (see the module docstring). What
-    ``python -m lit_ddp.report --trace DIR [--json OUT] [--no-plot]`` calls, as ``main`` does."""
+    ``python -m lit_ddp.report --trace DIR [--json OUT] [--no-plot]`` calls, as ``main`` does; ``prog`` begins an
+    error's line."""
     try:
         # This report's own JSON, from an earlier run, is not a trace to refuse.
         found = [p for p in find_traces(Path(path)) if json_out is None or not _same(p, Path(json_out))]
@@ -78,7 +79,7 @@ def run(path: Path, json_out: Optional[Path] = None, picture: bool = True) -> in
             raise TraceError(f"{path}: no trace files in it, only {json_out}")
         analyses = load_ranks(found)
     except TraceError as err:
-        print(f"{TRACE_REPORT_PROG}: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     print(trace_report(analyses))
     if json_out is not None:
@@ -90,20 +91,20 @@ def run(path: Path, json_out: Optional[Path] = None, picture: bool = True) -> in
     return 0
 
 
-def compare(path_a: Path, path_b: Path) -> int:
+def compare(path_a: Path, path_b: Path, prog: str = TRACE_REPORT_PROG) -> int:
     """Two profiles of one job, row by row (``lit_ddp.analysis.compare``): what ``python -m lit_ddp.report --trace
     A --compare B`` calls; the exit code as ``run``'s."""
     try:
         a, b = (load_ranks(find_traces(Path(p))) for p in (path_a, path_b))
     except TraceError as err:
-        print(f"{TRACE_REPORT_PROG}: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     print(f"A: {path_a}\nB: {path_b}\n{compare_traces(a, b)}")
     return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog=TRACE_REPORT_PROG, description=__doc__.splitlines()[0])
+    parser = UsageParser(prog=TRACE_REPORT_PROG, description=__doc__.splitlines()[0])
     parser.add_argument("trace_dir", type=Path, metavar="DIR", help="one trace per rank under it, or one trace file")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write every figure (microseconds) to OUT")
     parser.add_argument("--no-plot", action="store_true", help=f"tables only, no {PICTURE}")

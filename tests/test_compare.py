@@ -209,6 +209,22 @@ def test_the_report_compares_two_run_directories_and_refuses_one_without_a_recor
     assert "empty holds neither phases.json nor comm.json" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("sides", "twice"), [(["a", "--compare", "a"], "a"), (["a", "a", "--compare", "b"], "a"),
+                                              (["a", "--compare", "b", "b by another path"], None)])  # fmt: skip
+def test_a_run_given_twice_is_refused_in_one_line(tmp_path, capsys, monkeypatch, sides, twice):
+    """Against itself a run is compared with nothing, and twice on a side it would count as two runs."""
+    for name, run in (("a", a_run(1)), ("b", a_run(2))):
+        save(run[0], tmp_path / name / "phases.json"), save(run[1], tmp_path / name / "comm.json")
+    monkeypatch.chdir(tmp_path)
+    sides = [f"../{tmp_path.name}/b" if side == "b by another path" else side for side in sides]
+    twice = twice or sides[-1]
+    with pytest.raises(SystemExit) as exit_:
+        report.main(sides)
+    assert exit_.value.code == 2
+    assert capsys.readouterr() == ("", f"python -m lit_ddp.report: error: {twice} is given twice: each run goes on one "
+                                       "side, once\n")  # fmt: skip
+
+
 def test_two_profiles_of_one_job_compare_row_by_row_and_say_when_they_are_too_short(tmp_path, capsys):
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
@@ -471,8 +487,9 @@ def test_a_real_run_through_the_cli_against_itself_and_with_a_far_longer_forward
     intervals), against itself and against its own record with ten of its steps more in every rank's forward."""
     assert profile_run.result.returncode == 0, profile_run.result.stderr[-2000:]
     (found,) = {p.parent for p in (profile_run.cwd / "runs").rglob("phases.json")}
-    a, b = tmp_path / "a", tmp_path / "b"
-    shutil.copytree(found, a), shutil.copytree(found, b)
+    a, again, b = tmp_path / "a", tmp_path / "again", tmp_path / "b"  # one directory twice is refused: copies
+    for copy in (a, again, b):
+        shutil.copytree(found, copy)
     record = json.loads((b / "phases.json").read_text())
     more = 10 * statistics.median(row_samples.run_samples(*load_run(a))["step"][1])
     for rank in record["ranks"]:
@@ -480,7 +497,7 @@ def test_a_real_run_through_the_cli_against_itself_and_with_a_far_longer_forward
             row["ms"]["forward"] += more
             row["ms"]["step"] += more
     (b / "phases.json").write_text(json.dumps(record))
-    assert report.main([str(a), "--compare", str(a)]) == 0
+    assert report.main([str(a), "--compare", str(again)]) == 0
     same = capsys.readouterr().out
     assert set(words(same).values()) == {"same"} and compare.ONE_RUN in same, same
     assert report.main([str(a), "--compare", str(b)]) == 0

@@ -377,7 +377,14 @@ def test_cli_errors(tmp_path, capsys, argv, message):
         forecast.main([str(write_run(tmp_path)), "--no-plot", *argv])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert message in err and err.startswith("usage: python -m lit_ddp.forecast")
+    assert message in err and err.startswith("python -m lit_ddp.forecast: error: ") and err.count("\n") == 1, err
+
+
+def test_a_run_directory_that_is_not_there_is_named_so(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        forecast.main([str(tmp_path / "nope")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == f"python -m lit_ddp.forecast: error: {tmp_path / 'nope'} is not a directory\n"
 
 
 @pytest.mark.timeout(10)

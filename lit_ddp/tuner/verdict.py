@@ -143,8 +143,13 @@ def strategy_line(knobs: Knobs) -> str:
 
 
 def script_lines(knobs: Knobs) -> list[str]:
-    """The lines a script runs to get ``knobs``' strategy (``strategy = LitDDPStrategy(...)``, with its imports)."""
+    """The lines a script runs to get ``knobs``' strategy (``strategy = LitDDPStrategy(...)``, with its imports),
+    and a comment for an optimizer implementation the pick holds (the optimizer is the module's own to build)."""
     lines = ["from lit_ddp.run.strategy import LitDDPStrategy"]
     if knobs.comm_hook in ("fp16", "bf16"):
         lines.append("from torch.distributed.algorithms.ddp_comm_hooks import default_hooks")
-    return [*lines, f"strategy = {strategy_line(knobs)}"]
+    lines.append(f"strategy = {strategy_line(knobs)}")
+    if knobs.optimizer in ("fused", "foreach"):
+        lines.append(f"# and in configure_optimizers, the optimizer with {knobs.optimizer}=True, as in "
+                     f"torch.optim.Adam(self.parameters(), lr=..., {knobs.optimizer}=True)")  # fmt: skip
+    return lines

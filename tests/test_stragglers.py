@@ -328,6 +328,21 @@ def test_lateness_within_three_clock_errors_names_no_straggler():
     )
 
 
+def test_the_rank_waited_for_most_that_is_early_at_the_median_is_not_called_late():
+    """Rank 1 holds the others up most (490 ms at 3 of the 12 steady all-reduces) and is 10 ms ahead of the latest
+    of them at the other 9: early at the median, not '-10.0 ms late'."""
+    steps = 13
+    comm = three_ranks_late([[10.0] * steps, [500.0 if s < 4 else 0.0 for s in range(steps)], [10.0] * steps])
+    found = stragglers.find_straggler(comm)
+    assert found.rank is None and found.late_ms < 0, found
+    line = stragglers.verdict_line(found)
+    assert line.startswith(
+        f"no straggler (the rank the others wait for most is last at {found.share:.0%} of all-"
+        f"reduces and {-found.late_ms:.1f} ms early at the median (its lateness within "
+    ), line
+    assert " ms late" not in line, line
+
+
 def test_only_steady_steps_every_rank_kept_with_the_final_layout_count():
     """A profiled step, a step one rank kept no arrival for and a step on another layout are left out; one rank
     alone, or no common step, has no verdict."""

@@ -174,7 +174,11 @@ def verdict_line(found: Straggler) -> str:
                f"{found.threshold_ms:.1f} ms")  # fmt: skip
         if math.isinf(found.late_low_ms):
             return f"no straggler: can't tell, {found.steps} step(s) are too few ({bar})"
-        why = f"{late}, median within {found.late_low_ms:.1f} to {found.late_high_ms:.1f} ms"
+        within = f"{found.late_low_ms:.1f} to {found.late_high_ms:.1f} ms"
+        why = f"{late}, median within {within}"
+        if found.late_ms < 0:  # last at some all-reduces, ahead of the latest of the others at most
+            why = (f"last at {found.share:.0%} of all-reduces and {-found.late_ms:.1f} ms early at the median (its "
+                   f"lateness within {within})")  # fmt: skip
         return f"no straggler (the rank the others wait for most is {why}; {bar})"
     waiting = [r for r in range(len(found.wait_ms)) if r != found.rank]
     waits = ", ".join(f"{found.wait_ms[r]:.1f}" for r in waiting)

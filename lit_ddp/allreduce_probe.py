@@ -1,5 +1,6 @@
-"""All-reduce latency and bandwidth of this machine, like nccl-tests' ``all_reduce_perf``: the command; the
-measuring is ``lit_ddp.measure.allreduce``.
+"""All-reduce latency and bandwidth of this machine, like nccl-tests' all_reduce_perf.
+
+The command; the measuring is ``lit_ddp.measure.allreduce``.
 
     python -m lit_ddp.allreduce_probe --nproc 2 --out probe.json
     torchrun --nnodes N --nproc_per_node K ... -m lit_ddp.allreduce_probe   # also within, between and across nodes

@@ -64,7 +64,7 @@ def test_own_profile_on_two_cpu_ranks_keeps_each_ranks_trace(make_trainer, tmp_p
                             text=True, timeout=60)  # fmt: skip
     assert result.returncode == 2, result.stderr
     assert result.stderr.splitlines() == [
-        "python -m lit_ddp.trace_report: no GPU events (kernels, memcpy, memset) in 2 of 2 trace(s), CPU-only "
+        "python -m lit_ddp.report: error: no GPU events (kernels, memcpy, memset) in 2 of 2 trace(s), CPU-only "
         "profiles: rank 0 rank0.pt.trace.json.gz, rank 1 rank1.pt.trace.json.gz"
     ]
 

@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.compare is not None:
             if len(args.compare) > 1:
                 parser.error("--trace A --compare B takes one folder of traces on each side")
+            if args.trace.resolve() == args.compare[0].resolve():
+                parser.error(f"{args.compare[0]} is given twice: each profile goes on one side, once")
             return trace_report.compare(args.trace, args.compare[0], prog=parser.prog)
         return trace_report.run(args.trace, args.json, picture=not args.no_plot, prog=parser.prog)
     if args.json is not None:

@@ -234,6 +234,11 @@ def test_two_profiles_of_one_job_compare_row_by_row_and_say_when_they_are_too_sh
     assert "A profile holds few steps (2): rows of fewer than 5 can't tell a change from the noise" in out
     assert re.search(r"^backward \(span\)\s+.*can't tell \(2 steps\)\s+same$", out, re.M), out
     assert out.splitlines()[-1].startswith("Summary: no row differs beyond the noise")
+    with pytest.raises(SystemExit) as exit_:
+        report.main(["--trace", str(tmp_path / "a"), "--compare", str(tmp_path / "b" / ".." / "a")])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (f"python -m lit_ddp.report: error: {tmp_path / 'b' / '..' / 'a'} is given "
+                                       "twice: each profile goes on one side, once\n")  # fmt: skip
 
 
 STEPS, DIM = 40, 256

@@ -341,6 +341,9 @@ def test_the_rank_waited_for_most_that_is_early_at_the_median_is_not_called_late
         f"reduces and {-found.late_ms:.1f} ms early at the median (its lateness within "
     ), line
     assert " ms late" not in line, line
+    # A median that rounds to 0.0 is no 'early': the usual form, '0.0 ms late'.
+    found.late_ms = -0.04
+    assert "is 0.0 ms late at " in stragglers.verdict_line(found), stragglers.verdict_line(found)
 
 
 def test_only_steady_steps_every_rank_kept_with_the_final_layout_count():

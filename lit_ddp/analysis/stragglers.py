@@ -168,7 +168,8 @@ def _excess(phases: PhaseRecord, rank: int, waits: dict[int, list[float]]) -> tu
 
 def verdict_line(found: Straggler) -> str:
     """One line: the straggler, where it loses the time and who waits, or that there is none and why."""
-    late = f"{found.late_ms:.1f} ms late at {found.share:.0%} of all-reduces"
+    shown = round(found.late_ms, 1) + 0.0  # -0.04 ms is "0.0", not "-0.0"
+    late = f"{shown:.1f} ms late at {found.share:.0%} of all-reduces"
     if found.rank is None:
         bar = (f"a straggler is last at {STRAGGLER_SHARE:.0%} of them, late beyond the noise, by a median above "
                f"{found.threshold_ms:.1f} ms")  # fmt: skip
@@ -176,7 +177,7 @@ def verdict_line(found: Straggler) -> str:
             return f"no straggler: can't tell, {found.steps} step(s) are too few ({bar})"
         within = f"{found.late_low_ms:.1f} to {found.late_high_ms:.1f} ms"
         why = f"{late}, median within {within}"
-        if found.late_ms < 0:  # last at some all-reduces, ahead of the latest of the others at most
+        if shown < 0:  # last at some all-reduces, ahead of the latest of the others at most
             why = (f"last at {found.share:.0%} of all-reduces and {-found.late_ms:.1f} ms early at the median (its "
                    f"lateness within {within})")  # fmt: skip
         return f"no straggler (the rank the others wait for most is {why}; {bar})"

@@ -185,7 +185,8 @@ def test_the_tuned_config_carries_every_knob_into_a_fit_that_parses_it(tmp_path)
     # ... and the script's lines build the same strategy.
     scope: dict = {}
     exec("\n".join(script_lines(knobs)), scope)  # noqa: S102 (the lines the tuner prints for a script)
-    assert script_lines(knobs)[-1].startswith("# and in configure_optimizers, the optimizer with fused=True, as in ")
+    optimizer_line = "# and in configure_optimizers, the optimizer with fused=True (torch's Adam, AdamW and SGD take it"
+    assert script_lines(knobs)[-1].startswith(optimizer_line)
     assert not any("fused" in line for line in script_lines(dataclasses.replace(knobs, optimizer="as_configured")))
     assert knobs_of(scope["strategy"]) == knobs_of(strategy)  # the config names the knobs left as torch has them too
     assert scope["strategy"]._ddp_comm_hook is default_hooks.fp16_compress_hook

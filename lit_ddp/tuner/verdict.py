@@ -150,6 +150,7 @@ def script_lines(knobs: Knobs) -> list[str]:
         lines.append("from torch.distributed.algorithms.ddp_comm_hooks import default_hooks")
     lines.append(f"strategy = {strategy_line(knobs)}")
     if knobs.optimizer in ("fused", "foreach"):
-        lines.append(f"# and in configure_optimizers, the optimizer with {knobs.optimizer}=True, as in "
-                     f"torch.optim.Adam(self.parameters(), lr=..., {knobs.optimizer}=True)")  # fmt: skip
+        impl = knobs.optimizer
+        lines.append(f"# and in configure_optimizers, the optimizer with {impl}=True (torch's Adam, AdamW and SGD "
+                     f"take it: torch.optim.Adam(self.parameters(), lr=..., {impl}=True))")  # fmt: skip
     return lines

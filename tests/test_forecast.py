@@ -449,7 +449,9 @@ def test_under_srun_the_probe_takes_slurms_ranks_and_elsewhere_none(monkeypatch,
     with pytest.raises(SystemExit) as exit_info:
         allreduce_probe.main(["--max-bytes", "1K"])
     assert exit_info.value.code == 2
-    assert "error: under srun: You set `--ntasks=4`" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("python -m lit_ddp.allreduce_probe: error: under srun: You set `--ntasks=4`"), err
+    assert err.count("\n") == 1, err  # one line, no usage block
 
 
 @pytest.mark.timeout(10)

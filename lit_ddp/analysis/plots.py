@@ -66,7 +66,7 @@ def phases_figure(phases: PhaseRecord, comm: Optional[CommRecord]) -> "Figure":
     """``phases.png``. Left: stacked phase bars per kept step (rank 0), the profiled steps shaded, the axis clipped
     above the steady steps so that the warm-up does not flatten them (its total written on its bar). Right: a
     timeline of one steady step per rank: the phases as segments, each bucket's all-reduce as a segment below
-    them, its exposed part (after backward) hatched."""
+    them, its exposed part (after the last gradient was handed over, a dashed line) hatched."""
     fig = figure(figsize=(13, 4.5))
     ax_step, ax_line = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 2]})
     _phase_bars(ax_step, phases)

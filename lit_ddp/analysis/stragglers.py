@@ -178,7 +178,7 @@ def verdict_line(found: Straggler) -> str:
         within = f"{found.late_low_ms:.1f} to {found.late_high_ms:.1f} ms"
         why = f"{late}, median within {within}"
         if shown < 0:  # last at some all-reduces, ahead of the latest of the others at most
-            why = (f"last at {found.share:.0%} of all-reduces and {-found.late_ms:.1f} ms early at the median (its "
+            why = (f"last at {found.share:.0%} of all-reduces and {-shown:.1f} ms early at the median (its "
                    f"lateness within {within})")  # fmt: skip
         return f"no straggler (the rank the others wait for most is {why}; {bar})"
     waiting = [r for r in range(len(found.wait_ms)) if r != found.rank]

@@ -6,13 +6,13 @@
     python -m lit_ddp.report RUN_A --compare RUN_B                  # row by row, beyond the noise
     python -m lit_ddp.report A1 A2 A3 --compare B1 B2 B3            # several runs of each: run-to-run noise too
     python -m lit_ddp.report --flight-recorder DIR                  # why a job hung, from its ranks' dumps
+    python -m lit_ddp.report runs/mini_train_profile/version_0 --timeline run.json   # every rank on one timeline
 
 Reads ``phases.json`` (PhaseTimer) and ``comm.json`` (CommMonitor) from a run directory (``lit_ddp.records.schema``),
 prints the same tables the callbacks print at the end of training (``lit_ddp.analysis.phases``), and writes
-``phases.png``: stacked forward / backward / update / other bars per kept step (rank 0) and a timeline of one
-steady step per rank, with each bucket's all-reduce and its exposed part. With ``--trace``, reads a folder of
-per-rank ``torch.profiler`` traces instead (``lit_ddp.trace_report``). The pictures need matplotlib
-(``pip install 'lit_ddp[plot]'``).
+``phases.png`` (per-step bars of rank 0, and one steady step per rank with its buckets; needs matplotlib:
+``pip install 'lit_ddp[plot]'``). ``--trace`` reads per-rank ``torch.profiler`` traces instead
+(``lit_ddp.trace_report``); ``--timeline`` writes every rank's kept steps on one clock (``lit_ddp.present.timeline``).
 """
 
 import pickle
@@ -27,6 +27,7 @@ from lit_ddp.analysis.flight_recorder import flight_recorder_text
 from lit_ddp.analysis.memory import oom_line
 from lit_ddp.analysis.phases import phase_table
 from lit_ddp.errors import RecordError, UsageParser
+from lit_ddp.present import timeline
 from lit_ddp.records.schema import load_oom, load_run
 from lit_ddp.scaling.advice import wire_savings
 
@@ -48,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="compare the per-rank Flight Recorder dumps in DIR (lit_ddp.analysis.flight_recorder)",
     )
+    group = parser.add_argument_group("timeline")
+    group.add_argument("--timeline", type=Path, metavar="FILE.json", help="write every rank of the run on one "
+                       "timeline: a Chrome Trace Event file for Perfetto's UI (docs/traces.md)")  # fmt: skip
+    group.add_argument("--timeline-steps", metavar="A-B", help="with --timeline: the kept steps A to B only")
     forecast.add_arguments(parser)
     args = parser.parse_args(argv)
     if len(args.run_dirs) > 1 and args.compare is None:
@@ -83,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             # A run against itself is a comparison of nothing, and a run counted twice on a side would narrow its
             # interval as if it were another run.
             parser.error(f"{run_dir} is given twice: each run goes on one side, once")
+    if args.timeline is not None or args.timeline_steps is not None:
+        return _timeline(parser, args)
     if args.compare is not None:
         try:
             print(compare_dirs(args.run_dirs, args.compare))
@@ -120,6 +127,22 @@ def main(argv: list[str] | None = None) -> int:
                   f"{straggler['cause_extra_ms']:+.1f} ms) paces every step above: each phase is the slowest rank's, "
                   f"and the others' {max(straggler['wait_ms']):.1f} ms wait for it is not counted again")  # fmt: skip
     return code
+
+
+def _timeline(parser: UsageParser, args) -> int:
+    """``--timeline FILE``: the run's timeline, written; one line says where and what opens it."""
+    if args.timeline is None:
+        parser.error("--timeline-steps goes with --timeline FILE.json")
+    if args.compare is not None or args.forecast:
+        parser.error("--timeline draws one run: give it no --compare or --forecast")
+    try:
+        steps = timeline.parse_steps(args.timeline_steps) if args.timeline_steps is not None else None
+        path = timeline.write_timeline(args.run_dir, args.timeline, steps)
+    except (ValueError, RecordError, OSError) as err:
+        parser.error(str(err))
+    print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB): open it in Perfetto's UI (https://ui.perfetto.dev, "
+          "Open trace file), chrome://tracing or speedscope")  # fmt: skip
+    return 0
 
 
 if __name__ == "__main__":

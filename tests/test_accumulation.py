@@ -118,7 +118,7 @@ class FakeTrainer(SimpleNamespace):
                          global_step=0, log_dir=str(log_dir), callbacks=[], progress_bar_callback=None,
                          precision="32-true", optimizers=[torch.optim.Adam(model.parameters())],
                          accumulate_grad_batches=micro, profiler=None, sanity_checking=False,
-                         log_every_n_steps=50)  # fmt: skip
+                         log_every_n_steps=50, node_rank=0)  # fmt: skip
 
 
 def test_phases_are_summed_over_the_micro_batches(monkeypatch, tmp_path):

@@ -39,7 +39,7 @@ class FakeTrainer(SimpleNamespace):
         super().__init__(strategy=strategy, is_global_zero=True, global_rank=0, world_size=1, loggers=[],
                          global_step=0, log_dir=str(log_dir), callbacks=[], progress_bar_callback=None,
                          precision="32-true", optimizers=[torch.optim.Adam(model.parameters())],
-                         profiler=None, log_every_n_steps=50)  # fmt: skip
+                         profiler=None, log_every_n_steps=50, node_rank=0)  # fmt: skip
 
 
 def drive_one_step(timer, trainer, model, clock):

@@ -15,6 +15,7 @@ and ends: docs/output.md; a step: docs/architecture.md. Memory per phase (``lit_
 where a rank ran out of it (``on_out_of_memory``): docs/memory.md.
 """
 
+import socket
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -200,7 +201,9 @@ class PhaseTimer(LeanCallback):
         self._remove_hooks()
         self._resolve(trainer, block=True)
         self.log_dir = trainer.log_dir  # a broadcast: every rank asks
-        ranks = gather_to_zero(trainer, fit.rank_phases(trainer.global_rank))
+        mine = fit.rank_phases(trainer.global_rank)
+        mine.node, mine.host, mine.device = trainer.node_rank, socket.gethostname(), str(trainer.strategy.root_device)
+        ranks = gather_to_zero(trainer, mine)
         if ranks is not None and ranks[0].rows:
             source = fit.memory.source or (memory.CPU_SOURCE if ranks[0].memory else None)
             self.record = PhaseRecord(meta(trainer, fit.clock.name), ranks, list(fit.profiled_steps),

@@ -214,6 +214,8 @@ def report_timers(trainer: Trainer, caller: Callback) -> None:
         files = ", ".join(keeper.filename for keeper in written)
         command = f"python -m lit_ddp.report {shlex.quote(run_dir)}"
         say(trainer, f"Record in {run_dir} ({files}); the tables again: {command}")
+        if phases is not None:  # the timeline is drawn from phases.json's steps
+            say(trainer, f"timeline: {command} --timeline run.json, open in Perfetto's UI")
 
 
 def shown_path(path: str) -> str:

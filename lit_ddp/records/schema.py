@@ -165,6 +165,9 @@ class RankPhases:
     memory: list[StepMemory] = field(default_factory=list)  # the kept steps that have memory figures
     # Over the steps memory is summarised on: "start", "peak.<phase>", "retained.<phase>" (bytes).
     memory_summaries: dict[str, Sketch] = field(default_factory=dict)
+    node: Optional[int] = None  # where the rank ran: its node rank, host name and device (None before schema 4)
+    host: Optional[str] = None
+    device: Optional[str] = None
 
     def row(self, step: int) -> Optional[StepRow]:
         return next((r for r in self.rows if r.step == step), None)

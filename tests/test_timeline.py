@@ -92,7 +92,7 @@ def test_each_phase_slice_is_the_records_phase_to_the_microsecond_and_each_bucke
                 assert found[rank.rank, row.step, phase] == pytest.approx(getattr(row.ms, phase) * 1e3, abs=US)
                 checked += 1
             step = steps[rank.rank, row.step]
-            assert step["args"]["step_ms"] == row.ms.step
+            assert step["args"]["step_ms"] == pytest.approx(row.ms.step, abs=1e-6)
             assert step["ts"] == pytest.approx((row.start_s - comm.clock_offset_s[rank.rank]
                                                 - content["otherData"]["t0_s"]) * 1e6, abs=US)  # fmt: skip
     assert checked == 4 * 16 * 5
@@ -171,3 +171,14 @@ def test_steps_pick_a_part_and_bad_input_is_one_line(drawn, tmp_path, capsys):
         assert exited.value.code == 2 and err.startswith(f"python -m lit_ddp.report: error: {message}"), err
         assert err.count("\n") == 1, err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_size_benchmark_gives_the_record_to_more_ranks(drawn, tmp_path):
+    """``benchmarks/timeline_size.py``'s simulation, on this run: every simulated rank is a process of the file."""
+    from benchmarks.timeline_size import simulate
+
+    found = simulate(drawn[0], 8, tmp_path)
+    content = json.loads((tmp_path / "timeline8.json").read_text())
+    assert found["size"] == (tmp_path / "timeline8.json").stat().st_size
+    assert len([e for e in content["traceEvents"] if e["name"] == "process_name"]) == 8
+    assert (found["steps"], found["buckets"]) == (16, 1) and found["traces_per_rank"] > 0

@@ -1,6 +1,6 @@
 """The timeline in a real trace viewer: the file drawn from the 4-rank straggler run, opened in speedscope (run
 offline from npm) in Debian's headless Chromium, loads with no error, nests everywhere, and draws every rank's
-tracks; a screenshot of each rank's phases goes to the test's folder.
+tracks; a screenshot of each rank's phases and all-reduce goes to the test's folder.
 
     npm ci --prefix tests/browser && pytest tests/test_timeline_browser.py -n 0     # .ci/run installs both
 """
@@ -58,9 +58,9 @@ def test_speedscope_in_headless_chromium_loads_it_and_draws_every_ranks_tracks(v
     for rank, name in processes.items():
         for track in ("phases (tid 1)", "all-reduce (tid 2)"):
             assert any(t.startswith(f"{name} (pid {rank}), {track} (") for t in seen["titles"]), (name, seen["titles"])
-    assert len(seen["shots"]) == 4
+    assert len(seen["shots"]) == 8  # each rank's phases and all-reduce
     for title, shot in seen["shots"].items():
-        pixels = image.imread(shot)[145:180, :, :3]  # the first two rows of slices: steps, and their phases
+        pixels = image.imread(shot)[145:160, :, :3]  # the first row of slices: steps, or all-reduces
         drawn = (pixels.min(axis=2) < 0.95).mean()  # not the chart's white
-        assert drawn > 0.5, (title, drawn)
-    print(f"screenshots of each rank's phases: {sorted(seen['shots'].values())}")
+        assert drawn > (0.5 if "phases" in title else 0.1), (title, drawn)
+    print(f"screenshots of each rank's tracks: {sorted(seen['shots'].values())}")

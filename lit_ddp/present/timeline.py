@@ -78,6 +78,11 @@ def _q(us: float) -> float:
     return round(us * 8) / 8
 
 
+def _ms(ms: float) -> float:
+    """A figure in an event's args, to the nanosecond (the record's float digits beyond it are noise, and bytes)."""
+    return round(ms, 6)
+
+
 def _slice(pid: int, tid: int, name: str, start_us: float, dur_us: float, args: dict, cat: str) -> dict:
     """A complete event. Its ends are put on the grid, not its duration: a slice that ends inside another still
     does (a track's slices must nest), and its duration is within 1/8 µs of ``dur_us``."""
@@ -102,7 +107,7 @@ def phase_slices(rank: int, row: StepRow, start_us: float) -> list[dict]:
     micro-batches and are laid end to end from the step's start, as the args say."""
     ms, offsets = row.ms, dict(zip(BOUNDARIES, row.offsets_ms, strict=True))
     step_us = max(row.offsets_ms[-1], ms.step) * 1e3
-    step_args = {"step": row.step, "step_ms": ms.step, "micro_batches": row.micro_batches}
+    step_args = {"step": row.step, "step_ms": _ms(ms.step), "micro_batches": row.micro_batches}
     out = [_slice(rank, PHASES_TRACK, f"step {row.step}", start_us, step_us, step_args, "step")]
     placed = []
     gaps = [(offsets[a] if a else 0.0, offsets[b]) for a, b in GAPS]
@@ -120,7 +125,7 @@ def phase_slices(rank: int, row: StepRow, start_us: float) -> list[dict]:
     for phase, at_ms, dur_ms in placed:
         at = start_us + at_ms * 1e3
         dur = min(dur_ms * 1e3, end_us - at)  # inside the step's slice, whatever the rounding
-        out.append(_slice(rank, PHASES_TRACK, phase, at, dur, {"step": row.step, "ms": dur_ms}, "phase"))
+        out.append(_slice(rank, PHASES_TRACK, phase, at, dur, {"step": row.step, "ms": _ms(dur_ms)}, "phase"))
     return out
 
 
@@ -145,14 +150,14 @@ def comm_slices(comm: CommRecord, rank: int, row: StepBuckets, clock: _Clock, la
         waited_to = min(max(latest[i], b), e)
         transfer_ms = (e - waited_to) / 1e3
         busbw = row.bytes[i] * allreduce_bus_factor(n) / (transfer_ms / 1e3) / 1e9 if transfer_ms > 0 else None
-        args = {"step": row.step, "bucket": i, "bytes": row.bytes[i], "ms": row.ms[i],
-                "wait_ms": round((waited_to - b) / 1e3, 6), "transfer_ms": round(transfer_ms, 6),
-                "busbw_GBps": round(busbw, 3) if busbw is not None else None, "step_exposed_ms": row.exposed_ms,
-                "step_busy_ms": row.busy_ms}  # fmt: skip
+        args = {"step": row.step, "bucket": i, "bytes": row.bytes[i], "ms": _ms(row.ms[i]),
+                "wait_ms": _ms((waited_to - b) / 1e3), "transfer_ms": _ms(transfer_ms),
+                "busbw_GBps": round(busbw, 3) if busbw is not None else None, "step_exposed_ms": _ms(row.exposed_ms),
+                "step_busy_ms": _ms(row.busy_ms)}  # fmt: skip
         group = [_slice(rank, COMM_TRACK, f"all-reduce bucket {i}", a, e - a, args, "comm")]
         for name, start, stop in (("queued", a, b), ("wait", b, waited_to), ("transfer", waited_to, e)):
             if stop > start:
-                part = {"step": row.step, "bucket": i, "ms": round((stop - start) / 1e3, 6)}
+                part = {"step": row.step, "bucket": i, "ms": _ms((stop - start) / 1e3)}
                 group.append(_slice(rank, COMM_TRACK, name, start, stop - start, part, "comm"))
         groups.append(group)
     return groups

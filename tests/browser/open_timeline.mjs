@@ -5,7 +5,7 @@
 //
 // Prints one JSON object: every track's title in speedscope's order, the page's errors (uncaught exceptions, console
 // errors, dialogs) and speedscope's warnings about slices that do not nest; writes OUT_DIR/track<k>.png for each
-// track whose title names a rank's phases. Offline: speedscope's release is a local page.
+// rank's phases track and first all-reduce track. Offline: speedscope's release is a local page.
 import fs from 'node:fs'
 import path from 'node:path'
 import { fileURLToPath } from 'node:url'
@@ -51,7 +51,7 @@ try {
     }
     const now = await title()
     found.titles.push(now)
-    if (/, phases \(tid 1\) \(\d+\/\d+\)$/.test(now)) {
+    if (/, (phases \(tid 1\)|all-reduce \(tid 2\)) \(\d+\/\d+\)$/.test(now)) {
       await page.waitForTimeout(300)  // a frame or two for the canvas
       const shot = path.join(outDir, `track${k}.png`)
       await page.screenshot({ path: shot })

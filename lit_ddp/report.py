@@ -26,6 +26,7 @@ from lit_ddp.analysis.compare import compare_dirs
 from lit_ddp.analysis.flight_recorder import flight_recorder_text
 from lit_ddp.analysis.memory import oom_line
 from lit_ddp.analysis.phases import phase_table
+from lit_ddp.analysis.tables import fmt_si
 from lit_ddp.errors import RecordError, UsageParser
 from lit_ddp.present import timeline
 from lit_ddp.records.schema import load_oom, load_run
@@ -140,7 +141,7 @@ def _timeline(parser: UsageParser, args) -> int:
         path = timeline.write_timeline(args.run_dir, args.timeline, steps)
     except (ValueError, RecordError, OSError) as err:
         parser.error(str(err))
-    print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB): open it in Perfetto's UI (https://ui.perfetto.dev, "
+    print(f"wrote {path} ({fmt_si(path.stat().st_size, 'B')}): open it in Perfetto's UI (https://ui.perfetto.dev, "
           "Open trace file), chrome://tracing or speedscope")  # fmt: skip
     return 0
 

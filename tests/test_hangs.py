@@ -391,7 +391,7 @@ def test_a_records_report_holds_its_last_collectives_its_place_and_the_line_it_w
     assert report.collectives[-1].where == "u.py:9 f: g()"  # no stack in Flight Recorder's entry: where it waited
     raised = record.report(1, "exception", "ValueError: x", "u.py:3 h: k()")
     assert raised.collectives[-1].where == ""  # it raised, waiting in no collective
-    monkeypatch.setattr(_torch, "flight_recorder_entries", lambda: None)
+    monkeypatch.setattr(_torch, "flight_recorder_entries", lambda: [])
     assert record.report(0, "hung", "", "").collectives == []
 
 
@@ -401,8 +401,6 @@ def test_on_nccl_the_record_reads_nccls_own_flight_recorder_and_nothing_elsewher
     import pickle
 
     import torch
-
-    from lit_ddp.measure import collectives
 
     c10d, asked = torch._C._distributed_c10d, []
     record = CollectiveRecord()
@@ -414,20 +412,20 @@ def test_on_nccl_the_record_reads_nccls_own_flight_recorder_and_nothing_elsewher
         asked.append(flags)
         return pickle.dumps({"version": "2.4", "entries": [entry]})
 
+    monkeypatch.setattr(c10d, "_dump_fr_trace", lambda *flags: pickle.dumps({"version": "2.4", "entries": []}))
     monkeypatch.setattr(c10d, "_dump_nccl_trace", dump, raising=False)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
-    assert collectives.nccl_entries() == [entry]
+    assert _torch.flight_recorder_entries() == [entry]
     assert asked == [(True, True, False)]  # collectives and stacks, every entry (not only those in flight)
-    monkeypatch.setattr(_torch, "flight_recorder_entries", lambda: None)  # _dump_fr_trace holds none
     assert [(c.seq, c.step, c.phase, c.bucket) for c in record.report(0, "hung", "", "").collectives] == [
         (7, 2, "backward", 0)
     ]
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
-    assert collectives.nccl_entries() == [] and len(asked) == 2  # gloo's are in _dump_fr_trace: not asked
+    assert _torch.flight_recorder_entries() == [] and len(asked) == 2  # gloo's are in _dump_fr_trace: not asked
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    assert collectives.nccl_entries() == [] and len(asked) == 2  # no process group
+    assert _torch.flight_recorder_entries() == [] and len(asked) == 2  # no process group
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     for error in (RuntimeError("NCCL is not initialized"), ValueError("bad dump"), pickle.UnpicklingError("x")):
 
@@ -435,13 +433,15 @@ def test_on_nccl_the_record_reads_nccls_own_flight_recorder_and_nothing_elsewher
             raise error
 
         monkeypatch.setattr(c10d, "_dump_nccl_trace", failing)
-        assert collectives.nccl_entries() == []
+        assert _torch.flight_recorder_entries() == []
     monkeypatch.setattr(c10d, "_dump_nccl_trace", lambda *flags: b"not a pickle")
-    assert collectives.nccl_entries() == []
+    assert _torch.flight_recorder_entries() == []
     monkeypatch.setattr(c10d, "_dump_nccl_trace", lambda *flags: pickle.dumps({"version": "2.4"}))
-    assert collectives.nccl_entries() == []  # a dump without entries
+    assert _torch.flight_recorder_entries() == []  # a dump without entries
     monkeypatch.delattr(c10d, "_dump_nccl_trace")
-    assert collectives.nccl_entries() == []  # a build without NCCL
+    assert _torch.flight_recorder_entries() == []  # a build without NCCL
+    monkeypatch.setattr(c10d, "_dump_fr_trace", lambda *flags: pickle.dumps({"version": "2.4", "entries": [entry]}))
+    assert _torch.flight_recorder_entries() == [entry]  # torch's own recorder first
 
 
 def test_only_the_last_collective_without_a_line_gets_the_line_a_rank_waited_at(monkeypatch):

@@ -111,8 +111,9 @@ def cluster(action: str, *args: str) -> None:
                    capture_output=True)  # fmt: skip
 
 
-def run_case(case: Case, timeout_s: float, log_dir: Optional[Path] = None) -> Result:
-    """Runs ``case`` with the process group's timeout ``timeout_s``, killed at ``timeout_s + GRACE_S``."""
+def run_case(case: Case, timeout_s: float, log_dir: Optional[Path] = None, settle_s: float = SETTLE_S) -> Result:
+    """Runs ``case`` with the process group's timeout ``timeout_s``, killed at ``timeout_s + GRACE_S``; what its
+    session still runs ``settle_s`` after it exited is counted as left, and killed."""
     command = [part.replace("{timeout_s}", f"{timeout_s:g}") for part in case.command]
     with tempfile.TemporaryDirectory(prefix=f"zoo-{case.name}-") as cwd:
         env = child_env(HANG_ZOO_DIR=cwd, HANG_ZOO_TIMEOUT_S=f"{timeout_s:g}", PYTHONUNBUFFERED="1")
@@ -136,7 +137,7 @@ def run_case(case: Case, timeout_s: float, log_dir: Optional[Path] = None) -> Re
         ended = time.time()
         for reader in readers:
             reader.join(timeout=5)
-        time.sleep(SETTLE_S)
+        time.sleep(settle_s)
         left = sum(len(session_pids(job.pid)) for job in jobs)
         for job in jobs:
             kill_session(job.pid)

@@ -215,7 +215,7 @@ def test_micro_batches_put_nothing_and_the_step_puts_its_mean_loss(kind):
 
     model = LinearRegression(dim=4)
     trainer = SimpleNamespace(global_step=0, accumulate_grad_batches=3, world_size=2, max_steps=10, max_epochs=None)
-    callback = LossMonitor() if kind == "loss" else SyncCheck()
+    callback = LossMonitor(every_n_steps=1) if kind == "loss" else SyncCheck()
     callback._sync = RecordingSync()
     for i, loss in enumerate((1.0, 2.0, 6.0)):  # Lightning hands over loss / accumulate_grad_batches
         callback.on_train_batch_start(trainer, model, None, i)

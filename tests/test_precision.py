@@ -15,11 +15,11 @@ from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
-from lit_ddp.analysis.phases import roofline_table
 from lit_ddp.callbacks import CommMonitor, LossMonitor, PhaseTimer, SyncCheck
 from lit_ddp.callbacks.phase_timer import _compute_dtype
 from lit_ddp.measure import roofline
 from lit_ddp.measure.step_marks import Updates
+from lit_ddp.present.phases import roofline_table
 from lit_ddp.records import schema as record
 from tests.recorders import RecordLogs
 from tests.records import phase_record

@@ -8,7 +8,9 @@ and a setting phrased for where it is read (a command line's ``--trainer.strateg
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
+
+from lit_ddp.records.schema import DDPMemory, OutOfMemory
 
 
 def fmt_si(value: float, unit: str) -> str:
@@ -71,3 +73,28 @@ CLI = Advice()
 
 def _option_value(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def holders(held: DDPMemory, allocated: Optional[int]) -> list[tuple[str, int]]:
+    """What held memory, largest first; ``the rest`` (activations, workspace) where the allocator's total is
+    known (CUDA)."""
+    parts = [("parameters", held.parameters), ("gradients", held.own_gradients), ("DDP's buckets", sum(held.buckets)),
+             ("optimizer state", held.optimizer_state)]  # fmt: skip
+    if allocated is not None:
+        parts.append(("the rest (activations, workspace)", max(allocated - held.held, 0)))
+    return sorted((p for p in parts if p[1]), key=lambda p: -p[1])
+
+
+def oom_line(oom: OutOfMemory, path: Optional[str] = None) -> str:
+    """One line: where the rank ran out of memory, where memory peaked, and what held it."""
+    held = ", ".join(f"{name} {fmt_bytes(n)}" for name, n in holders(oom.held, oom.allocated))
+    rest = "" if oom.allocated is not None else " (the rest is not measured on CPU)"
+    peak = ""
+    if oom.peak is not None:
+        peak = f"; memory peaked at {fmt_bytes(oom.peak)} in step {oom.peak_step}, {oom.peak_phase}"
+    saved = f"; record: {path}" if path else ""
+    snapshot = f"; snapshot: {oom.snapshot}" if oom.snapshot else ""
+    return (
+        f"rank {oom.rank} ran out of memory in step {oom.step}, {oom.phase} ({oom.error}){peak}; held then: "
+        f"{held or 'nothing the tool sees'}{rest}{saved}{snapshot}"
+    )

@@ -8,7 +8,6 @@ Chrome-trace JSON that ``torch.profiler`` writes, a public format.
 """
 
 import pickle
-from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -18,6 +17,7 @@ from torch import Tensor
 from torch.distributed import distributed_c10d
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
+from torch.utils.data import dataloader
 
 from lit_ddp._lightning import PrivateName
 
@@ -30,7 +30,14 @@ PRIVATE_NAMES = [
     PrivateName(Optimizer, "_optimizer_step_post_hooks", "the tests check that PhaseTimer removes its step hook"),
     PrivateName(distributed_c10d, "_get_default_store", "the rendezvous store, to name hung ranks after a timeout"),
     PrivateName(torch._C._distributed_c10d, "_dump_fr_trace", "Flight Recorder's entries, read at a failure"),
-    PrivateName(distributed_c10d, "_set_pg_timeout", "a callback alone shortens Lightning's 30-minute timeout"),
+    PrivateName(torch._C._distributed_c10d, "_dump_nccl_trace", "NCCL's Flight Recorder entries (CUDA builds)"),
+    PrivateName(dataloader, "_MultiProcessingDataLoaderIter", "the watchdog names the DataLoader worker a rank waits on"),
+    PrivateName(dataloader._MultiProcessingDataLoaderIter, "_task_info", "see _MultiProcessingDataLoaderIter: the "
+                "worker each batch index went to"),
+    PrivateName(dataloader._MultiProcessingDataLoaderIter, "_rcvd_idx", "see _MultiProcessingDataLoaderIter: the "
+                "batch index the loader waits for"),
+    PrivateName(dataloader._MultiProcessingDataLoaderIter, "_workers", "see _MultiProcessingDataLoaderIter: the "
+                "worker processes"),
     PrivateName(torch.cuda.memory, "_record_memory_history", "PhaseTimer(memory_snapshot=True): allocation history"),
     PrivateName(torch.cuda.memory, "_dump_snapshot", "PhaseTimer(memory_snapshot=True): dumped on OOM"),
 ]
@@ -80,18 +87,37 @@ def default_store() -> Optional[Any]:
         return None
 
 
-def flight_recorder_entries() -> Optional[list[dict[str, Any]]]:
-    """torch's Flight Recorder: this process's last collectives (``TORCH_FR_BUFFER_SIZE`` of them, on by default
-    in torch 2.13 for gloo and NCCL), each a dict (``collective_seq_id``, ``profiling_name``, ``input_sizes``,
-    ``input_dtypes``, ``time_created_ns``, ``state``, ``frames``: the Python stack that called it, ...), as torch
-    dumps them on a timeout; None where torch has no Flight Recorder."""
-    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
+def _dumped_entries(name: str) -> Optional[list[dict[str, Any]]]:
+    dump = getattr(torch._C._distributed_c10d, name, None)
     if dump is None:
         return None
     try:  # torch's own pickle, of this process: the format its dumps on timeout and its analyzer use
         return pickle.loads(dump(True, True, False)).get("entries", [])
     except (RuntimeError, ValueError, pickle.UnpicklingError):
         return None
+
+
+def flight_recorder_entries() -> list[dict[str, Any]]:
+    """torch's Flight Recorder: this process's last collectives (``TORCH_FR_BUFFER_SIZE`` of them, on by default
+    in torch 2.13 for gloo and NCCL), each a dict (``collective_seq_id``, ``profiling_name``, ``input_sizes``,
+    ``input_dtypes``, ``time_created_ns``, ``state``, ``frames``: the Python stack that called it, ...), as torch
+    dumps them on a timeout. A CUDA build keeps NCCL's collectives in NCCL's own recorder (``_dump_nccl_trace``,
+    the same pickle): read where the backend is NCCL and ``_dump_fr_trace`` holds none. ``[]`` without either."""
+    entries = _dumped_entries("_dump_fr_trace")
+    if not entries and dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        entries = _dumped_entries("_dump_nccl_trace")
+    return entries or []
+
+
+def loader_waits_for(loader: Any) -> Optional[tuple[int, int]]:
+    """Where ``loader`` is a DataLoader's iterator over worker processes and waits for a batch a worker still
+    holds: that worker's id and pid; None otherwise (no workers, or the batch is already there)."""
+    if not isinstance(loader, dataloader._MultiProcessingDataLoaderIter):
+        return None
+    task = loader._task_info.get(loader._rcvd_idx, ())
+    if len(task) != 1:  # (worker_id,) while the worker holds it; (worker_id, data) once it came back
+        return None
+    return task[0], loader._workers[task[0]].pid
 
 
 def all_gather_started(output: Tensor, input: Tensor) -> dist.Work:
@@ -102,15 +128,3 @@ def all_gather_started(output: Tensor, input: Tensor) -> dist.Work:
     group = dist.group.WORLD
     start = getattr(group, "all_gather_single", None) or group._allgather_base
     return start(output, input)
-
-
-def set_pg_timeout(timeout: timedelta) -> bool:
-    """Sets the default process group's timeout for the collectives to come; False where torch cannot."""
-    set_timeout = getattr(distributed_c10d, "_set_pg_timeout", None)
-    if set_timeout is None:
-        return False
-    try:
-        set_timeout(timeout)
-    except (RuntimeError, ValueError, AttributeError):
-        return False
-    return True

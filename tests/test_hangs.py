@@ -67,6 +67,18 @@ def test_with_several_nodes_each_rank_is_named_with_its_node():
                     "waited there until the timeout")  # fmt: skip
 
 
+def test_a_peers_error_becomes_the_whole_message_short_with_the_rank_s_own_chained_above():
+    waiting = RankReport(0, 2.0, "collective error", collectives=[grads(7, 2), grads(9, 3)])
+    user = 'x.py:3 training_step: raise RuntimeError("' + "a long message " * 8 + '")'
+    cause = RankReport(1, 1.0, "exception", "RuntimeError: boom", user, 3, "training_step")
+    line = hangs._raised_first(cause, waiting)
+    assert line == ("rank 1 raised first: RuntimeError: boom (x.py:3 training_step); rank 0 waited for it in "
+                    "collective #9 (all_reduce at step 3, backward)")  # fmt: skip
+    error = RuntimeError("Connection closed by peer: " + "gloo " * 200)
+    hangs._conclude(error, line)
+    assert str(error) == line and "Connection closed by peer" in str(error.__cause__)
+
+
 def test_ranks_that_agree_give_no_line():
     same = [grads(7, 2), grads(9, 3)]
     assert divergences({0: RankReport(0, 1.0, "timeout", collectives=same),
@@ -309,12 +321,16 @@ RAISED = r"rank 1 raised first: RuntimeError: injected failure on rank 1 between
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_under_the_ddp_launcher_the_job_ends_with_the_rank_that_raised(hung_runs):
-    """Rank 0 trains in the launching process: its own error (a closed connection) is the job's last line, and it
-    leads with rank 1's, the first cause, from rank 1's report in the store."""
+    """Rank 0 trains in the launching process: its own error (a closed connection) ends the job, and its message is
+    rank 1's, the first cause, from rank 1's report in the store: one short line, last, the closed connection's
+    page of gloo text chained above the traceback (issue 52: the cause last, short)."""
     code, seconds, stderr = hung_runs["raise_popen"]
     assert code == 1
-    assert re.match(r"^\[rank0\]: RuntimeError: " + RAISED + r"\d+ training_step: raise RuntimeError\(.*\)\); rank 0 "
-                    r"failed because of it: collective #\d+: ", last_line(stderr)), stderr[-3000:]  # fmt: skip
+    line = last_line(stderr)
+    assert re.fullmatch(r"\[rank0\]: RuntimeError: " + RAISED + r"\d+ training_step\); rank 0 waited for it in "
+                        r"collective #\d+ \(all_reduce at step 3, backward\)", line), stderr[-3000:]  # fmt: skip
+    assert len(line.partition("RuntimeError: ")[2]) <= hangs.LINE_CHARS  # the prefixes are the launcher's
+    assert "Connection closed by peer" in stderr.partition("The above exception was the direct cause")[0]
     assert seconds < TIMEOUT_S + 60
 
 
@@ -375,7 +391,7 @@ def test_a_records_report_holds_its_last_collectives_its_place_and_the_line_it_w
     assert report.collectives[-1].where == "u.py:9 f: g()"  # no stack in Flight Recorder's entry: where it waited
     raised = record.report(1, "exception", "ValueError: x", "u.py:3 h: k()")
     assert raised.collectives[-1].where == ""  # it raised, waiting in no collective
-    monkeypatch.setattr(_torch, "flight_recorder_entries", lambda: None)
+    monkeypatch.setattr(_torch, "flight_recorder_entries", lambda: [])
     assert record.report(0, "hung", "", "").collectives == []
 
 
@@ -385,8 +401,6 @@ def test_on_nccl_the_record_reads_nccls_own_flight_recorder_and_nothing_elsewher
     import pickle
 
     import torch
-
-    from lit_ddp.measure import collectives
 
     c10d, asked = torch._C._distributed_c10d, []
     record = CollectiveRecord()
@@ -398,20 +412,20 @@ def test_on_nccl_the_record_reads_nccls_own_flight_recorder_and_nothing_elsewher
         asked.append(flags)
         return pickle.dumps({"version": "2.4", "entries": [entry]})
 
+    monkeypatch.setattr(c10d, "_dump_fr_trace", lambda *flags: pickle.dumps({"version": "2.4", "entries": []}))
     monkeypatch.setattr(c10d, "_dump_nccl_trace", dump, raising=False)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
-    assert collectives.nccl_entries() == [entry]
+    assert _torch.flight_recorder_entries() == [entry]
     assert asked == [(True, True, False)]  # collectives and stacks, every entry (not only those in flight)
-    monkeypatch.setattr(_torch, "flight_recorder_entries", lambda: None)  # _dump_fr_trace holds none
     assert [(c.seq, c.step, c.phase, c.bucket) for c in record.report(0, "hung", "", "").collectives] == [
         (7, 2, "backward", 0)
     ]
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
-    assert collectives.nccl_entries() == [] and len(asked) == 2  # gloo's are in _dump_fr_trace: not asked
+    assert _torch.flight_recorder_entries() == [] and len(asked) == 2  # gloo's are in _dump_fr_trace: not asked
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    assert collectives.nccl_entries() == [] and len(asked) == 2  # no process group
+    assert _torch.flight_recorder_entries() == [] and len(asked) == 2  # no process group
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     for error in (RuntimeError("NCCL is not initialized"), ValueError("bad dump"), pickle.UnpicklingError("x")):
 
@@ -419,13 +433,15 @@ def test_on_nccl_the_record_reads_nccls_own_flight_recorder_and_nothing_elsewher
             raise error
 
         monkeypatch.setattr(c10d, "_dump_nccl_trace", failing)
-        assert collectives.nccl_entries() == []
+        assert _torch.flight_recorder_entries() == []
     monkeypatch.setattr(c10d, "_dump_nccl_trace", lambda *flags: b"not a pickle")
-    assert collectives.nccl_entries() == []
+    assert _torch.flight_recorder_entries() == []
     monkeypatch.setattr(c10d, "_dump_nccl_trace", lambda *flags: pickle.dumps({"version": "2.4"}))
-    assert collectives.nccl_entries() == []  # a dump without entries
+    assert _torch.flight_recorder_entries() == []  # a dump without entries
     monkeypatch.delattr(c10d, "_dump_nccl_trace")
-    assert collectives.nccl_entries() == []  # a build without NCCL
+    assert _torch.flight_recorder_entries() == []  # a build without NCCL
+    monkeypatch.setattr(c10d, "_dump_fr_trace", lambda *flags: pickle.dumps({"version": "2.4", "entries": [entry]}))
+    assert _torch.flight_recorder_entries() == [entry]  # torch's own recorder first
 
 
 def test_only_the_last_collective_without_a_line_gets_the_line_a_rank_waited_at(monkeypatch):

@@ -86,6 +86,9 @@ def test_every_boundary_with_a_patched_clock(monkeypatch, tmp_path, caplog):
         assert row.ms.step == pytest.approx(100.0, abs=1e-6)
         # where each of record.BOUNDARIES fell, from the step's start
         assert row.offsets_ms == pytest.approx([0.0, 10.0, 11.0, 31.0, 33.0, 38.0, 40.0, 100.0], abs=1e-6)
+    # each step's start on the host clock (the timeline's): one step ends where the next one starts
+    assert [row.start_s for row in phases.ranks[0].rows] == pytest.approx([100.0, 100.1, 100.2], abs=1e-9)
+    assert phases.ended_by is None
     summaries = phases.ranks[0].summaries
     assert {p: summaries[p].count for p in PHASES} == dict.fromkeys(PHASES, 2)  # steps 1-2: step 0 is warm-up
     assert summaries["backward"].median == pytest.approx(20.0, rel=Sketch.RELATIVE_ACCURACY)

@@ -40,8 +40,10 @@ from lit_ddp.callbacks.shared import (
     report_timers,
     say,
 )
+from lit_ddp.callbacks.step_sync import StepSync
+from lit_ddp.errors import Ending
 from lit_ddp.measure import memory, roofline
-from lit_ddp.measure.clock import clock_for
+from lit_ddp.measure.clock import CudaClock, clock_for
 from lit_ddp.measure.fit_phases import FIRST_PROFILED_STEP, FitPhases
 from lit_ddp.measure.profiling import LightningProfilerTraces, TraceRecorder
 from lit_ddp.records.schema import PHASES, PhaseRecord, Roofline, save
@@ -116,6 +118,8 @@ class PhaseTimer(LeanCallback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         exit_cleanly(trainer)
         clock = clock_for(trainer.strategy.root_device)
+        if isinstance(clock, CudaClock):
+            clock.anchor()  # events to host time, for each step's start: one synchronize, before the first step
         self.record, self.ended = None, False  # this fit's, once it ends
         self._run_dir = trainer.log_dir  # a broadcast, so here: a rank that runs out of memory alone needs it
         if self.memory_snapshot:
@@ -202,7 +206,7 @@ class PhaseTimer(LeanCallback):
             self.record = PhaseRecord(meta(trainer, fit.clock.name), ranks, list(fit.profiled_steps),
                                       self._roofline(trainer, pl_module), skipped_steps=fit.skipped,
                                       skipped_count=fit.skipped_count, memory_source=source,
-                                      first_step=fit.first_step)  # fmt: skip
+                                      first_step=fit.first_step, ended_by=_ended_by(trainer))  # fmt: skip
         self.ended = True
         report_timers(trainer, self)
 
@@ -292,3 +296,8 @@ def _compute_dtype(trainer: Trainer, pl_module: LightningModule) -> torch.dtype:
         return torch.float16
     param = next((p for p in pl_module.parameters() if p.requires_grad), None)
     return param.dtype if param is not None else torch.float32
+
+
+def _ended_by(trainer: Trainer) -> Optional[str]:
+    """``"SIGTERM"`` where StepSync stopped the fit on one (every rank at the same step), else None."""
+    return "SIGTERM" if StepSync.ending_of(trainer) == Ending.SIGTERM else None

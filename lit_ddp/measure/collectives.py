@@ -11,7 +11,6 @@ collective a rank waited in gets the line of its exception's traceback. Nothing 
 before a failure.
 """
 
-import pickle
 import time
 import traceback
 from bisect import bisect_right
@@ -19,8 +18,6 @@ from collections import deque
 from types import FrameType, TracebackType
 from typing import Any, Optional
 
-import torch
-import torch.distributed as dist
 
 from lit_ddp import _torch
 from lit_ddp.analysis.divergence import Collective, RankReport
@@ -81,18 +78,7 @@ class CollectiveRecord:
     def report(self, rank: int, kind: str, error: str, where: str) -> RankReport:
         """This rank's report, now: its Flight Recorder entries read once (``[]`` where torch records none)."""
         step, phase = self.now()
-        entries = _torch.flight_recorder_entries() or nccl_entries()
+        entries = _torch.flight_recorder_entries()
         waited = where if kind in ("timeout", "collective error") else ""
         return RankReport(rank, time.time(), kind, error, where, step, phase, self.collectives(entries, waited))
 
-
-def nccl_entries() -> list[dict[str, Any]]:
-    """NCCL's Flight Recorder, where ``_dump_fr_trace`` holds none of its entries (a CUDA build's
-    ``_dump_nccl_trace``: the same pickle, NCCL's collectives); ``[]`` without one (a CPU build)."""
-    dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
-    if dump is None or not dist.is_initialized() or "nccl" not in str(dist.get_backend()):
-        return []
-    try:
-        return pickle.loads(dump(True, True, False)).get("entries", [])
-    except (RuntimeError, ValueError, pickle.UnpicklingError):
-        return []

@@ -27,7 +27,9 @@ from lit_ddp.errors import RecordError
 from lit_ddp.records.sketch import Sketch
 
 R = TypeVar("R")
-SCHEMA_VERSION = 3  # 3: memory (StepMemory, DDPMemory, OutOfMemory)
+SCHEMA_VERSION = 4  # 3: memory (StepMemory, DDPMemory, OutOfMemory); 4: each kept step's start (StepRow.start_s)
+# Schemas this lit_ddp reads: 3 is 4 without the steps' starts and the ending (they load as None).
+READS = (3, SCHEMA_VERSION)
 
 PHASES = ("forward", "backward", "update", "data", "other", "step")
 # What PhaseTimer marks within a step, after its start; offsets are ms from the step's start to each.
@@ -106,6 +108,10 @@ class StepRow:
     ms: StepPhases
     offsets_ms: list[float]
     micro_batches: int = 1  # batches (forward + backward) in this optimizer step: gradient accumulation
+    # The step's start on this rank's host clock (seconds; lit_ddp.measure.clock.host_now's, the clock of
+    # StepBuckets.arrival_s; on CUDA when the GPU reached it). Minus comm.json's clock_offset_s[rank]: on rank 0's
+    # clock (docs/traces.md). None in a schema-3 record.
+    start_s: Optional[float] = None
 
 
 @dataclass
@@ -200,6 +206,7 @@ class PhaseRecord:
     # The global step the fit started from: 0, or the resume point of a fit resumed from a checkpoint. Steps are
     # global step numbers; the fit's warm-up step is this one, and its profiled steps come after it.
     first_step: int = 0
+    ended_by: Optional[str] = None  # "SIGTERM": the fit stopped at its last step on a SIGTERM (StepSync)
 
     @property
     def steps(self) -> list[int]:
@@ -364,9 +371,9 @@ def load(path: Path) -> PhaseRecord | CommRecord | OutOfMemory:
     except (OSError, ValueError) as err:
         raise RecordError(f"{path}: not a readable run record: {err}") from err
     version = data.get("schema", 1) if isinstance(data, dict) else None
-    if version != SCHEMA_VERSION:
-        raise RecordError(f"{path}: run record schema {version}; this lit_ddp reads schema {SCHEMA_VERSION} "
-                          "(written by another version of the tool: run the job again)")  # fmt: skip
+    if version not in READS:
+        raise RecordError(f"{path}: run record schema {version}; this lit_ddp reads schema {READS[0]} to "
+                          f"{SCHEMA_VERSION} (written by another version of the tool: run the job again)")  # fmt: skip
     kinds = {"phases": PhaseRecord, "comm": CommRecord, "oom": OutOfMemory}
     kind = kinds.get(data.get("kind"))
     try:

@@ -27,7 +27,7 @@ from lit_ddp.analysis.flight_recorder import flight_recorder_text
 from lit_ddp.analysis.memory import oom_line
 from lit_ddp.analysis.phases import phase_table
 from lit_ddp.errors import RecordError, UsageParser
-from lit_ddp.records.schema import load_oom, load_run
+from lit_ddp.records.schema import load_oom, load_run, no_record
 from lit_ddp.scaling.advice import wire_savings
 
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if phases is None and comm is None and out_of_memory:
         return 0  # a run that ran out of memory: its ranks' lines are its record
     if phases is None and comm is None:
-        parser.error(f"{args.run_dir} holds neither phases.json nor comm.json: was PhaseTimer or CommMonitor on?")
+        parser.error(no_record(args.run_dir))
     if phases is not None:
         print(phase_table(phases, comm, wire_savings(args.run_dir, comm)))
     if comm is not None:

@@ -23,7 +23,7 @@ from lit_ddp.analysis.tables import fmt_ms, table
 from lit_ddp.analysis.trace import RankAnalysis
 from lit_ddp.errors import RecordError
 from lit_ddp.formatting import fmt_bytes
-from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, load_run
+from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, load_run, no_record
 
 CONFIDENCE = 0.95  # for the family of all the rows: the chance that any row is called by noise alone is <= 5%
 # A time row that moves by less than this share of the step (the mean of A's and B's, the same whichever side is
@@ -374,7 +374,7 @@ def _load(run_dir: Path) -> Run:
         raise RecordError(f"{run_dir} is not a directory")
     found = load_run(run_dir)
     if found == (None, None):
-        raise RecordError(f"{run_dir} holds neither phases.json nor comm.json: was PhaseTimer or CommMonitor on?")
+        raise RecordError(no_record(run_dir))
     return found
 
 

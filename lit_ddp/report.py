@@ -100,13 +100,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0  # a run that ran out of memory: its ranks' lines are its record
     if phases is None and comm is None:
         parser.error(no_record(args.run_dir))
-    if phases is not None:
-        print(phase_table(phases, comm, wire_savings(args.run_dir, comm)))
-    if comm is not None:
-        print(comm_table(comm, phases))
     code = 0
-    if phases is not None and not args.no_plot:
-        code = plots.write(lambda: plots.phases_figure(phases, comm), args.run_dir / "phases.png")
+    if not args.forecast:  # the forecast prints its own lines only: the tables are a plain report's
+        if phases is not None:
+            print(phase_table(phases, comm, wire_savings(args.run_dir, comm)))
+        if comm is not None:
+            print(comm_table(comm, phases))
+        if phases is not None and not args.no_plot:
+            code = plots.write(lambda: plots.phases_figure(phases, comm), args.run_dir / "phases.png")
     if args.forecast:
         try:
             code = forecast.run(args, args.run_dir) or code

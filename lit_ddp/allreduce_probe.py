@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from lit_ddp.analysis.tables import fmt_bandwidth, table
 from lit_ddp.errors import ForecastError, UsageParser
+from lit_ddp.formatting import fmt_bandwidth, table
 from lit_ddp.measure.allreduce import KIB, SLOW_LINK_SHARE, probe, probe_nodes
 from lit_ddp.run.rendezvous import init_loopback_process_group
 

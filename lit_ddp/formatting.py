@@ -1,9 +1,12 @@
-"""Figures and advice as the tool writes them: SI prefixes, bytes, and a setting phrased for where it is read (a
-command line's ``--trainer.strategy.*`` options, or a script's ``DDPStrategy(...)``).
+"""Figures and advice as the tool writes them, in one module: SI prefixes, bytes, times, bandwidths, text tables,
+and a setting phrased for where it is read (a command line's ``--trainer.strategy.*`` options, or a script's
+``DDPStrategy(...)``).
 
     python -m lit_ddp.report runs/mini_train_profile/version_0     # its tables use them
 """
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +22,33 @@ def fmt_si(value: float, unit: str) -> str:
 
 def fmt_bytes(value: float) -> str:
     return fmt_si(value, "B")
+
+
+def fmt_ms(value: float) -> str:
+    """Milliseconds, or seconds from 1000 ms on (as printed: 999.996 ms is 1.00 s, not 1000.00 ms)."""
+    return f"{value:.2f} ms" if round(value, 2) < 1000 else f"{value / 1000:.2f} s"
+
+
+def fmt_bandwidth(gb_per_s: float) -> str:
+    """A bandwidth given in GB/s (1e9 bytes/s), with the prefix its magnitude calls for as ``fmt_si`` chooses it,
+    to three significant figures: ``82.0 kB/s``, ``25.3 MB/s``, ``514 MB/s``, ``1.23 GB/s``; ``-`` when it is not
+    known (NaN)."""
+    if math.isnan(gb_per_s):
+        return "-"
+    value = float(f"{gb_per_s * 1e9:.3g}")  # rounded first: 999.6 MB/s is 1.00 GB/s, not 1000 MB/s
+    prefix, scale = next(((p, k) for p, k in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)) if abs(value) >= k),
+                         ("", 1.0))  # fmt: skip
+    scaled = value / scale
+    return f"{scaled:.{2 if abs(scaled) < 10 else 1 if abs(scaled) < 100 else 0}f} {prefix}B/s"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[object]], left: int = 1) -> str:
+    """Columns padded to their widest cell; the first ``left`` left-aligned (names), the rest right-aligned."""
+    cells = [[str(c) for c in row] for row in [header, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+             for row in cells]  # fmt: skip
+    return "\n".join(line.rstrip() for line in lines)
 
 
 @dataclass(frozen=True)

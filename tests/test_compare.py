@@ -1,4 +1,4 @@
-"""``python -m lit_ddp.report RUN_A --compare RUN_B`` (``lit_ddp.analysis.compare``): on seeded samples and hand-made
+"""``python -m lit_ddp.report RUN_A --compare RUN_B`` (``lit_ddp.present.compare``): on seeded samples and hand-made
 records a known change is found in its row and nowhere else, identical runs call no row, the set-ups' differences
 come first; on real runs, two of one job call nothing, and every rank's forward 10 ms longer is found as that."""
 
@@ -18,9 +18,10 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_ddp import FixedBatchDataModule, report
-from lit_ddp.analysis import compare, noise, row_samples
 from lit_ddp.callbacks import CommMonitor, PhaseTimer
+from lit_ddp.derive import noise, row_samples
 from lit_ddp.errors import RecordError
+from lit_ddp.present import compare
 from lit_ddp.records.schema import StepBuckets, StepMemory, load_run, save
 from tests import records
 from tests.slow_ranks import SlowRegression

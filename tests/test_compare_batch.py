@@ -1,4 +1,4 @@
-"""``report A --compare B`` knows the batch (``lit_ddp.analysis.batch``): samples/s from the records' rows per
+"""``report A --compare B`` knows the batch (``lit_ddp.derive.batch``): samples/s from the records' rows per
 rank, a batch or rank-count difference said first with the time rows then read per sample, and a change beyond a
 quarter that the noise cannot call is "can't tell", not "same"."""
 
@@ -9,7 +9,8 @@ import re
 import pytest
 
 from lit_ddp import report
-from lit_ddp.analysis import batch, compare
+from lit_ddp.derive import batch
+from lit_ddp.present import compare
 from lit_ddp.records.schema import Roofline, save
 from tests import records
 from tests.test_compare import a_run

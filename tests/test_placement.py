@@ -63,7 +63,7 @@ def test_table_has_one_line_per_rank():
 
 
 def test_every_column_of_the_map_is_left_aligned():
-    """lit_ddp.analysis.tables.table with every column a label: the layout docs/output.md shows."""
+    """lit_ddp.formatting.table with every column a label: the layout docs/output.md shows."""
     lines = format_table([row(0, 0, "cpu"), row(10, 10, "cpu")]).splitlines()
     assert lines[1].startswith("0     0      0     n0    cpu     -                     0           -")
     assert lines[2].startswith("10    10     0     n0    cpu     -                     10          -")

@@ -18,7 +18,6 @@ from collections import deque
 from types import FrameType, TracebackType
 from typing import Any, Optional
 
-
 from lit_ddp import _torch
 from lit_ddp.analysis.divergence import Collective, RankReport
 from lit_ddp.analysis.flight_recorder import Frame, collective_of, default_group, user_frame

@@ -19,7 +19,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from lit_ddp._torch import ddp_logging_data
-from lit_ddp.analysis import trace, trace_memory
+from lit_ddp.derive import trace, trace_memory
 from lit_ddp.measure.profiling import OPENS
 from lit_ddp.records.schema import HEAD_STEPS, PHASES, DDPMemory, StepMemory
 

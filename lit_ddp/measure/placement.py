@@ -14,7 +14,7 @@ from typing import Optional, TypedDict
 
 import torch
 
-from lit_ddp.analysis.tables import table
+from lit_ddp.formatting import table
 
 
 class RankPlacement(TypedDict):

@@ -1,6 +1,6 @@
 """The profiled steps' trace, kept: PhaseTimer's ``torch.profiler`` over a few steady steps writes each rank's
 Chrome trace into the run's log dir, and the GPU-busy time of each phase is read back from it by
-``lit_ddp.analysis.trace``. PhaseTimer's helper.
+``lit_ddp.derive.trace``. PhaseTimer's helper.
 
     python -m lit_ddp.fit --config configs/mini_train_profile.yaml --devices 1    # on a GPU: steps 2-4 profiled
     python -m lit_ddp.report --trace runs/mini_train_profile/version_0/traces     # the kept traces, any time later
@@ -22,12 +22,12 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from lit_ddp.analysis import trace
+from lit_ddp.derive import trace
 from lit_ddp.records.schema import StepPhases, StepRow
 
 # The phase range each boundary opens, closing the one open before. One is open at every moment of a step, so an
 # op queued between two phases is "other", not given to a range around the phases (torch's Optimizer.step#...step
-# holds Lightning's whole closure). lit_ddp.analysis.trace takes the innermost range: one opened inside ours
+# holds Lightning's whole closure). lit_ddp.derive.trace takes the innermost range: one opened inside ours
 # (Lightning's # profiler's [Strategy]...training_step, begun just before the forward pre-hook) keeps what it holds.
 OPENS = {"forward_start": trace.FORWARD, "forward_end": trace.OTHER, "backward_start": trace.BACKWARD,
          "backward_end": trace.OTHER, "update_start": trace.UPDATE, "update_end": trace.OTHER,
@@ -183,7 +183,7 @@ class Busy(NamedTuple):
 
 def read_busy(paths: Iterable[Path], rank: int, steps: Optional[Collection[int]] = None) -> Busy:
     """GPU-busy ms of each phase and of the whole step, per ``lit_ddp.step#N`` range in the traces of ``rank``
-    among ``paths``, through ``lit_ddp.analysis.trace``. A trace that is not one, is another rank's, or holds none
+    among ``paths``, through ``lit_ddp.derive.trace``. A trace that is not one, is another rank's, or holds none
     of the tool's step ranges is passed over.
 
     Args:

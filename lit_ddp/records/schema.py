@@ -262,9 +262,7 @@ class CommRecord:
     unused: list[str] = field(default_factory=list)  # rank 0's parameters without a gradient in its last step
     unused_bytes: int = 0
     unused_every_step: bool = False  # the same ones in every step rank 0 ran
-    straggler: Optional[dict[str, Any]] = (
-        None  # lit_ddp.analysis.stragglers.Straggler's fields, with phases.json's cause
-    )
+    straggler: Optional[dict[str, Any]] = None  # lit_ddp.derive.stragglers.Straggler's fields, with phases.json's cause
     kind: str = "comm"
     wire_dtype: Optional[str] = None  # the buckets' dtype as the all-reduce saw them (after any compression)
     ddp_memory: Optional[DDPMemory] = None  # rank 0's, at the end of training

@@ -10,9 +10,8 @@ import math
 import statistics
 from typing import Optional
 
-from lit_ddp.analysis.noise import Interval
-from lit_ddp.analysis.tables import fmt_ms, table
-from lit_ddp.formatting import fmt_bytes
+from lit_ddp.derive.noise import Interval
+from lit_ddp.formatting import fmt_bytes, fmt_ms, table
 from lit_ddp.tuner.knobs import Knobs
 from lit_ddp.tuner.search import CONFIDENCE, Outcome
 from lit_ddp.tuner.trial import Comparison, Trial, compare

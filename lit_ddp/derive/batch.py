@@ -1,4 +1,4 @@
-"""What a comparison reads of each run's batch (``lit_ddp.analysis.compare``): the samples one optimizer step of
+"""What a comparison reads of each run's batch (``lit_ddp.present.compare``): the samples one optimizer step of
 the job processes, the samples/s row, and, where the two sides' batches differ, each time row read per sample.
 
     python -m lit_ddp.report RUN_BATCH_32 --compare RUN_BATCH_64      # samples/s first; the step's rows per sample
@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Optional
 
-from lit_ddp.analysis.tables import fmt_ms
+from lit_ddp.formatting import fmt_ms
 from lit_ddp.records.schema import CommRecord, PhaseRecord
 
 Run = tuple[Optional[PhaseRecord], Optional[CommRecord]]

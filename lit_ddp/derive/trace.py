@@ -7,7 +7,7 @@ Reads the traces torch.profiler and Lightning's ``PyTorchProfiler`` write (``.js
 ``json`` alone, no torch, so any torch version's trace reads anywhere. The figures (span, busy, idle, compute,
 communication, overlap, the three waits), how each GPU op is given to a step, a phase (``PHASE_PATTERNS``) and a
 bucket, the collectives' bandwidth, and where they differ from HTA's: docs/traces.md. Memory per step and phase
-from a ``profile_memory=True`` trace: ``lit_ddp.analysis.trace_memory``. The interval union and nccl-tests' bus
+from a ``profile_memory=True`` trace: ``lit_ddp.derive.trace_memory``. The interval union and nccl-tests' bus
 factors it uses are ``lit_ddp.maths.intervals`` and ``lit_ddp.maths.bus_factors``.
 """
 

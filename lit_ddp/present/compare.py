@@ -6,8 +6,8 @@ wait, peak memory) A, B, B - A with its interval, and one word: ``slower`` / ``f
     python -m lit_ddp.report A1 A2 A3 --compare B1 B2 B3       # several runs each: the variation between runs too
     python -m lit_ddp.report --trace TRACES_A --compare TRACES_B
 
-The rows' samples are per step (``lit_ddp.analysis.row_samples``); the intervals are the noise model's
-(``lit_ddp.analysis.noise``), at a level that holds for all rows together. How to read it: docs/noise.md.
+The rows' samples are per step (``lit_ddp.derive.row_samples``); the intervals are the noise model's
+(``lit_ddp.derive.noise``), at a level that holds for all rows together. How to read it: docs/noise.md.
 """
 
 import math
@@ -17,12 +17,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
-from lit_ddp.analysis import batch, noise
-from lit_ddp.analysis.row_samples import run_samples, run_spreads, trace_samples
-from lit_ddp.analysis.tables import fmt_ms, table
-from lit_ddp.analysis.trace import RankAnalysis
+from lit_ddp.derive import batch, noise
+from lit_ddp.derive.row_samples import run_samples, run_spreads, trace_samples
+from lit_ddp.derive.trace import RankAnalysis
 from lit_ddp.errors import RecordError
-from lit_ddp.formatting import fmt_bytes
+from lit_ddp.formatting import fmt_bytes, fmt_ms, table
 from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, load_run, no_record
 
 CONFIDENCE = 0.95  # for the family of all the rows: the chance that any row is called by noise alone is <= 5%

@@ -54,10 +54,8 @@ def test_a_loggers_folder_names_its_runs_versions(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         report.main([str(tmp_path)])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.strip().endswith(
-        f"{tmp_path} is a folder of runs: give one of {tmp_path / 'version_0'}, {tmp_path / 'version_2'}, "
-        f"{tmp_path / 'version_10'}"
-    )
+    runs = ", ".join(str(tmp_path / f"version_{v}") for v in (0, 2, 10))
+    assert capsys.readouterr().err.strip().endswith(f"{tmp_path} is a folder of runs: give one of {runs}")
 
 
 def steps_with_boundaries(per_step: list[tuple[float, float, float, float]]) -> list[StepRow]:

@@ -28,7 +28,7 @@ from lit_ddp.present import plots
 from lit_ddp.present.comm import comm_table
 from lit_ddp.present.compare import compare_dirs
 from lit_ddp.present.phases import phase_table
-from lit_ddp.records.schema import load_oom, load_run
+from lit_ddp.records.schema import load_oom, load_run, no_record
 from lit_ddp.scaling.model import Measured
 
 
@@ -122,15 +122,16 @@ def _run(command: UsageParser, args: argparse.Namespace) -> int:
     if phases is None and comm is None and out_of_memory:
         return 0  # a run that ran out of memory: its ranks' lines are its record
     if phases is None and comm is None:
-        command.error(f"{args.run_dir} holds neither phases.json nor comm.json: was PhaseTimer or CommMonitor on?")
+        command.error(no_record(args.run_dir))
     analysis = analyze(phases, comm)
-    if phases is not None:
-        print(phase_table(analysis))
-    if comm is not None:
-        print(comm_table(analysis))
     code = 0
-    if phases is not None and not args.no_plot:
-        code = plots.write(lambda: plots.phases_figure(analysis), args.run_dir / "phases.png")
+    if not args.forecast:  # the forecast prints its own lines only: the tables are a plain report's
+        if phases is not None:
+            print(phase_table(analysis))
+        if comm is not None:
+            print(comm_table(analysis))
+        if phases is not None and not args.no_plot:
+            code = plots.write(lambda: plots.phases_figure(analysis), args.run_dir / "phases.png")
     if args.forecast:
         try:
             code = _forecast(args, analysis) or code

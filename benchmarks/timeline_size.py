@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROOT, child_env  # noqa: E402
-from lit_ddp.analysis.tables import fmt_ms, fmt_si, table  # noqa: E402
+from lit_ddp.formatting import fmt_ms, fmt_si, table  # noqa: E402
 from lit_ddp.present import timeline  # noqa: E402
 from lit_ddp.records.schema import load_run, save  # noqa: E402
 

@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROOT, child_env  # noqa: E402
+from lit_ddp.analysis.run_analysis import analyze  # noqa: E402
 from lit_ddp.formatting import fmt_ms, fmt_si, table  # noqa: E402
 from lit_ddp.present import timeline  # noqa: E402
 from lit_ddp.records.schema import load_run, save  # noqa: E402
@@ -61,7 +62,7 @@ def simulate(run_dir: Path, world_size: int, out: Path) -> dict:
     bare = timeline.write_timeline(sim, out / f"timeline{world_size}.json")
     elapsed = time.perf_counter() - start
     traced = timeline.write_timeline(run_dir, out / "traced.json")  # the real 2 ranks, with their traces
-    plain = timeline.timeline(*load_run(run_dir))
+    plain = timeline.timeline(analyze(*load_run(run_dir)))
     per_rank_traces = (traced.stat().st_size - len(json.dumps(plain, separators=(",", ":")))) / len(phases.ranks[:2])
     return {"ranks": world_size, "size": bare.stat().st_size, "seconds": elapsed, "buckets": len(comm.layout),
             "steps": len(phases.ranks[0].rows), "events": bare.read_text().count('"ph"'),

@@ -4,6 +4,7 @@ a rank out of memory, and times left as read without comm.json."""
 
 import pytest
 
+from lit_ddp.analysis.run_analysis import RunAnalysis
 from lit_ddp.present import timeline
 from lit_ddp.records.schema import (
     CommRecord,
@@ -40,7 +41,7 @@ def events(content: dict, name: str = "", cat: str = "", pid=None) -> list[dict]
 
 
 def test_one_micro_batch_sits_where_it_ran_and_other_is_the_gaps():
-    content = timeline.timeline(phases([[row(0, 10.0)], [row(0, 10.0)]]), None)
+    content = timeline.timeline(RunAnalysis(phases([[row(0, 10.0)], [row(0, 10.0)]]), None))
     starts = {e["name"]: e["ts"] for e in events(content, cat="phase", pid=0) if e["name"] != "other"}
     assert starts == {"forward": 1e3, "backward": 12e3, "update": 34e3, "data": 40e3}
     gaps = [(e["ts"], e["dur"]) for e in events(content, name="other", pid=0)]
@@ -49,7 +50,7 @@ def test_one_micro_batch_sits_where_it_ran_and_other_is_the_gaps():
 
 
 def test_micro_batches_are_laid_end_to_end_each_the_records_sum():
-    content = timeline.timeline(phases([[row(4, 10.0, micro=3)], [row(4, 10.0, micro=3)]]), None)
+    content = timeline.timeline(RunAnalysis(phases([[row(4, 10.0, micro=3)], [row(4, 10.0, micro=3)]]), None))
     laid = [(e["name"], e["ts"], e["dur"]) for e in events(content, cat="phase", pid=1)]
     assert laid == [("forward", 0.0, 10e3), ("backward", 10e3, 20e3), ("update", 30e3, 5e3), ("data", 35e3, 60e3),
                     ("other", 95e3, 5e3)]  # fmt: skip
@@ -61,7 +62,7 @@ def test_a_sigterm_and_a_rank_out_of_memory_are_marked_where_they_happened(tmp_p
     record = phases([[row(0, 10.0), row(1, 10.1)], [row(0, 10.0), row(1, 10.1)]], ended_by="SIGTERM")
     held = DDPMemory(0, 0, [], False, 0, 0)
     oom = OutOfMemory(meta(), 1, 1, "backward", "CUDA out of memory", held)
-    content = timeline.timeline(record, None, [oom])
+    content = timeline.timeline(RunAnalysis(record, None), [oom])
     sigterm = events(content, name="SIGTERM: stopped after step 1")
     assert [(e["pid"], e["ts"]) for e in sigterm] == [(0, 200e3), (1, 200e3)]  # the end of step 1
     out = events(content, name="out of memory: step 1, backward")
@@ -78,12 +79,12 @@ def test_on_nccl_a_bucket_queues_behind_the_one_before_and_on_gloo_overlapping_b
     # Both ranks hand bucket 0 over at 10.020 s and bucket 1 at 10.022 s; bucket 0 takes 5 ms, bucket 1 4 ms.
     ranks = [RankComm(r, bucket_rows([10.020, 10.022], [5.0, 4.0]), {}) for r in range(2)]
     nccl = CommRecord(meta("nccl"), ranks, [1000, 1000], 2000, clock_offset_s=[0.0, 0.0], clock_error_s=[0.0, 0.0])
-    content = timeline.timeline(phases(rows), nccl)
+    content = timeline.timeline(RunAnalysis(phases(rows), nccl))
     parts = [(e["name"], e["ts"], e["dur"]) for e in events(content, cat="comm", pid=0)]
     assert parts == [("all-reduce bucket 0", 20e3, 5e3), ("transfer", 20e3, 5e3),
                      ("all-reduce bucket 1", 22e3, 7e3), ("queued", 22e3, 3e3), ("transfer", 25e3, 4e3)]  # fmt: skip
     gloo = CommRecord(meta("gloo"), ranks, [1000, 1000], 2000, clock_offset_s=[0.0, 0.0], clock_error_s=[0.0, 0.0])
-    content = timeline.timeline(phases(rows), gloo)
+    content = timeline.timeline(RunAnalysis(phases(rows), gloo))
     lanes = {e["name"]: e["tid"] for e in events(content, cat="comm", pid=0) if e["name"].startswith("all-reduce")}
     assert lanes == {"all-reduce bucket 0": timeline.COMM_TRACK, "all-reduce bucket 1": timeline.COMM_TRACK + 1}
     names = {
@@ -99,7 +100,7 @@ def test_a_rank_waits_for_the_last_hand_over_on_rank_0s_clock():
     ranks = [RankComm(0, bucket_rows([10.020], [8.0]), {}),
              RankComm(1, bucket_rows([110.025], [3.0]), {})]  # fmt: skip
     comm = CommRecord(meta(), ranks, [1000], 1000, clock_offset_s=[0.0, 100.0], clock_error_s=[0.0, 1e-6])
-    content = timeline.timeline(phases(rows), comm)
+    content = timeline.timeline(RunAnalysis(phases(rows), comm))
     wait = events(content, name="wait", pid=0)
     assert [(e["ts"], e["dur"]) for e in wait] == [(pytest.approx(20e3), pytest.approx(5e3))]
     assert not events(content, name="wait", pid=1)

@@ -4,7 +4,8 @@ Perfetto's UI, chrome://tracing and speedscope open.
     python -m lit_ddp.report runs/mini_train_profile/version_0 --timeline run.json    # then open it in Perfetto's UI
     lit_ddp.write_timeline("runs/mini_train_profile/version_0", "run.json")
 
-From the cheap record alone (``phases.json``, ``comm.json``; ``lit_ddp.records.schema``): a process per rank, a track
+From the cheap record alone (``phases.json``, ``comm.json``), analyzed once (``lit_ddp.analysis.run_analysis``, for
+the straggler): a process per rank, a track
 of its kept steps' phases, a track (or several, where all-reduces overlap) of its buckets' all-reduces split into
 their wait and their transfer, and a track of markers; the profiled steps' torch.profiler traces (``traces/``),
 where the run kept them, go on the same clock. Every rank's times are put on rank 0's clock with comm.json's
@@ -20,13 +21,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from lit_ddp.analysis.run_analysis import RunAnalysis, analyze
 from lit_ddp.errors import RecordError
 from lit_ddp.maths.bus_factors import allreduce_bus_factor
 from lit_ddp.records.schema import (
     BOUNDARIES,
     CommRecord,
     OutOfMemory,
-    PhaseRecord,
     StepBuckets,
     StepRow,
     load_oom,
@@ -176,11 +177,11 @@ def _lanes(groups: list[list[dict]]) -> int:
     return max(len(ends), 1)
 
 
-def markers(phases: Optional[PhaseRecord], comm: Optional[CommRecord], rows: dict[int, dict[int, StepRow]],
-            clock: _Clock, ooms: Iterable[OutOfMemory]) -> list[dict]:  # fmt: skip
-    """Instants: the warm-up, the profiled and skipped steps, the straggler's late arrivals, a SIGTERM's stop and a
-    rank's running out of memory."""
-    out = []
+def markers(analysis: RunAnalysis, rows: dict[int, dict[int, StepRow]], clock: _Clock,
+            ooms: Iterable[OutOfMemory]) -> list[dict]:  # fmt: skip
+    """Instants: the warm-up, the profiled and skipped steps, the late arrivals of the straggler the analysis named,
+    a SIGTERM's stop and a rank's running out of memory."""
+    phases, comm, out = analysis.phases, analysis.comm, []
     for rank, kept in rows.items():
         for step, row in kept.items():
             at = clock.us(rank, row.start_s)
@@ -201,9 +202,9 @@ def markers(phases: Optional[PhaseRecord], comm: Optional[CommRecord], rows: dic
             at = clock.us(oom.rank, row.start_s) + (0.0 if row.step == oom.step else row.offsets_ms[-1] * 1e3)
             out.append(_instant(oom.rank, f"out of memory: step {oom.step}, {oom.phase}", at,
                                 {"step": oom.step, "phase": oom.phase, "error": oom.error}))  # fmt: skip
-    straggler = comm.straggler if comm is not None else None
-    if straggler and straggler.get("rank") is not None:
-        out += _late_arrivals(comm, straggler["rank"], straggler.get("threshold_ms", 0.0), clock)
+    straggler = analysis.named_straggler
+    if comm is not None and straggler is not None:
+        out += _late_arrivals(comm, straggler.rank, straggler.threshold_ms, clock)
     return out
 
 
@@ -289,17 +290,18 @@ def _traces(run_dir: Path) -> dict[int, Path]:
 
 
 def timeline(
-    phases: Optional[PhaseRecord],
-    comm: Optional[CommRecord],
+    analysis: RunAnalysis,
     ooms: Iterable[OutOfMemory] = (),
     steps: Optional[tuple[int, int]] = None,
     traces: Optional[dict[int, Path]] = None,
 ) -> dict:
-    """The Trace Event file's content (a dict to write as JSON) of a run's records, ``steps`` (first, last) only.
+    """The Trace Event file's content (a dict to write as JSON) of a run's analyzed records, ``steps`` (first, last)
+    only.
 
     Raises:
         RecordError: No record with the steps' starts (schema 3 records have none), or no kept step in ``steps``.
     """
+    phases, comm = analysis.phases, analysis.comm
     if phases is None:
         raise RecordError("a timeline needs phases.json (PhaseTimer): comm.json alone has no steps to draw")
     wanted = (lambda s: steps[0] <= s <= steps[1]) if steps else (lambda s: True)
@@ -324,7 +326,7 @@ def timeline(
             events += phase_slices(rank.rank, row, clock.us(rank.rank, row.start_s))
     if comm is not None:
         events += _all_comm(comm, clock, wanted)
-    events += markers(phases, comm, rows, clock, ooms)
+    events += markers(analysis, rows, clock, ooms)
     for rank, path in (traces or {}).items():
         kept = rows.get(rank, {})
         starts = {step: clock.us(rank, row.start_s) for step, row in kept.items()}
@@ -373,8 +375,7 @@ def write_timeline(run_dir: Union[str, os.PathLike], path: Union[str, os.PathLik
         RecordError: The run has no record a timeline can be drawn from.
     """
     run_dir = Path(run_dir)
-    phases, comm = load_run(run_dir)
-    content = timeline(phases, comm, load_oom(run_dir), steps, _traces(run_dir))
+    content = timeline(analyze(*load_run(run_dir)), load_oom(run_dir), steps, _traces(run_dir))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as out:

@@ -67,6 +67,7 @@ PARTS = {
     ("measure/fit_phases.py", "mark"): "PhaseTimer's marks (FitPhases.mark)",
     ("callbacks/comm_monitor.py", "_collect"): "CommMonitor's window: buckets to rows (_collect)",
     ("measure/collectives.py", "mark"): "the collective record's mark (CollectiveRecord.mark)",
+    ("run/watchdog.py", "beat"): "the watchdog's beat (watchdog.beat)",
 }
 RUNS = {
     "default config": (),
@@ -126,6 +127,7 @@ FUNCTION_PARTS = {  # module-level functions as their callers look them up: (mod
     ("lit_ddp._torch", "all_gather_started"): ("StepSync", "the all_gather started (the process group's call)"),
     ("lit_ddp.callbacks.step_sync", "all_gather"): ("StepSync", "the all_gather started (torch.distributed's call)"),
     ("lit_ddp.callbacks.sync_check", "fingerprints"): ("SyncCheck", "the fingerprint"),
+    ("lit_ddp.run.watchdog", "beat"): ("CollectiveRecorder", "the watchdog's beat (a clock read at a new step)"),
 }
 
 

@@ -28,7 +28,7 @@ from typing_extensions import override
 
 from lit_ddp import _lightning
 from lit_ddp.measure.gradients import check_all_used
-from lit_ddp.run import console, launchers, lifecycle
+from lit_ddp.run import console, launchers, lifecycle, watchdog
 from lit_ddp.run.checkpointing import AtomicCheckpointIO
 from lit_ddp.run.ddp_options import buffer_sync, powersgd
 from lit_ddp.run.hangs import diagnose
@@ -199,6 +199,8 @@ class LitDDPStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         lifecycle.follow_launcher(self.cluster_environment)
+        env = self.cluster_environment
+        watchdog.start(env.global_rank(), self.num_nodes * self.num_processes)  # before the rendezvous
         super().setup_environment()
 
     @override
@@ -250,11 +252,17 @@ class LitDDPStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        watchdog.beat(self.lightning_module.trainer.global_step)  # a clock read, at a new step only
         try:
             return super().training_step(*args, **kwargs)
         except torch.OutOfMemoryError as err:
             self._out_of_memory(err)
             raise
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        watchdog.alive()
+        return super().validation_step(*args, **kwargs)
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -376,7 +376,8 @@ def test_the_watchdog_names_the_rank_its_line_and_what_the_others_wait_in_long_b
     ("case", "pattern"),
     [
         ("setup_barrier", r"collective #\d+ diverged: rank 0 called barrier before training .*; out of step since "
-                          r"#\d+, barrier: rank 0 at hang_scripts.py:\d+ setup: torch.distributed.barrier\(\), rank 1 at "),
+                          r"#\d+, barrier: rank 0 at hang_scripts.py:\d+ setup: torch.distributed.barrier\(\), "
+                          r"rank 1 at "),
         ("logkeys_ddp", r"collective #\d+ diverged: rank 0 called all_reduce Float\[9\] \(DDP gradient bucket 0\) at "
                         r"step 3, backward; rank 1 called barrier at step 3, training_step \(hang_scripts.py:\d+ "
                         r"training_step: self.log\(\"rare_metric\", loss, sync_dist=True\)\) -> .*rank_zero_only"),

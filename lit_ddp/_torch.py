@@ -3,7 +3,7 @@
     pytest tests/test_private_apis.py      # fails loudly, naming the name, when the installed torch changed
 
 Tested with torch 2.11, 2.13 and 2.14 (CI runs tests/test_private_apis.py on each). Reading profiler traces uses
-none: ``lit_ddp.analysis.trace`` reads the
+none: ``lit_ddp.derive.trace`` reads the
 Chrome-trace JSON that ``torch.profiler`` writes, a public format.
 """
 

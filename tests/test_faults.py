@@ -110,6 +110,10 @@ def test_a_failing_rank_ends_the_job(failed_runs, how, rank):
         assert f"injected failure on rank {rank}" in result.stderr
     if rank == 1:  # rank 0 itself often sees only "connection reset by peer"
         assert re.search(r"^lit-ddp-fit: rank 1 exited with code [1-9]", result.stderr, re.M), result.stderr[-1500:]
+    if how == "raise":  # the cause last, short (issue 52): the raising rank's own line ends the job
+        last = result.stderr.strip().splitlines()[-1]
+        assert re.fullmatch(rf"lit-ddp-fit: rank {rank} exited with code 1: RuntimeError: injected failure on rank "
+                            rf"{rank} at step 2", last), result.stderr[-1500:]  # fmt: skip
 
 
 @pytest.mark.slow

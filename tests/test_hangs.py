@@ -67,6 +67,18 @@ def test_with_several_nodes_each_rank_is_named_with_its_node():
                     "waited there until the timeout")  # fmt: skip
 
 
+def test_a_peers_error_becomes_the_whole_message_short_with_the_rank_s_own_chained_above():
+    waiting = RankReport(0, 2.0, "collective error", collectives=[grads(7, 2), grads(9, 3)])
+    user = 'x.py:3 training_step: raise RuntimeError("' + "a long message " * 8 + '")'
+    cause = RankReport(1, 1.0, "exception", "RuntimeError: boom", user, 3, "training_step")
+    line = hangs._raised_first(cause, waiting)
+    assert line == ("rank 1 raised first: RuntimeError: boom (x.py:3 training_step); rank 0 waited for it in "
+                    "collective #9 (all_reduce at step 3, backward)")  # fmt: skip
+    error = RuntimeError("Connection closed by peer: " + "gloo " * 200)
+    hangs._conclude(error, line)
+    assert str(error) == line and "Connection closed by peer" in str(error.__cause__)
+
+
 def test_ranks_that_agree_give_no_line():
     same = [grads(7, 2), grads(9, 3)]
     assert divergences({0: RankReport(0, 1.0, "timeout", collectives=same),
@@ -325,12 +337,16 @@ RAISED = r"rank 1 raised first: RuntimeError: injected failure on rank 1 between
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_under_the_ddp_launcher_the_job_ends_with_the_rank_that_raised(hung_runs):
-    """Rank 0 trains in the launching process: its own error (a closed connection) is the job's last line, and it
-    leads with rank 1's, the first cause, from rank 1's report in the store."""
+    """Rank 0 trains in the launching process: its own error (a closed connection) ends the job, and its message is
+    rank 1's, the first cause, from rank 1's report in the store: one short line, last, the closed connection's
+    page of gloo text chained above the traceback (issue 52: the cause last, short)."""
     code, seconds, stderr = hung_runs["raise_popen"]
     assert code == 1
-    assert re.match(r"^\[rank0\]: RuntimeError: " + RAISED + r"\d+ training_step: raise RuntimeError\(.*\)\); rank 0 "
-                    r"failed because of it: collective #\d+: ", last_line(stderr)), stderr[-3000:]  # fmt: skip
+    line = last_line(stderr)
+    assert re.fullmatch(r"\[rank0\]: RuntimeError: " + RAISED + r"\d+ training_step\); rank 0 waited for it in "
+                        r"collective #\d+ \(all_reduce at step 3, backward\)", line), stderr[-3000:]  # fmt: skip
+    assert len(line.partition("RuntimeError: ")[2]) <= hangs.LINE_CHARS  # the prefixes are the launcher's
+    assert "Connection closed by peer" in stderr.partition("The above exception was the direct cause")[0]
     assert seconds < TIMEOUT_S + 60
 
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from lightning.pytorch import Callback
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
@@ -49,6 +49,16 @@ def test_prints_every_n_th_step_and_always_the_last(make_trainer, tmp_path, capl
     assert step_numbers(printed(caplog)) == [0, 4, 5]  # both runs have 6 steps
 
 
+def test_by_default_it_prints_every_log_every_n_steps_of_the_trainer(tmp_path, caplog):
+    """In a user's script LossMonitor() prints at Lightning's cadence for step metrics, not every step."""
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=8, log_every_n_steps=3, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[LossMonitor()], default_root_dir=tmp_path)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger=RANK_ZERO_LOGGER):
+        trainer.fit(LinearRegression(dim=8), FixedBatchDataModule(dim=8, batch_size=4))
+    assert step_numbers(printed(caplog)) == [0, 3, 6, 7]  # and the last step
+
+
 def test_every_n_steps_0_prints_and_logs_nothing(make_trainer, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger=RANK_ZERO_LOGGER):
         rows = fit_one_rank(make_trainer, tmp_path, LossMonitor(every_n_steps=0))
@@ -79,7 +89,7 @@ class RecordLocalLoss(Callback):
 
 
 def test_the_loss_is_the_mean_over_the_ranks(make_trainer, tmp_path):
-    trainer = make_trainer(max_steps=3, callbacks=[RecordLocalLoss(tmp_path), LossMonitor()],
+    trainer = make_trainer(max_steps=3, callbacks=[RecordLocalLoss(tmp_path), LossMonitor(every_n_steps=1)],
                            logger=CSVLogger(tmp_path, name="run", version=0))  # fmt: skip
     trainer.fit(LinearRegression(dim=16), FixedBatchDataModule(dim=16, batch_size=4))
     local = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
@@ -135,7 +145,7 @@ def test_training_stopped_with_the_last_gather_in_flight_ends_with_that_steps_li
                                                                                                tmp_path):  # fmt: skip
     """A callback after StepSync stops training after step 2, whose gather is then still in flight: its Step line,
     its logger row and the weights after it (SyncCheck had checked step 0 only) are all there at the end."""
-    callbacks = [RecordLogs(tmp_path), LossMonitor(), SyncCheck(), StopAfterStep(2)]
+    callbacks = [RecordLogs(tmp_path), LossMonitor(every_n_steps=1), SyncCheck(), StopAfterStep(2)]
     trainer = make_trainer(max_steps=10, callbacks=callbacks, logger=CSVLogger(tmp_path, name="run", version=0))
     trainer.fit(LinearRegression(dim=16), FixedBatchDataModule(dim=16, batch_size=4))
     with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:

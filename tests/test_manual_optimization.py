@@ -47,7 +47,7 @@ def run(tmp_path, mode, every=1):
     trainer = Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(start_method=cpu_start_method()), max_steps=4,
                       logger=CSVLogger(tmp_path / "out", name=mode, version=0), enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[PhaseTimer(), CommMonitor(), SyncCheck(), LossMonitor(),
+                      callbacks=[PhaseTimer(), CommMonitor(), SyncCheck(), LossMonitor(every_n_steps=1),
                                  RecordLogs(logs)])  # fmt: skip
     trainer.fit(model, FixedBatchDataModule(dim=32, batch_size=8))
     out = RecordLogs.read(logs, 0)

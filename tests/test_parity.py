@@ -20,7 +20,7 @@ def fit_port(make_trainer, tmp_path, devices, batch_size, name):
     seed_everything(0)
     model = LinearRegression(dim=DIM, lr=1e-2)
     logger = CSVLogger(tmp_path, name=name, version=0)
-    trainer = make_trainer(devices=devices, max_steps=STEPS, callbacks=[LossMonitor()], logger=logger)
+    trainer = make_trainer(devices=devices, max_steps=STEPS, callbacks=[LossMonitor(every_n_steps=1)], logger=logger)
     trainer.fit(model, FixedBatchDataModule(dim=DIM, batch_size=batch_size))
     with open(tmp_path / name / "version_0" / "metrics.csv") as f:
         losses = [float(row["train/loss"]) for row in csv.DictReader(f) if row.get("train/loss")]
@@ -54,7 +54,7 @@ def test_at_the_size_readme_shows(make_trainer, tmp_path):
         seed_everything(0)
         model = LinearRegression(dim=1024)
         logger = CSVLogger(tmp_path, name=f"d{devices}", version=0)
-        make_trainer(devices=devices, max_steps=5, callbacks=[LossMonitor()], logger=logger).fit(
+        make_trainer(devices=devices, max_steps=5, callbacks=[LossMonitor(every_n_steps=1)], logger=logger).fit(
             model, FixedBatchDataModule(dim=1024, batch_size=batch_size)
         )
         with open(tmp_path / f"d{devices}" / "version_0" / "metrics.csv") as f:

@@ -16,6 +16,7 @@ from lit_ddp.errors import RecordError
 from lit_ddp.records import schema as record
 from lit_ddp.records.schema import HEAD_STEPS, TAIL_STEPS, Roofline, Sketch, StepBuckets, Window
 from tests.records import comm_record, phase_record
+from tests.runner import ROOT
 
 QUANTILES = (0.0, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 
@@ -243,11 +244,12 @@ def test_load_refuses_another_schema_in_one_line(tmp_path):
     message = str(refused.value)
     assert "\n" not in message
     now = record.SCHEMA_VERSION
-    assert message.startswith(f"{old / 'phases.json'}: run record schema 1; this lit_ddp reads schema {now}")
-    for other in (now - 1, now + 1):  # the schema before this one (2: no memory figures), and a newer one
+    reads = f"this lit_ddp reads schema {record.READS[0]} to {now}"
+    assert message.startswith(f"{old / 'phases.json'}: run record schema 1; {reads}")
+    for other in (record.READS[0] - 1, now + 1):  # the schema before the oldest read (2: no memory), a newer one
         written = tmp_path / f"schema{other}.json"
         written.write_text(json.dumps({"schema": other, "kind": "phases"}))
-        with pytest.raises(RecordError, match=f"run record schema {other}; this lit_ddp reads schema {now}"):
+        with pytest.raises(RecordError, match=f"run record schema {other}; {reads}"):
             record.load(written)
     damaged = json.dumps({"schema": now, "kind": "phases"})
     for text, why in (("{", "not a readable run record"), (damaged, "a damaged run record")):
@@ -256,6 +258,17 @@ def test_load_refuses_another_schema_in_one_line(tmp_path):
         with pytest.raises(RecordError, match=why) as refused:
             record.load(bad)
         assert "\n" not in str(refused.value)
+
+
+@pytest.mark.timeout(10)
+def test_a_schema_3_record_loads_as_before_without_the_steps_starts():
+    """tests/data's real record was written by schema 3: it loads field by field, the fields of 4 as None."""
+    old = ROOT / "tests" / "data" / "two_nodes_100mbit"
+    assert json.loads((old / "phases.json").read_text())["schema"] == 3
+    phases, comm = record.load_run(old)
+    assert phases.steps and all(row.start_s is None for rank in phases.ranks for row in rank.rows)
+    assert phases.ended_by is None
+    assert comm.ranks[0].rows[0].arrival_s  # the arrivals were on the host clock already
 
 
 @pytest.mark.timeout(60)
@@ -365,8 +378,8 @@ def test_load_says_what_is_wrong_with_a_record_in_its_words(tmp_path):
         return str(refused.value).removeprefix(f"{path}: ")
 
     now = record.SCHEMA_VERSION
-    assert refusal([1, 2]) == (f"run record schema None; this lit_ddp reads schema {now} (written by another version "
-                               "of the tool: run the job again)")  # fmt: skip
+    assert refusal([1, 2]) == (f"run record schema None; this lit_ddp reads schema 3 to {now} (written by another "
+                               "version of the tool: run the job again)")  # fmt: skip
     assert refusal({"schema": now, "kind": "memory"}) == (
         "a damaged run record (kind 'memory' is none of ['comm', 'oom', 'phases'])"
     )
@@ -385,7 +398,7 @@ def test_load_says_what_is_wrong_with_a_record_in_its_words(tmp_path):
 
 @pytest.mark.timeout(10)
 def test_the_straggler_verdict_in_comm_json_survives_a_round_trip_with_its_phases_excess(tmp_path):
-    from lit_ddp.analysis.stragglers import Straggler
+    from lit_ddp.derive.stragglers import Straggler
 
     _, comm = records()
     comm.straggler = record.as_json(Straggler(

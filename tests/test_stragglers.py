@@ -9,8 +9,8 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_ddp import FixedBatchDataModule
-from lit_ddp.analysis import noise, stragglers
 from lit_ddp.callbacks import CommMonitor, PhaseTimer
+from lit_ddp.derive import noise, stragglers
 from lit_ddp.records.schema import CommRecord, RankComm, RunMeta, StepBuckets, load_run
 from tests.runner import ROOT, run_fit, run_module
 from tests.slow_ranks import ShiftClock, SlowData, SlowRegression
@@ -89,6 +89,15 @@ def test_a_clock_that_is_off_by_100_s_changes_nothing(make_trainer, tmp_path):
     assert comm.clock_error_s[1] < 0.005  # half the fastest round trip on one machine
     assert (found.rank, found.cause) == (1, "forward"), stragglers.verdict_line(found)
     assert 16.0 <= found.wait_ms[0] <= 60.0, found.wait_ms  # the 20 ms delay, less 20% for the clocks
+    # Each step's start is on the rank's own clock, 100 s apart; less comm.json's offset, on rank 0's: the all-reduce
+    # holds the ranks within a step of each other (the timeline's alignment, docs/traces.md).
+    phases, _ = load_run(tmp_path / "run" / "version_0")
+    starts = [{row.step: row.start_s for row in rank.rows} for rank in phases.ranks]
+    assert set(starts[0]) == set(starts[1]) == set(range(STEPS))
+    for step in range(1, STEPS):
+        assert starts[1][step] - starts[0][step] == pytest.approx(100.0, abs=1.0)
+        aligned = starts[1][step] - comm.clock_offset_s[1] - starts[0][step]
+        assert abs(aligned) < 0.5 * (starts[0][step] - starts[0][step - 1]) + 0.005, (step, aligned)
 
 
 @pytest.mark.slow

@@ -40,7 +40,7 @@ def test_validation_is_kept_out_of_the_steps_and_reported_apart(tmp_path):
     trainer = Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(start_method=cpu_start_method()),
                       max_steps=12, val_check_interval=4, logger=CSVLogger(tmp_path / "out", name="run", version=0),
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[PhaseTimer(), LossMonitor(), RecordLogs(tmp_path)])  # fmt: skip
+                      callbacks=[PhaseTimer(), LossMonitor(every_n_steps=1), RecordLogs(tmp_path)])  # fmt: skip
     trainer.fit(Validated(dim=32), WithValidation(dim=32, batch_size=8))
     out = RecordLogs.read(tmp_path, 0)  # what rank 0 printed
     found = re.search(r"^validation inside fit, kept out of the steps above: 3 run\(s\), ([0-9.]+) ms in all, "
@@ -87,7 +87,7 @@ def test_validation_time_leaves_the_data_phase_and_the_step(monkeypatch, tmp_pat
             clock.now += 0.5
             timer.on_validation_end(trainer, model)
         clock.now += 0.003
-    timer.on_train_end(trainer, model)
+    trainer.train_end(model, timer)
     phases = record.load(tmp_path / "phases.json")
     for row in phases.ranks[0].rows:
         assert (row.ms.data, row.ms.step, row.ms.other) == pytest.approx((5.0, 40.0, 0.0)), row.step

@@ -11,7 +11,7 @@ docs/callbacks.md; a step: docs/architecture.md.
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from jsonargparse.typing import NonNegativeInt
@@ -31,15 +31,17 @@ class LossMonitor(LeanCallback):
     """Global-mean loss per step: printed by rank 0, logged as ``train/loss``, checked for NaN/Inf.
 
     Args:
-        every_n_steps: Print every n-th step (and always the last one); 0 prints nothing.
+        every_n_steps: Print every n-th step (and always the last one); 0 prints nothing; None (the default)
+            the Trainer's ``log_every_n_steps``, Lightning's cadence for step metrics (50 unless set; the CLI sets 1).
         check_finite: Gather the loss every step and, when it is NaN or Inf on any rank, raise
             ``NonFiniteLossError`` on every rank at that step (before checkpoints of that step are written).
     """
 
-    def __init__(self, every_n_steps: NonNegativeInt = 1, check_finite: bool = True) -> None:
-        if every_n_steps < 0:
+    def __init__(self, every_n_steps: Optional[NonNegativeInt] = None, check_finite: bool = True) -> None:
+        if every_n_steps is not None and every_n_steps < 0:
             raise ValueError(f"`LossMonitor(every_n_steps={every_n_steps!r})` must be >= 0")
         self.every_n_steps = every_n_steps
+        self._every = every_n_steps or 0  # what this fit prints by: every_n_steps, or the Trainer's cadence
         self.check_finite = check_finite
         self._sync: StepSync | None = None
         self._losses: list[Tensor] = []  # the running optimizer step's micro-batch losses
@@ -56,6 +58,7 @@ class LossMonitor(LeanCallback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._losses, self._updates, self._logged = [], Updates(), []
+        self._every = trainer.log_every_n_steps if self.every_n_steps is None else self.every_n_steps
         self._print = line_printer(trainer)
         self._trainer = trainer
         if grad_scaler(trainer) is not None:  # 16-mixed: each optimizer's step tells a skipped update (Updates)
@@ -96,7 +99,7 @@ class LossMonitor(LeanCallback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
     ) -> None:
-        if not (self.every_n_steps or self.check_finite):  # nothing to print or check on any step: no loss kept
+        if not (self._every or self.check_finite):  # nothing to print or check on any step: no loss kept
             return
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         if loss is not None:
@@ -109,7 +112,7 @@ class LossMonitor(LeanCallback):
         step = trainer.global_step - 1  # the optimizer step has already advanced global_step
         losses, self._losses = self._losses, []
         skipped = self._updates.skipped() if grad_scaler(trainer) is not None else False  # resets it for the next
-        due = bool(self.every_n_steps) and (step % self.every_n_steps == 0 or is_last_step(trainer, batch_idx))
+        due = bool(self._every) and (step % self._every == 0 or is_last_step(trainer, batch_idx))
         if not (due or self.check_finite) or not losses:
             return
         # One micro-batch: its loss as it is (exact in StepSync's float64 row, a NaN or an Inf stays one, so the

@@ -8,7 +8,6 @@ of training, so timing adds no ``synchronize()`` to the steps it measures. ``off
 rank's host clock against rank 0's once, at the start, as NTP does, with an error bound: docs/stragglers.md.
 """
 
-import time
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, Optional
@@ -18,18 +17,21 @@ import torch.distributed as dist
 
 
 def host_now() -> float:
-    """The host clock every rank's arrivals are marked with, in seconds (a module attribute: a test moves one
-    rank's clock by patching it)."""
-    return time.perf_counter()
+    """The host clock every rank's arrivals and CPU marks are read from, in seconds (a module attribute: a test moves
+    one rank's clock by patching it)."""
+    return perf_counter()
 
 
 class HostClock:
-    """Marks are ``perf_counter`` seconds; always resolved."""
+    """Marks are ``host_now`` seconds (``perf_counter``); always resolved."""
 
     name = "perf_counter"
 
     def mark(self) -> float:
-        return perf_counter()
+        return host_now()
+
+    def host_seconds(self, mark: float) -> float:
+        return mark
 
     def ready(self, mark: Any) -> bool:
         return True

@@ -249,7 +249,8 @@ class FitPhases:
             if marks.memory is not None:
                 self._add_memory(marks.memory)
             phases, offsets, outside = phases_of(marks, self.clock.elapsed_ms)
-            self.window.add(step, StepRow(step, phases, offsets, len(marks.micro)))
+            start_s = self.clock.host_seconds(marks.micro[0]["start"])  # for the timeline: every rank on one clock
+            self.window.add(step, StepRow(step, phases, offsets, len(marks.micro), start_s))
             for what, values in outside.items():
                 for value in values:
                     self.outside_summaries.setdefault(what, Sketch()).add(value)

@@ -27,7 +27,9 @@ from lit_ddp.errors import RecordError
 from lit_ddp.records.sketch import Sketch
 
 R = TypeVar("R")
-SCHEMA_VERSION = 3  # 3: memory (StepMemory, DDPMemory, OutOfMemory)
+SCHEMA_VERSION = 4  # 3: memory (StepMemory, DDPMemory, OutOfMemory); 4: each kept step's start (StepRow.start_s)
+# Schemas this lit_ddp reads: 3 is 4 without the steps' starts and the ending (they load as None).
+READS = (3, SCHEMA_VERSION)
 
 PHASES = ("forward", "backward", "update", "data", "other", "step")
 # What PhaseTimer marks within a step, after its start; offsets are ms from the step's start to each.
@@ -106,6 +108,10 @@ class StepRow:
     ms: StepPhases
     offsets_ms: list[float]
     micro_batches: int = 1  # batches (forward + backward) in this optimizer step: gradient accumulation
+    # The step's start on this rank's host clock (seconds; lit_ddp.measure.clock.host_now's, the clock of
+    # StepBuckets.arrival_s; on CUDA when the GPU reached it). Minus comm.json's clock_offset_s[rank]: on rank 0's
+    # clock (docs/traces.md). None in a schema-3 record.
+    start_s: Optional[float] = None
 
 
 @dataclass
@@ -200,6 +206,7 @@ class PhaseRecord:
     # The global step the fit started from: 0, or the resume point of a fit resumed from a checkpoint. Steps are
     # global step numbers; the fit's warm-up step is this one, and its profiled steps come after it.
     first_step: int = 0
+    ended_by: Optional[str] = None  # "SIGTERM": the fit stopped at its last step on a SIGTERM (StepSync)
 
     @property
     def steps(self) -> list[int]:
@@ -255,9 +262,7 @@ class CommRecord:
     unused: list[str] = field(default_factory=list)  # rank 0's parameters without a gradient in its last step
     unused_bytes: int = 0
     unused_every_step: bool = False  # the same ones in every step rank 0 ran
-    straggler: Optional[dict[str, Any]] = (
-        None  # lit_ddp.analysis.stragglers.Straggler's fields, with phases.json's cause
-    )
+    straggler: Optional[dict[str, Any]] = None  # lit_ddp.derive.stragglers.Straggler's fields, with phases.json's cause
     kind: str = "comm"
     wire_dtype: Optional[str] = None  # the buckets' dtype as the all-reduce saw them (after any compression)
     ddp_memory: Optional[DDPMemory] = None  # rank 0's, at the end of training
@@ -364,9 +369,9 @@ def load(path: Path) -> PhaseRecord | CommRecord | OutOfMemory:
     except (OSError, ValueError) as err:
         raise RecordError(f"{path}: not a readable run record: {err}") from err
     version = data.get("schema", 1) if isinstance(data, dict) else None
-    if version != SCHEMA_VERSION:
-        raise RecordError(f"{path}: run record schema {version}; this lit_ddp reads schema {SCHEMA_VERSION} "
-                          "(written by another version of the tool: run the job again)")  # fmt: skip
+    if version not in READS:
+        raise RecordError(f"{path}: run record schema {version}; this lit_ddp reads schema {READS[0]} to "
+                          f"{SCHEMA_VERSION} (written by another version of the tool: run the job again)")  # fmt: skip
     kinds = {"phases": PhaseRecord, "comm": CommRecord, "oom": OutOfMemory}
     kind = kinds.get(data.get("kind"))
     try:
@@ -386,6 +391,19 @@ def load_run(run_dir: Union[str, os.PathLike]) -> tuple[Optional[PhaseRecord], O
     run_dir = Path(run_dir)
     found = [load(run_dir / name) if (run_dir / name).is_file() else None for name in ("phases.json", "comm.json")]
     return found[0], found[1]  # type: ignore[return-value]
+
+
+def no_record(run_dir: Union[str, os.PathLike]) -> str:
+    """The line for a directory with no record of its own: the runs under it that have one (a logger's folder,
+    ``runs/mini_train_profile``, holds its ``version_N``), or what would have written one."""
+    run_dir = Path(run_dir)
+    runs = sorted({p.parent for name in ("phases.json", "comm.json") for p in run_dir.glob(f"*/{name}")},
+                  key=lambda p: (len(p.name), p.name))  # fmt: skip
+    if runs:
+        shown = ", ".join(str(p) for p in runs[-5:])
+        more = f" (the last 5 of {len(runs)})" if len(runs) > 5 else ""
+        return f"{run_dir} is a folder of runs: give one of {shown}{more}"
+    return f"{run_dir} holds neither phases.json nor comm.json: was PhaseTimer or CommMonitor on?"
 
 
 def load_oom(run_dir: Union[str, os.PathLike]) -> list[OutOfMemory]:

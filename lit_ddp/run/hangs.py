@@ -4,12 +4,13 @@
 
 A collective that times out says only that this rank waited. So every rank that fails (a timeout, a collective
 error, or an exception of its own) writes its report (``lit_ddp.analysis.divergence.RankReport``: its last
-collectives from its record, what it was doing, the user's line) into the job's rendezvous store, which is not
-the process group that just failed; a rank whose collective failed waits a few seconds for the others' and then
-compares them (``divergences``): one line per divergence, printed once and put at the front of its error. A rank
-that raised on its own only leaves its report (its own error is the cause) and goes. Nothing of this runs
-before a failure. A rank cut off from the store (it lives on rank 0's node) cannot ask it: the store's client
-has no timeout of its own there, so its calls are bounded here, and that rank names rank 0's node as lost.
+collectives from its record, what it was doing, the user's line) into the job's rendezvous store, which is not the
+process group that just failed; a rank whose collective failed waits a few seconds for the others' and then compares
+them (``divergences``): one line per divergence, printed once and made its error's whole message, the job's last
+line (the rank's own error is chained above it). A rank that raised on its own only leaves its report (its own error
+is the cause) and goes. Nothing of this runs before a failure. A rank cut off from the store (it lives on rank 0's
+node) cannot ask it: the store's client has no timeout of its own there, so its calls are bounded here, and that
+rank names rank 0's node as lost.
 """
 
 import json
@@ -128,14 +129,37 @@ def leave_error_file() -> None:
         ErrorHandler().record_exception(sys.exc_info()[1] or RuntimeError("unknown"))
 
 
-def _prepend(exception: BaseException, line: str) -> None:
-    exception.args = (f"{line}: {exception.args[0] if exception.args else ''}", *exception.args[1:])
+LINE_CHARS = 200  # about the most a diagnosis line holds: the job's last line, read whole (issue 52)
+
+
+def _conclude(exception: BaseException, line: str) -> None:
+    """``line`` becomes the error's whole message, so that the job's last line is the diagnosis alone; the rank's
+    own message (a page of gloo's text, "Got the following error when running the callback: ...") is chained before
+    it, as the cause Python prints above the traceback."""
+    own = RuntimeError(f"{type(exception).__name__}: {exception}")
+    own.__cause__, own.__context__ = exception.__cause__, exception.__context__
+    exception.__cause__ = own
+    exception.args = (line,)
+
+
+def _raised_first(cause: RankReport, waiting: RankReport) -> str:
+    """``rank 1 raised first: ERROR (WHERE); rank 0 waited for it in collective #25 (all_reduce at step 3,
+    backward)``, the user's code left out of WHERE when the line would pass ``LINE_CHARS`` (its file, line and
+    function stay)."""
+    waited = f"; rank {waiting.rank} waited for it"
+    if waiting.collectives:
+        last = waiting.collectives[-1]
+        waited += f" in collective #{last.seq} ({last.op} at step {last.step}, {last.phase})"
+    line = f"rank {cause.rank} raised first: {cause.error} ({cause.where}){waited}"
+    if len(line) > LINE_CHARS and ": " in cause.where:
+        line = f"rank {cause.rank} raised first: {cause.error} ({cause.where.split(': ')[0]}){waited}"
+    return line
 
 
 def diagnose(trainer: Trainer, exception: BaseException, ranks_per_node: Optional[int] = None) -> None:
     """On every rank that fails, once per exception, never raising itself and never waiting more than
     ``WAIT_S + 2 * ANSWER_S``: leaves this rank's report; after a timeout or a collective error, compares the
-    reports there, prints the divergence (the lowest such rank does) and puts it at the front of the error.
+    reports there, prints the divergence (the lowest such rank does) and makes it the error's whole message.
     ``ranks_per_node`` (several nodes only) adds each rank's node: ``rank // ranks_per_node``."""
     world_size, rank = trainer.world_size, trainer.global_rank
     if getattr(exception, "lit_ddp_named", False):
@@ -167,7 +191,7 @@ def diagnose(trainer: Trainer, exception: BaseException, ranks_per_node: Optiona
         # down). Every rank there is lost to this one; of the others nothing can be learned without the store.
         host_ranks = list(range(ranks_per_node or 1))
         if rank not in host_ranks:
-            _prepend(exception, f"{ranks_named(host_ranks, ranks_per_node)} lost at the collective of step "
+            _conclude(exception, f"{ranks_named(host_ranks, ranks_per_node)} lost at the collective of step "
                                 f"{report.step}: the rendezvous store they host did not answer for {ANSWER_S:g} s "
                                 "either (a network partition, or their node is down); "
                                 f"{ranks_named([rank], ranks_per_node)} waited there until the timeout")  # fmt: skip
@@ -182,12 +206,10 @@ def diagnose(trainer: Trainer, exception: BaseException, ranks_per_node: Optiona
     if cause is not None and cause.kind == "exception" and cause.rank != rank:
         # A peer raised on its own: its error is the job's cause, first on the line this rank's traceback ends
         # with (under the `ddp` launcher and torchrun, this rank's error is the job's last line).
-        where = f" ({cause.where})" if cause.where else ""
-        then = f"; rank {rank} failed because of it: {lines[0]}" if lines else ""
-        lines = [f"rank {cause.rank} raised first: {cause.error}{where}{then}"]
+        lines = [_raised_first(cause, reports.get(rank, report))]
     if not lines:
         return
-    _prepend(exception, lines[0])  # the job's last line (the launcher's, or the rank's traceback) carries it
+    _conclude(exception, lines[0])  # the job's last line (the launcher's, or the rank's traceback) is it
 
 
 # NCCL's Flight Recorder dumps on a watchdog timeout where these are set: each setting under every name torch 2.11

@@ -2,23 +2,16 @@
 
     python tests/hang_scripts.py sleep --timeout-s 600     # rank 1 sleeps in its step: named in ~12 s, not 600
 
-It runs from lit_ddp's first code in a rank (``LitDDPStrategy.setup_environment``, before the rendezvous; a
-callback's ``setup`` in a user's script) until the process exits. Per step it costs one clock read (``beat``);
-it acts when its rank has made no progress (a step boundary, a validation batch) for ``max(hang_after_s,
-steps_k x the median step)``. Then, from its own thread, it puts the rank's state in the rendezvous store (torch's
-TCPStore, not the process group, which may be what is stuck): the main thread's stack and the user's line, whether
-it waits in a collective (which, by Flight Recorder's sequence number, with its step and phase) or on a
-DataLoader worker (which, and the worker's line where it can be read), or has left (at exit). The lowest rank
-that published reads every rank's state and prints one line, again each time the wait has doubled, until it
-moves (then a line says so) or the process group's timeout ends the job. A wait is never ended for its length:
-a rank-0 checkpoint, a long validation, a slow first step are "waiting" lines, not hangs. Only what is certain
-ends the job at once (``certain``): two ranks' N-th collectives differ, or a rank waits in a collective that a
-rank which has left will never call.
+From lit_ddp's first code in a rank until it exits; one clock read a step (``beat``). Stopped ``COMPARE_AFTER_S``,
+a rank puts its state (stack, user's line, the collective it waits in, the DataLoader worker it waits on) in the
+rendezvous store, not the process group; what is certain (``certain``) ends the job at once. Past ``max(hang_after_s,
+steps_k x the median step)`` the lowest rank prints where every rank is, again as the wait doubles; a wait is never
+ended for its length. How and why: docs/failures.md#the-watchdog-a-hang-named-as-it-happens.
 
-What a case reads (the hang zoo, the tests): the lines go to stderr, each starting ``lit_ddp: ``:
-``lit_ddp: waiting N s: rank R has been at <user's line> for N s, outside any collective; rank Q waits in
-<op> #<seq> ...``, ``lit_ddp: moved on after N s``, and for an ending ``lit_ddp: <the diverged line> -> <fix>``
-(then exit code ``EXIT_FAILED`` on every rank, the ranks' DataLoader workers ended with them).
+What a case reads (stderr, lines starting ``lit_ddp: ``): ``waiting N s: rank R has been at <line> for N s (step S,
+<phase>), outside any collective; rank Q waits in <op> #<seq> ... -> <fix>``, ``moved on after N s``, and the
+ending ``<the diverged line> -> <fix>`` (exit 1 on every rank, their DataLoader workers killed; a ddp_fork/ddp_spawn
+parent ends with it in its ProcessExitedException).
 """
 
 import contextlib

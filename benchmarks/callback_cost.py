@@ -303,6 +303,25 @@ def hook_run(nproc: int, dim: int, steps: int, warmup: int, extra: tuple[str, ..
         return json.loads(Path(tmp, "hooks.json").read_text())
 
 
+def watchdog_beat_line(calls: int = 200_000, repeats: int = 5) -> str:
+    """The watchdog's per-step cost, timed alone (``timeit``: the wrapper HookClock puts around a call costs more
+    than the call): a step's first beat (a clock read and an append) and a second one of the same step (a
+    comparison: the strategy and the recorder both beat), each the median of ``repeats`` runs of ``calls``."""
+    import statistics
+    import timeit
+
+    from lit_ddp.run.watchdog import Watchdog
+
+    dog = Watchdog(0, 1)
+    steps = iter(range(10**9))
+    new = statistics.median(timeit.repeat(lambda: dog.beat(next(steps)), number=calls, repeat=repeats)) / calls
+    again = statistics.median(timeit.repeat(lambda: dog.beat(0), number=calls, repeat=repeats)) / calls
+    return (
+        f"the watchdog's beats, timed alone: {(new + again) * 1e6:.2f} µs a step (a new step's {new * 1e6:.2f} "
+        f"µs, the same step's again {again * 1e6:.2f} µs; wall time, median of {repeats} x {calls:,})"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python benchmarks/callback_cost.py", description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=torch.cuda.device_count() or 2)
@@ -322,6 +341,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     clock = "the main thread's CPU time" if args.clock == "cpu" else "wall time"
     print(f"Rank 0 ({clock}), {args.nproc} ranks on {device}, dim {args.dim}, steps {args.warmup}-{args.steps}")
+    print(watchdog_beat_line())
     for name, extra in RUNS.items():
         timed = hook_run(args.nproc, args.dim, args.steps, args.warmup, extra, args.clock)
         step_us = timed["step_us"]

@@ -11,6 +11,7 @@ ranks) is ``lit_ddp.run.lifecycle``'s.
 """
 
 import multiprocessing
+import socket
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal, Optional
@@ -32,7 +33,7 @@ from lit_ddp.run import console, launchers, lifecycle, watchdog
 from lit_ddp.run.checkpointing import AtomicCheckpointIO
 from lit_ddp.run.ddp_options import buffer_sync, powersgd
 from lit_ddp.run.hangs import diagnose
-from lit_ddp.run.rendezvous import init_loopback_process_group
+from lit_ddp.run.rendezvous import START_TIMEOUT, init_loopback_process_group, init_process_group
 from lit_ddp.run.roles import ReportsOutOfMemory
 
 # Lightning's default is torch's 30 minutes: a hung rank would stall the job that long (docs/architecture.md).
@@ -206,18 +207,17 @@ class LitDDPStrategy(DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         env = self.cluster_environment
-        if (
-            not torch.distributed.is_initialized()
-            and self.num_nodes == 1
-            and type(env) is LightningEnvironment
-            and env.main_address in ("127.0.0.1", "localhost")
-        ):
+        if not torch.distributed.is_initialized() and type(env) is LightningEnvironment:
             # Lightning's own init (env://) then sees the group initialized and skips it.
             self.set_world_ranks()
-            init_loopback_process_group(
-                self._get_process_group_backend(), env.global_rank(), env.world_size(), env.main_port, self._timeout,
-                self.root_device,
-            )  # fmt: skip
+            backend, rank, world_size = self._get_process_group_backend(), env.global_rank(), env.world_size()
+            if self.num_nodes == 1 and env.main_address in ("127.0.0.1", "localhost"):
+                init_loopback_process_group(backend, rank, world_size, env.main_port, self._timeout, self.root_device)
+            else:  # several nodes: the start's timeout is the collectives' (60 s by default)
+                started = {"host": socket.gethostname(), "num_nodes": self.num_nodes, "devices": self.num_processes}
+                init_process_group(backend, rank, world_size, env.main_address, env.main_port, self._timeout,
+                                   self.root_device, self._timeout or START_TIMEOUT, started,
+                                   self.num_processes)  # fmt: skip
         super().setup_distributed()
 
     @override

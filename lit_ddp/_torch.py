@@ -31,13 +31,24 @@ PRIVATE_NAMES = [
     PrivateName(distributed_c10d, "_get_default_store", "the rendezvous store, to name hung ranks after a timeout"),
     PrivateName(torch._C._distributed_c10d, "_dump_fr_trace", "Flight Recorder's entries, read at a failure"),
     PrivateName(torch._C._distributed_c10d, "_dump_nccl_trace", "NCCL's Flight Recorder entries (CUDA builds)"),
-    PrivateName(dataloader, "_MultiProcessingDataLoaderIter", "the watchdog names the DataLoader worker a rank waits on"),
-    PrivateName(dataloader._MultiProcessingDataLoaderIter, "_task_info", "see _MultiProcessingDataLoaderIter: the "
-                "worker each batch index went to"),
-    PrivateName(dataloader._MultiProcessingDataLoaderIter, "_rcvd_idx", "see _MultiProcessingDataLoaderIter: the "
-                "batch index the loader waits for"),
-    PrivateName(dataloader._MultiProcessingDataLoaderIter, "_workers", "see _MultiProcessingDataLoaderIter: the "
-                "worker processes"),
+    PrivateName(
+        dataloader, "_MultiProcessingDataLoaderIter", "the watchdog names the DataLoader worker a rank waits on"
+    ),
+    PrivateName(
+        dataloader._MultiProcessingDataLoaderIter,
+        "_task_info",
+        "see _MultiProcessingDataLoaderIter: the worker each batch index went to",
+    ),
+    PrivateName(
+        dataloader._MultiProcessingDataLoaderIter,
+        "_rcvd_idx",
+        "see _MultiProcessingDataLoaderIter: the batch index the loader waits for",
+    ),
+    PrivateName(
+        dataloader._MultiProcessingDataLoaderIter,
+        "_workers",
+        "see _MultiProcessingDataLoaderIter: the worker processes",
+    ),
     PrivateName(torch.cuda.memory, "_record_memory_history", "PhaseTimer(memory_snapshot=True): allocation history"),
     PrivateName(torch.cuda.memory, "_dump_snapshot", "PhaseTimer(memory_snapshot=True): dumped on OOM"),
 ]

@@ -8,7 +8,9 @@ and a setting phrased for where it is read (a command line's ``--trainer.strateg
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
+
+from lit_ddp.records.schema import DDPMemory, OutOfMemory
 
 
 def fmt_si(value: float, unit: str) -> str:
@@ -27,6 +29,16 @@ def fmt_bytes(value: float) -> str:
 def fmt_ms(value: float) -> str:
     """Milliseconds, or seconds from 1000 ms on (as printed: 999.996 ms is 1.00 s, not 1000.00 ms)."""
     return f"{value:.2f} ms" if round(value, 2) < 1000 else f"{value / 1000:.2f} s"
+
+
+def fmt_rate(per_s: float) -> str:
+    """A rate per second (samples/s): ``3,368/s``, ``12.5/s``."""
+    return f"{per_s:,.0f}/s" if per_s >= 100 else f"{per_s:.1f}/s"
+
+
+def fmt_us(us: float) -> str:
+    """Microseconds (a time per sample), or as ``fmt_ms`` from 1000 µs on: ``296.88 µs``, ``1.20 ms``."""
+    return f"{us:.2f} µs" if round(us, 2) < 1000 else fmt_ms(us / 1e3)
 
 
 def fmt_bandwidth(gb_per_s: float) -> str:
@@ -71,3 +83,28 @@ CLI = Advice()
 
 def _option_value(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def holders(held: DDPMemory, allocated: Optional[int]) -> list[tuple[str, int]]:
+    """What held memory, largest first; ``the rest`` (activations, workspace) where the allocator's total is
+    known (CUDA)."""
+    parts = [("parameters", held.parameters), ("gradients", held.own_gradients), ("DDP's buckets", sum(held.buckets)),
+             ("optimizer state", held.optimizer_state)]  # fmt: skip
+    if allocated is not None:
+        parts.append(("the rest (activations, workspace)", max(allocated - held.held, 0)))
+    return sorted((p for p in parts if p[1]), key=lambda p: -p[1])
+
+
+def oom_line(oom: OutOfMemory, path: Optional[str] = None) -> str:
+    """One line: where the rank ran out of memory, where memory peaked, and what held it."""
+    held = ", ".join(f"{name} {fmt_bytes(n)}" for name, n in holders(oom.held, oom.allocated))
+    rest = "" if oom.allocated is not None else " (the rest is not measured on CPU)"
+    peak = ""
+    if oom.peak is not None:
+        peak = f"; memory peaked at {fmt_bytes(oom.peak)} in step {oom.peak_step}, {oom.peak_phase}"
+    saved = f"; record: {path}" if path else ""
+    snapshot = f"; snapshot: {oom.snapshot}" if oom.snapshot else ""
+    return (
+        f"rank {oom.rank} ran out of memory in step {oom.step}, {oom.phase} ({oom.error}){peak}; held then: "
+        f"{held or 'nothing the tool sees'}{rest}{saved}{snapshot}"
+    )

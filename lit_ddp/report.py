@@ -23,10 +23,10 @@ from lit_ddp import forecast, trace_report
 from lit_ddp.analysis.flight_recorder import flight_recorder_text
 from lit_ddp.analysis.run_analysis import RunAnalysis, analyze
 from lit_ddp.errors import ForecastError, RecordError, UsageParser
+from lit_ddp.formatting import oom_line
 from lit_ddp.present import plots
 from lit_ddp.present.compare import compare_dirs
 from lit_ddp.present.end_of_fit import tables
-from lit_ddp.present.memory import oom_line
 from lit_ddp.records.schema import load_oom, load_run, no_record
 from lit_ddp.scaling.model import Measured
 

@@ -21,9 +21,9 @@ from lit_ddp import FixedBatchDataModule, LinearRegression, report
 from lit_ddp.analysis.run_analysis import analyze
 from lit_ddp.callbacks import CommMonitor, PhaseTimer
 from lit_ddp.derive import trace, trace_memory
+from lit_ddp.formatting import oom_line
 from lit_ddp.measure import memory
 from lit_ddp.present.comm import comm_table
-from lit_ddp.present.memory import oom_line
 from lit_ddp.present.phases import phase_table
 from lit_ddp.records import schema as record
 from lit_ddp.run.strategy import LitDDPStrategy
@@ -321,7 +321,7 @@ def test_a_forked_rank_out_of_memory_says_so_before_the_job_ends(tmp_path):
 def test_frozen_parameters_hold_no_gradient_and_no_optimizer_state():
     """A model whose first layer is frozen (fine-tuning): its parameters are held, but gradients, what a step holds
     and the out-of-memory holders count the trainable layer's gradients only."""
-    from lit_ddp.present.memory import holders
+    from lit_ddp.formatting import holders
 
     net = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))  # 576 + 272 bytes of float32 parameters
     net[0].requires_grad_(False)
@@ -378,7 +378,8 @@ def test_the_memory_columns_are_the_highest_ranks_medians_and_the_line_says_whos
 
 @pytest.mark.timeout(10)
 def test_ddps_own_memory_says_what_the_bucket_view_and_compression_change():
-    from lit_ddp.present.memory import ddp_memory_lines, holders
+    from lit_ddp.formatting import holders
+    from lit_ddp.present.memory import ddp_memory_lines
 
     view = record.DDPMemory(6000, 3000, [1000, 2000, *[500] * 7], True, 12000, 0, "bf16")
     assert ddp_memory_lines(view).splitlines() == [

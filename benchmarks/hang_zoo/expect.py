@@ -15,7 +15,7 @@ CAUSES = {
     "collective on some ranks": r"diverged|rank_zero_only|called by some ranks|only on rank|never call",
     "sync_dist keys": r"diverged|sync_dist",
     "unused parameters": r"find_unused_parameters|unused|not used",
-    "uneven data": r"uneven|ran out of (data|batches)|fewer batches|more batches|its data ended",
+    "uneven data": r"uneven|runs? out of (data|batches)|ran out of|fewer batches|more batches|its data ended",
     "stuck data worker": r"data ?loader worker|\bworker\b",
     "dead rank": r"\bdied\b|\bdead\b|exited|killed|signal|\bgone\b|\bleft\b",
     "outside any collective": r"outside any collective|hung at|has been at",
@@ -36,6 +36,7 @@ class Hang:
     cause: str
     also: tuple[str, ...] = ()
     certain: bool = False  # a divergence that can end the job at once (#48 item 2: within 20 s)
+    avoidable: bool = False  # the tool may avoid the hang itself (StepSync evens uneven epochs): exit 0 allowed
 
     def __post_init__(self) -> None:
         if self.cause not in CAUSES:
@@ -96,6 +97,6 @@ def judge(expect: Union[Hang, Healthy], script: Path, lines: list[tuple[float, s
             verdict.rank = verdict.line = verdict.cause = True
             verdict.named_at, verdict.text = at, text
             break
-    if code == 0:
+    if code == 0 and not expect.avoidable:
         verdict.problems.append("exit 0")
     return verdict

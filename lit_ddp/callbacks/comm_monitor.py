@@ -31,12 +31,12 @@ from lit_ddp._lightning import LeanCallback
 from lit_ddp.callbacks import end_of_fit
 from lit_ddp.callbacks.shared import gather_to_zero, log_metrics, meta, profiled_steps
 from lit_ddp.callbacks.step_sync import StepSync
-from lit_ddp.derive.trace import BUCKET_PREFIX
 from lit_ddp.maths.intervals import union_length
 from lit_ddp.measure import clock
 from lit_ddp.measure.clock import ClockOffset, CudaClock, HostClock, clock_for
 from lit_ddp.measure.gradients import check_all_used, without_grad
 from lit_ddp.measure.memory import ddp_memory
+from lit_ddp.records.ranges import BUCKET_PREFIX
 from lit_ddp.records.schema import CommRecord, RankComm, Sketch, StepBuckets, Window, is_steady
 from lit_ddp.run import console
 

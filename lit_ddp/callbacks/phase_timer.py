@@ -40,13 +40,12 @@ from lit_ddp.callbacks.shared import (
 )
 from lit_ddp.callbacks.step_sync import StepSync
 from lit_ddp.errors import Ending
+from lit_ddp.formatting import oom_line
 from lit_ddp.measure import memory, roofline
 from lit_ddp.measure.clock import CudaClock, clock_for
 from lit_ddp.measure.fit_phases import FIRST_PROFILED_STEP, FitPhases
 from lit_ddp.measure.profiling import LightningProfilerTraces, TraceRecorder
-from lit_ddp.present.memory import oom_line
-from lit_ddp.present.phases import format_step
-from lit_ddp.records.schema import PHASES, PhaseRecord, Roofline, save
+from lit_ddp.records.schema import PHASES, PhaseRecord, Roofline, StepPhases, save
 
 __all__ = ["FIRST_PROFILED_STEP", "PhaseTimer"]
 METRICS = tuple(f"time/{phase}_ms" for phase in PHASES)
@@ -299,3 +298,9 @@ def _compute_dtype(trainer: Trainer, pl_module: LightningModule) -> torch.dtype:
 def _ended_by(trainer: Trainer) -> Optional[str]:
     """``"SIGTERM"`` where StepSync stopped the fit on one (every rank at the same step), else None."""
     return "SIGTERM" if StepSync.ending_of(trainer) == Ending.SIGTERM else None
+
+
+def format_step(step: int, phases: StepPhases) -> str:
+    """The notes' per-step format (``mini_train_profile.py``), times in ms."""
+    return (f"Step {step}\n forward : {phases.forward:.2f} ms\n backward: {phases.backward:.2f} ms\n"
+            f" update  : {phases.update:.2f} ms")  # fmt: skip

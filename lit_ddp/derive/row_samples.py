@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from typing import Optional
 
 from lit_ddp.derive import noise, stragglers
-from lit_ddp.derive.trace import TRACE_PHASES, RankAnalysis
+from lit_ddp.derive.trace import RankAnalysis
+from lit_ddp.records.ranges import TRACE_PHASES
 from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, RankPhases, StepMemory, is_steady
 
 

@@ -9,7 +9,8 @@ How the figures are anchored and what the profiler cannot see: docs/memory.md.
 from bisect import bisect_right
 from dataclasses import dataclass
 
-from lit_ddp.derive.trace import CPU_DEVICE, OWN_PHASES, STEP_PREFIX, Trace
+from lit_ddp.derive.trace import CPU_DEVICE, Trace
+from lit_ddp.records.ranges import OWN_PHASES, STEP_PREFIX
 
 
 @dataclass(frozen=True)

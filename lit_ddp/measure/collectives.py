@@ -80,4 +80,3 @@ class CollectiveRecord:
         entries = _torch.flight_recorder_entries()
         waited = where if kind in ("timeout", "collective error") else ""
         return RankReport(rank, time.time(), kind, error, where, step, phase, self.collectives(entries, waited))
-

@@ -17,7 +17,7 @@ from lit_ddp.derive.summaries import micro_batches, phase_summary
 from lit_ddp.formatting import fmt_bandwidth, fmt_ms, fmt_si, table
 from lit_ddp.present.bound import LEAD_SHARE, cpu_bound, steady_count
 from lit_ddp.present.memory import has_memory, memory_cells, memory_line
-from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, Sketch, StepPhases, StepRow
+from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, Sketch, StepRow
 
 CLOCKS = {  # what each clock's times mean
     "perf_counter": ": host time",
@@ -39,12 +39,6 @@ WHAT_IT_IS = {
 BUSY_BOUND = 0.8
 MEASURE = "python -m lit_ddp.tune measures what DDP's knobs and the optimizer's fused step change on this model"
 # What each part's bound asks for, said where no figure backs a change (the headline's, lit_ddp.present.headline)
-
-
-def format_step(step: int, phases: StepPhases) -> str:
-    """The notes' per-step format (``mini_train_profile.py``), times in ms."""
-    return (f"Step {step}\n forward : {phases.forward:.2f} ms\n backward: {phases.backward:.2f} ms\n"
-            f" update  : {phases.update:.2f} ms")  # fmt: skip
 
 
 def _busy_median(rows: list[StepRow], phase: str) -> float:

@@ -13,9 +13,10 @@ from dataclasses import asdict
 from typing import Any, Optional
 
 from lit_ddp.derive import noise
-from lit_ddp.derive.trace import TRACE_PHASES, Breakdown, RankAnalysis, combine
+from lit_ddp.derive.trace import Breakdown, RankAnalysis, combine
 from lit_ddp.formatting import fmt_bandwidth, fmt_ms, table
 from lit_ddp.present.bound import LEAD_SHARE
+from lit_ddp.records.ranges import TRACE_PHASES
 
 
 def fmt_us(value: float) -> str:

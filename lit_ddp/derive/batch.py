@@ -71,4 +71,3 @@ def read(
         else:
             out[name] = (unit, values)
     return out, spread
-

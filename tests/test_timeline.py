@@ -2,6 +2,7 @@
 a slow rank, checked against the format and against the record it was drawn from, and read for the straggler."""
 
 import json
+import shutil
 import socket
 import statistics
 from collections import defaultdict
@@ -13,7 +14,7 @@ from lit_ddp import report
 from lit_ddp.present import timeline
 from lit_ddp.records.schema import is_steady, load_run
 from tests.conftest import SLOW_MS, SLOW_RANK
-from tests.runner import ROOT, run_module
+from tests.runner import PROFILE_RUN, ROOT, run_fit, run_module
 
 # Who waits for whom, by how much: alone on the machine (tests/conftest.py), another worker's run would be the
 # straggler.
@@ -182,3 +183,22 @@ def test_the_size_benchmark_gives_the_record_to_more_ranks(drawn, tmp_path):
     assert found["size"] == (tmp_path / "timeline8.json").stat().st_size
     assert len([e for e in content["traceEvents"] if e["name"] == "process_name"]) == 8
     assert (found["steps"], found["buckets"]) == (16, 1) and found["traces_per_rank"] > 0
+
+
+@pytest.mark.slow
+def test_a_sigterm_is_in_the_record_and_marked_where_every_rank_stopped(tmp_path):
+    """Rank 1 alone gets SIGTERM at step 6 (tests.test_faults.SigtermOnRank): every rank stops after the same step,
+    the record says why, and the timeline marks that step's end on every rank."""
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    result = run_fit(*PROFILE_RUN[:2], "--devices", "2", "--model.dim", "64", "--trainer.max_steps", "40",
+                     "--loss_monitor.every_n_steps", "0", "--trainer.callbacks+=tests.test_faults.SigtermOnRank",
+                     "--trainer.callbacks.step=6", cwd=tmp_path, timeout=120)  # fmt: skip
+    assert result.returncode == 143, result.stderr[-2000:]
+    run_dir = tmp_path / "runs" / "mini_train_profile" / "version_0"
+    phases, _ = load_run(run_dir)
+    assert phases.ended_by == "SIGTERM"
+    last = phases.steps[-1]
+    assert 6 <= last < 39
+    content = json.loads(lit_ddp.write_timeline(run_dir, tmp_path / "run.json").read_text())
+    marked = [e for e in content["traceEvents"] if e["ph"] == "i" and e["name"].startswith("SIGTERM")]
+    assert sorted((e["pid"], e["name"]) for e in marked) == [(r, f"SIGTERM: stopped after step {last}") for r in (0, 1)]

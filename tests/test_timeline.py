@@ -151,6 +151,29 @@ def test_markers_and_the_profiled_steps_kernels_on_the_same_clock(drawn):
             assert event["ts"] == pytest.approx(forward[rank, step]["ts"], abs=500.0)  # within 0.5 ms
 
 
+def test_the_collectives_of_the_record_each_with_its_op_size_and_sequence_number(drawn):
+    """Flight Recorder's collectives of the kept steps, in the record and on each rank's collectives track: every
+    step's bucket all-reduce, of the bucket's bytes, numbered alike on every rank, called inside the bucket's
+    all-reduce slice (from its hand-over, less 1 ms for the two clocks, to its end)."""
+    _, phases, comm, content = drawn
+    calls = [e for e in content["traceEvents"] if e.get("cat") == "collective"]
+    assert len(calls) == sum(len(rank.collectives) for rank in phases.ranks) > 0
+    handover = {(e["pid"], e["args"]["step"]): e for e in slices(content, "comm") if e["name"] == "all-reduce bucket 0"}
+    seqs = defaultdict(set)
+    for rank in phases.ranks:
+        buckets = [c for c in rank.collectives if c.bucket is not None]
+        assert sorted(c.step for c in buckets) == list(range(16)), rank.rank
+        for c in buckets:
+            assert (c.op, c.phase, c.dtype) == ("all_reduce", "backward", "Float")
+            assert c.sizes[0][0] * 4 == comm.layout[c.bucket]  # fp32 gradients: the bucket's bytes
+            seqs[c.step].add(c.seq)
+            call = next(e for e in calls if e["pid"] == rank.rank and e["args"]["seq"] == c.seq)
+            assert call["name"] == f"all_reduce #{c.seq}" and call["args"]["bucket"] == 0
+            bucket = handover[rank.rank, c.step]  # called after the hook took the hand-over, before the end
+            assert bucket["ts"] - 1e3 <= call["ts"] <= bucket["ts"] + bucket["dur"], (rank.rank, c.step)
+    assert all(len(seq) == 1 for seq in seqs.values()), seqs  # one call, one number, on every rank
+
+
 def test_steps_pick_a_part_and_bad_input_is_one_line(drawn, tmp_path, capsys):
     run_dir = drawn[0]
     path = lit_ddp.write_timeline(run_dir, tmp_path / "part.json", steps=(5, 8))

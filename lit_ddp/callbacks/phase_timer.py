@@ -30,6 +30,7 @@ from typing_extensions import override
 from lit_ddp import _torch
 from lit_ddp._lightning import LeanCallback
 from lit_ddp.callbacks import end_of_fit
+from lit_ddp.callbacks.collective_recorder import CollectiveRecorder
 from lit_ddp.callbacks.shared import (
     device_name,
     exit_cleanly,
@@ -202,6 +203,7 @@ class PhaseTimer(LeanCallback):
         self.log_dir = trainer.log_dir  # a broadcast: every rank asks
         mine = fit.rank_phases(trainer.global_rank)
         mine.node, mine.host, mine.device = trainer.node_rank, socket.gethostname(), str(trainer.strategy.root_device)
+        mine.collectives = CollectiveRecorder.calls_of(trainer, {row.step for row in mine.rows})
         ranks = gather_to_zero(trainer, mine)
         if ranks is not None and ranks[0].rows:
             source = fit.memory.source or (memory.CPU_SOURCE if ranks[0].memory else None)

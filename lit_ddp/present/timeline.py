@@ -22,12 +22,14 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from lit_ddp.analysis.run_analysis import RunAnalysis, analyze
+from lit_ddp.derive.stragglers import MIN_LATE_MS
 from lit_ddp.errors import RecordError
 from lit_ddp.maths.bus_factors import allreduce_bus_factor
 from lit_ddp.records.schema import (
     BOUNDARIES,
     CommRecord,
     OutOfMemory,
+    RankPhases,
     StepBuckets,
     StepRow,
     load_oom,
@@ -35,6 +37,7 @@ from lit_ddp.records.schema import (
 )
 
 MARKERS, PHASES_TRACK, COMM_TRACK = 0, 1, 2  # thread ids; all-reduce lanes follow COMM_TRACK, profiler tracks at 100
+COLLECTIVES = 50
 PROFILER_TRACKS = 100
 LAID_PHASES = ("forward", "backward", "update", "data", "other")
 # A phase's span in a step of one micro-batch: from and to these boundaries (``BOUNDARIES``); "other" is the gaps.
@@ -177,6 +180,21 @@ def _lanes(groups: list[list[dict]]) -> int:
     return max(len(ends), 1)
 
 
+def collective_marks(rank: RankPhases, clock: _Clock, wanted) -> list[dict]:
+    """The rank's collectives of the kept steps (Flight Recorder's, in the record), as instants on a track of their
+    own: the op and its sequence number (the same call has the same number on every rank), shapes, dtype, step,
+    phase, and a DDP bucket's index."""
+    calls = [c for c in rank.collectives if wanted(c.step)]
+    out = [_meta(rank.rank, COLLECTIVES, "thread_name", "collectives"),
+           _meta(rank.rank, COLLECTIVES, "thread_sort_index", COLLECTIVES)] if calls else []  # fmt: skip
+    for c in calls:
+        args = {"seq": c.seq, "op": c.op, "sizes": c.sizes, "dtype": c.dtype, "step": c.step, "phase": c.phase,
+                **({"bucket": c.bucket} if c.bucket is not None else {})}  # fmt: skip
+        out.append({**_instant(rank.rank, f"{c.op} #{c.seq}", clock.us(rank.rank, c.at_s), args), "tid": COLLECTIVES,
+                    "cat": "collective"})  # fmt: skip
+    return out
+
+
 def markers(analysis: RunAnalysis, rows: dict[int, dict[int, StepRow]], clock: _Clock,
             ooms: Iterable[OutOfMemory]) -> list[dict]:  # fmt: skip
     """Instants: the warm-up, the profiled and skipped steps, the late arrivals of the straggler the analysis named,
@@ -204,12 +222,12 @@ def markers(analysis: RunAnalysis, rows: dict[int, dict[int, StepRow]], clock: _
                                 {"step": oom.step, "phase": oom.phase, "error": oom.error}))  # fmt: skip
     straggler = analysis.named_straggler
     if comm is not None and straggler is not None:
-        out += _late_arrivals(comm, straggler.rank, straggler.threshold_ms, clock)
+        out += _late_arrivals(comm, straggler.rank, MIN_LATE_MS, clock)
     return out
 
 
 def _late_arrivals(comm: CommRecord, late: int, threshold_ms: float, clock: _Clock) -> list[dict]:
-    """The straggler's arrivals later than every other rank's by more than the straggler bar, one per step."""
+    """The straggler's arrivals later than every other rank's by more than ``threshold_ms``, one per step."""
     by_step = [{row.step: row for row in rank.rows if row.arrival_s} for rank in comm.ranks]
     out = []
     for step, row in by_step[late].items():
@@ -317,13 +335,16 @@ def timeline(
     clock = _Clock(offsets, t0)
     events: list[dict] = []
     for rank in phases.ranks:
-        where = f"node {_known(rank.node)}, {_known(rank.host)}, {rank.device or phases.meta.device}"
+        where = (
+            f"node {'?' if rank.node is None else rank.node}, {rank.host or '?'}, {rank.device or phases.meta.device}"
+        )
         events += [_meta(rank.rank, None, "process_name", f"rank {rank.rank} ({where})"),
                    _meta(rank.rank, None, "process_sort_index", rank.rank)]  # fmt: skip
         for tid, name in ((MARKERS, "markers"), (PHASES_TRACK, "phases")):
             events += [_meta(rank.rank, tid, "thread_name", name), _meta(rank.rank, tid, "thread_sort_index", tid)]
         for row in rows[rank.rank].values():
             events += phase_slices(rank.rank, row, clock.us(rank.rank, row.start_s))
+        events += collective_marks(rank, clock, wanted)
     if comm is not None:
         events += _all_comm(comm, clock, wanted)
     events += markers(analysis, rows, clock, ooms)
@@ -340,10 +361,6 @@ def timeline(
             "otherData": {"tool": "lit_ddp", "world_size": phases.meta.world_size, "device": phases.meta.device_name,
                           "backend": phases.meta.backend, "clock": phases.meta.clock, "aligned_by": aligned,
                           "t0_s": t0, "steps": f"{steps[0]}-{steps[1]}" if steps else "every kept step"}}  # fmt: skip
-
-
-def _known(value: Any) -> str:
-    return "?" if value is None else str(value)
 
 
 def _all_comm(comm: CommRecord, clock: _Clock, wanted) -> list[dict]:

@@ -152,6 +152,23 @@ class DDPMemory:
 
 
 @dataclass
+class CollectiveCall:
+    """One collective of one rank in a kept step, from torch's Flight Recorder (``lit_ddp.measure.collectives``): its
+    sequence number (the same call has the same number on every rank), op, input shapes and dtype, the step and
+    phase it was called in (a DDP gradient bucket's index), and when it was called, on the rank's host clock (the
+    clock of ``StepRow.start_s``)."""
+
+    seq: int
+    op: str
+    sizes: list[list[int]]
+    dtype: str
+    step: int
+    phase: str
+    at_s: float
+    bucket: Optional[int] = None
+
+
+@dataclass
 class RankPhases:
     """One rank's phases: the kept steps, the GPU-busy time of the profiled steps, and a ``Sketch`` per phase
     over every steady step."""
@@ -168,6 +185,7 @@ class RankPhases:
     node: Optional[int] = None  # where the rank ran: its node rank, host name and device (None before schema 4)
     host: Optional[str] = None
     device: Optional[str] = None
+    collectives: list[CollectiveCall] = field(default_factory=list)  # in the kept steps, where torch recorded them
 
     def row(self, step: int) -> Optional[StepRow]:
         return next((r for r in self.rows if r.step == step), None)

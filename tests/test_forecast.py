@@ -13,6 +13,7 @@ import pytest
 from lit_ddp import forecast, report
 from lit_ddp.errors import ForecastError
 from lit_ddp.records import schema as record
+from lit_ddp.records.phases import StepPhases
 from lit_ddp.records.schema import Sketch, StepBuckets
 from lit_ddp.scaling import links, model
 from lit_ddp.scaling.links import Link, ProbePoint, Topology
@@ -559,11 +560,13 @@ def accumulating_run(run_dir, ranks=2, comm_steps=range(4), layout=(250, 750)):
     phase_ranks, comm_ranks = [], []
     for r in range(ranks):
         forward, backward, last, update, data, other = ACCUMULATING[r]
-        steady = record.StepPhases(forward, backward, update, other, forward + backward + update + data + other,
-                                   data, last)  # fmt: skip
-        rows = [record.StepRow(0, record.StepPhases(100.0, 100.0, 100.0, 100.0, 500.0, 100.0, 50.0), [], 2)]
-        rows += [record.StepRow(s, steady, [], 2) for s in (1, 2, 3)]
-        summaries = {p: Sketch.of([getattr(steady, p)] * 3) for p in (*record.PHASES, "backward_last")}
+        steady = StepPhases(forward=forward, backward=backward, update=update, other=other, data=data,
+                            step=forward + backward + update + data + other, backward_last=last)  # fmt: skip
+        warmup = StepPhases(forward=100.0, backward=100.0, update=100.0, other=100.0, step=500.0, data=100.0,
+                            backward_last=50.0)  # fmt: skip
+        rows = [record.StepRow(0, warmup, {}, 2)]
+        rows += [record.StepRow(s, steady, {}, 2) for s in (1, 2, 3)]
+        summaries = {p: Sketch.of([steady[p]] * 3) for p in steady}
         phase_ranks.append(record.RankPhases(r, rows, summaries))
         ms, ready = ACCUMULATING_BUCKETS[r]
         buckets = [StepBuckets(s, [250, 750], ms, ready, 3.0, 0.5, micro_batches=2, synced=[1]) for s in comm_steps]

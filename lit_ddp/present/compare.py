@@ -22,7 +22,8 @@ from lit_ddp.derive.row_samples import run_samples, run_spreads, trace_samples
 from lit_ddp.derive.trace import RankAnalysis
 from lit_ddp.errors import RecordError
 from lit_ddp.formatting import fmt_bytes, fmt_ms, table
-from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, load_run
+from lit_ddp.records import phases as phase_table
+from lit_ddp.records.schema import CommRecord, PhaseRecord, load_run
 
 CONFIDENCE = 0.95  # for the family of all the rows: the chance that any row is called by noise alone is <= 5%
 # A time row that moves by less than this share of the step (the mean of A's and B's, the same whichever side is
@@ -186,7 +187,7 @@ def whole_run_shift(a: Run, b: Run) -> Optional[str]:
 
 def _shift(sa: dict, sb: dict) -> Optional[str]:
     """``whole_run_shift`` on the two runs' ``run_samples``, each with its phase rows."""
-    parts = [p for p in PHASES if p != "step" and sa[p][1] and sb[p][1] and statistics.median(sa[p][1]) > 0]
+    parts = [p for p in phase_table.names() if sa[p][1] and sb[p][1] and statistics.median(sa[p][1]) > 0]
     if len(parts) < 3:
         return None
     level = noise.family_confidence(CONFIDENCE, len(parts))
@@ -275,7 +276,6 @@ def one_run_rows(a: Run, b: Run) -> tuple[list[Row], list[str]]:
 
 
 # The parts whose sum is the step (``StepPhases``): what a change of the step is made of.
-STEP_PARTS = tuple(p for p in PHASES if p != "step")
 EXPLAINED = 0.5  # the parts called must make up at least this share of the step's move, else the run moved
 
 
@@ -288,14 +288,14 @@ def unexplained_move(rows: Sequence[Row]) -> Optional[str]:
     holds 0 is the same mark (a change moves a part beyond its noise, if under the floor). None otherwise."""
     by_name = {r.name: r for r in rows}
     step = by_name.get("step")
-    called = [by_name[p] for p in STEP_PARTS if p in by_name and by_name[p].word != "same"]
+    called = [by_name[p] for p in phase_table.names() if p in by_name and by_name[p].word != "same"]
     if step is None:
         return None
     moved, explained = step.difference.estimate, sum(r.difference.estimate for r in called)
     machine = ("the mark of a machine that slowed or freed one run more than of a change, so no time row is called "
                "(can't tell)")  # fmt: skip
     if not called:
-        parts = [by_name[p] for p in STEP_PARTS if p in by_name]
+        parts = [by_name[p] for p in phase_table.names() if p in by_name]
         if step.word == "same" or any(r.difference.excludes(0.0) for r in parts):
             return None  # the step did not move, or a part moved beyond its noise (under the floor): a change
         return (f"The step moved by {_signed(moved, 'ms')} beyond its noise and no part of it did: the move is "

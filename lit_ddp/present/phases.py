@@ -16,7 +16,8 @@ from lit_ddp.derive import noise, stragglers
 from lit_ddp.derive.summaries import micro_batches, phase_summary
 from lit_ddp.formatting import fmt_bandwidth, fmt_ms, fmt_si, table
 from lit_ddp.present.memory import has_memory, memory_cells, memory_line
-from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, Sketch, StepRow
+from lit_ddp.records import phases as step_phases
+from lit_ddp.records.schema import CommRecord, PhaseRecord, Sketch, StepRow
 
 CLOCKS = {  # what each clock's times mean
     "perf_counter": ": host time",
@@ -25,18 +26,11 @@ CLOCKS = {  # what each clock's times mean
 
 DEFAULT_PRECISION = "32-true"  # Lightning's default: the tables name any other, and the dtype on the wire
 
-# What each phase is, said with the verdict in place of advice that no figure backs: a change gets a figure from
-# python -m lit_ddp.tune (measured) or python -m lit_ddp.forecast (a what-if), never from a rule.
-WHAT_IT_IS = {
-    "forward": "the model's compute",
-    "backward": "the model's compute, and the gradient all-reduce where backward does not hide it",
-    "update": "the optimizer's step",
-    "data": "the input pipeline, outside DDP",
-    "other": "Python between the phases (Lightning's loop, callbacks, logging)",
-}
-# The parts of a step the verdict weighs (step_parts): the phases, backward split by CommMonitor's record.
-PART_NAMES = {"forward": "forward", "backward": "backward", "update": "update", "data": "data", "other": "other",
-              "exposed": "the all-reduce's exposed transfer", "wait": "the wait for a later rank"}  # fmt: skip
+# What each phase is (its row's meaning in lit_ddp.records.phases) is said with the verdict in place of advice that
+# no figure backs: a change gets a figure from python -m lit_ddp.tune (measured) or python -m lit_ddp.forecast (a
+# what-if), never from a rule. The parts of a step the verdict weighs (step_parts) are the phases, by their names,
+# and the two that CommMonitor's record splits out of the all-reducing phase:
+SPLIT_NAMES = {"exposed": "the all-reduce's exposed transfer", "wait": "the wait for a later rank"}
 # A part bounds the step when it leads the next by this share of the step at least, beyond the noise (the lead's
 # interval above it): a lead of a few percent bounds nothing (a 1024-wide linear on 2 CPU ranks: the all-reduce
 # led forward by 4% of the step in one of five runs, and by 11% (4% to 17%) in one of five on a quiet machine).
@@ -44,6 +38,10 @@ LEAD_SHARE = 0.1
 # The GPU bounds the step when it is busy this share of it at least, in every profiled step (_gpu_verdict).
 BUSY_BOUND = 0.8
 MEASURE = "python -m lit_ddp.tune measures what DDP's knobs and the optimizer's fused step change on this model"
+
+
+def _part_name(part: str) -> str:
+    return SPLIT_NAMES.get(part, part)
 
 
 def _busy_median(rows: list[StepRow], phase: str) -> float:
@@ -57,7 +55,8 @@ def phase_table(analysis: RunAnalysis) -> str:
     n_ranks = len(record.ranks)
     first = record.ranks[0].row(record.first_step)
     rows = []
-    for phase in PHASES:
+    names = step_phases.with_step()
+    for phase in names:
         per_rank = [phase_summary(record, r, phase) for r in range(n_ranks)]
         pooled = Sketch.merged(per_rank)
         slowest = max(range(n_ranks), key=lambda r: per_rank[r].median)
@@ -68,7 +67,7 @@ def phase_table(analysis: RunAnalysis) -> str:
     busy = record.ranks[0].busy_ms  # GPU kernel time inside each phase of the profiled steps
     if busy:  # zip's strict=... mutants here and below are equivalent: one row, one busy and one memory cell a phase
         header.append("GPU busy (rank 0)")
-        rows = [(*row, fmt_ms(_busy_median(busy, phase))) for row, phase in zip(rows, PHASES, strict=True)]
+        rows = [(*row, fmt_ms(_busy_median(busy, phase))) for row, phase in zip(rows, names, strict=True)]
     memory = has_memory(record)
     if memory:  # the bytes of the rank whose step peaks highest (lit_ddp.present.memory)
         header += ["peak memory", "retained"]
@@ -169,13 +168,13 @@ def _cpu_verdict(analysis: RunAnalysis) -> str:
     gap = noise.median_interval([a - b for a, b in zip(parts[first], parts[second], strict=True)])
     share = {p: medians[p] / step_ms if step_ms else 0.0 for p in parts}
     by = f"{fmt_ms(gap.estimate)} per step ({fmt_ms(gap.low)} to {fmt_ms(gap.high)}, 95%, {n} steps)"
-    level = f"{by} over {PART_NAMES[second]} ({fmt_ms(medians[second])}), the next"
+    level = f"{by} over {_part_name(second)} ({fmt_ms(medians[second])}), the next"
     if noise.call(gap, null=LEAD_SHARE * step_ms) != "slower":  # the lead beyond the noise above the floor
         why = (
             "within the noise" if not gap.excludes(0.0) else f"not beyond the noise above {LEAD_SHARE:.0%} of the step"
         )
-        return (f"can't tell what bounds the step, because {PART_NAMES[first]} ({fmt_ms(medians[first])}, "
-                f"{share[first]:.0%}) and {PART_NAMES[second]} ({fmt_ms(medians[second])}, {share[second]:.0%}), "
+        return (f"can't tell what bounds the step, because {_part_name(first)} ({fmt_ms(medians[first])}, "
+                f"{share[first]:.0%}) and {_part_name(second)} ({fmt_ms(medians[second])}, {share[second]:.0%}), "
                 f"the largest parts, differ by {by}: {why}; {MEASURE}")  # fmt: skip
     if first == "exposed":
         advice = _wire_advice(comm, step_ms, analysis.savings)
@@ -190,9 +189,10 @@ def _cpu_verdict(analysis: RunAnalysis) -> str:
                 "often and steadily enough to be named a straggler (the all-reduce table's last line): the wait "
                 f"follows the ranks' own variation from step to step, not one rank; run again to see whether it "
                 f"repeats; {MEASURE}")  # fmt: skip
-    split = "exposed" in parts or record.meta.world_size == 1  # backward is compute only
-    what = "the model's compute" if first == "backward" and split else WHAT_IT_IS[first]
-    return (f"{PART_NAMES[first]} bounds the step, {fmt_ms(medians[first])} ({share[first]:.0%}): {what}, "
+    split = "exposed" in parts or record.meta.world_size == 1  # the all-reducing phase is compute only
+    compute = first == step_phases.ALL_REDUCING and split
+    what = "the model's compute" if compute else step_phases.meaning(first)
+    return (f"{_part_name(first)} bounds the step, {fmt_ms(medians[first])} ({share[first]:.0%}): {what}, "
             f"{level}; {MEASURE}")  # fmt: skip
 
 

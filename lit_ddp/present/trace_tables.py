@@ -16,7 +16,7 @@ from lit_ddp.derive import noise
 from lit_ddp.derive.trace import Breakdown, RankAnalysis, combine
 from lit_ddp.formatting import fmt_bandwidth, fmt_ms, table
 from lit_ddp.present.phases import LEAD_SHARE
-from lit_ddp.records.ranges import TRACE_PHASES
+from lit_ddp.records import phases as phase_table
 
 
 def fmt_us(value: float) -> str:
@@ -69,7 +69,7 @@ def trace_phase_table(analysis: RankAnalysis) -> Optional[str]:
     phase ranges in its trace."""
     if not analysis.phases:
         return None
-    rows = [_row(p, analysis.phases[p]) for p in TRACE_PHASES if p in analysis.phases]
+    rows = [_row(p, analysis.phases[p]) for p in phase_table.names() if p in analysis.phases]
     title = f"Per phase, rank {analysis.rank} (the GPU ops each phase's CPU range queued, steps {_steps(analysis)}):"
     return title + "\n" + table(("phase", *_HEADER), rows)
 

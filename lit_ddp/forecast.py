@@ -2,7 +2,7 @@
 
     python -m lit_ddp.forecast runs/mini_train_profile/version_0 --forecast 8,64,512 --link nvlink+ib400
 
-(``python -m lit_ddp.report RUN --forecast ...`` does the same after its tables.) Reads ``phases.json`` and
+(``python -m lit_ddp.report RUN --forecast ...`` prints the same, and only that.) Reads ``phases.json`` and
 ``comm.json`` of a run, prints step time, exposed communication, scaling efficiency and samples/s at each N,
 what-if rows for DDP's knobs, and writes ``forecast.png`` into the run directory. The model
 (``lit_ddp.scaling.model``) and what it leaves out: docs/forecast.md.

@@ -53,6 +53,19 @@ def test_report_refuses_a_directory_without_timings(tmp_path, capsys):
     assert "neither phases.json nor comm.json" in capsys.readouterr().err
 
 
+def test_a_loggers_folder_names_its_runs_versions(tmp_path, capsys):
+    """``report runs/mini_train_profile`` (the logger's folder): the versions under it, numbered in order."""
+    record = phase_record([[(1.0, 2.0, 0.5, 0.25)] * 4])
+    for version in (0, 2, 10):
+        save(record, tmp_path / f"version_{version}" / "phases.json")
+    (tmp_path / "version_1").mkdir()  # a run without a record: not one to give
+    with pytest.raises(SystemExit) as exit_info:
+        report.main([str(tmp_path)])
+    assert exit_info.value.code == 2
+    runs = ", ".join(str(tmp_path / f"version_{v}") for v in (0, 2, 10))
+    assert capsys.readouterr().err.strip().endswith(f"{tmp_path} is a folder of runs: give one of {runs}")
+
+
 def steps_with_boundaries(per_step: list[tuple[float, float, float, float]]) -> list[StepRow]:
     """Steps whose phases follow each other from the start, with every boundary PhaseTimer marks."""
     rows = []

@@ -159,7 +159,7 @@ def _raised_first(cause: RankReport, waiting: RankReport) -> str:
 def diagnose(trainer: Trainer, exception: BaseException, ranks_per_node: Optional[int] = None) -> None:
     """On every rank that fails, once per exception, never raising itself and never waiting more than
     ``WAIT_S + 2 * ANSWER_S``: leaves this rank's report; after a timeout or a collective error, compares the
-    reports there, prints the divergence (the lowest such rank does) and puts it at the front of the error.
+    reports there, prints the divergence (the lowest such rank does) and makes it the error's whole message.
     ``ranks_per_node`` (several nodes only) adds each rank's node: ``rank // ranks_per_node``."""
     world_size, rank = trainer.world_size, trainer.global_rank
     if getattr(exception, "lit_ddp_named", False):

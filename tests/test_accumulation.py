@@ -11,9 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lit_ddp import LinearRegression, forecast
+from lit_ddp import LinearRegression
 from lit_ddp.callbacks import PhaseTimer
 from lit_ddp.callbacks.end_of_fit import EndOfFit
+from lit_ddp.present import forecast
 from lit_ddp.records import schema as record
 from lit_ddp.scaling import model
 from lit_ddp.scaling.links import Link, Topology

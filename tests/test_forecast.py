@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from lit_ddp import forecast, report
+from lit_ddp import report
 from lit_ddp.errors import ForecastError
+from lit_ddp.present import forecast
 from lit_ddp.records import schema as record
 from lit_ddp.records.phases import StepPhases
 from lit_ddp.records.schema import Sketch, StepBuckets
@@ -346,7 +347,7 @@ def test_without_matplotlib_the_commands_print_their_text_say_how_to_get_the_pic
     run_dir = write_run(tmp_path)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails as if matplotlib were missing
     missing = "matplotlib is missing (pip install 'lit_ddp[plot]'); the text above is complete"
-    assert forecast.main([str(run_dir), "--forecast", "8"]) == 0
+    assert report.forecast_alias([str(run_dir), "--forecast", "8"]) == 0
     out, err = capsys.readouterr()
     assert "Forecast from" in out and err.splitlines() == [f"no forecast.png: {missing}"]
     assert report.main([str(run_dir), "--forecast", "8"]) == 0
@@ -376,7 +377,7 @@ def test_without_matplotlib_the_commands_print_their_text_say_how_to_get_the_pic
 )
 def test_cli_errors(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
-        forecast.main([str(write_run(tmp_path)), "--no-plot", *argv])
+        report.forecast_alias([str(write_run(tmp_path)), "--no-plot", *argv])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and err.startswith("python -m lit_ddp.forecast: error: ") and err.count("\n") == 1, err
@@ -384,7 +385,7 @@ def test_cli_errors(tmp_path, capsys, argv, message):
 
 def test_a_run_directory_that_is_not_there_is_named_so(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        forecast.main([str(tmp_path / "nope")])
+        report.forecast_alias([str(tmp_path / "nope")])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == f"python -m lit_ddp.forecast: error: {tmp_path / 'nope'} is not a directory\n"
 

@@ -34,7 +34,7 @@ def run_samples(phases: Optional[PhaseRecord], comm: Optional[CommRecord]) -> di
     and the peak memory of the step (the highest rank); the steady steps only (``is_steady``)."""
     out: dict[str, tuple[str, list[float]]] = {}
     if phases is not None:
-        # The step first (the rows' order); a mutant that lets "step" through twice writes the same row again.
+        # The step first (the rows' order).
         for p in (phase_table.STEP, *phase_table.names()):
             out[p] = ("ms", list(_per_step(phases, lambda r, p=p: getattr(r.ms, p)).values()))
     if comm is not None:
@@ -51,8 +51,7 @@ def run_samples(phases: Optional[PhaseRecord], comm: Optional[CommRecord]) -> di
                 out[f"bucket {b} all-reduce"] = ("ms", [kept[0][s].ms[b] for s in steps])
     if phases is not None:
         per_rank = [{m.step: m.peak["step"] for m in _steady_memory(phases, rank)} for rank in phases.ranks]
-        # A record without ranks fails in _per_step above, so "if per_rank" is always true here (its "or True"
-        # mutant is equivalent)
+        # A record without ranks fails in _per_step above.
         steps = sorted(set.intersection(*(set(d) for d in per_rank))) if per_rank else []
         if steps:
             out["peak memory"] = ("B", [float(max(d[s] for d in per_rank)) for s in steps])

@@ -195,8 +195,7 @@ def _rank_of(path: Path, info: Any) -> tuple[int, Optional[int]]:
 
 def _parse(events: list) -> tuple[tuple[GpuOp, ...], tuple[Range, ...], tuple[MemoryEvent, ...]]:
     launches = {}
-    # An event without a category: "" (or a mutant's None, "none" once lowered, or "XXXX") is none of the categories
-    # below, so the defaults' mutants here and in the second loop are equivalent.
+    # An event without a category: "" is none of the categories below.
     for e in events:
         if isinstance(e, dict) and str(e.get("cat", "")).lower() in _LAUNCH_CATS:
             launches[(e.get("args") or {}).get("correlation")] = float(e["ts"])
@@ -241,7 +240,7 @@ def breakdown(ops: Sequence[GpuOp], kernel_wait_us: float = KERNEL_WAIT_US) -> O
     waits = {"host": 0.0, "kernel": 0.0, "other": 0.0}
     by_start = sorted(ops, key=lambda op: op.start_us)
     starts = [op.start_us for op in by_start]
-    for before, after in zip(busy, busy[1:], strict=False):  # strict=None or left out: the same (mutants equivalent)
+    for before, after in zip(busy, busy[1:], strict=False):
         gap = after.start - before.end
         first = by_start[bisect_right(starts, after.start) - 1]  # an op that starts the busy stretch
         late = first.launch_us is not None and first.launch_us > before.end
@@ -338,8 +337,7 @@ def collective_name(op: GpuOp) -> str:
         key = key.removesuffix(suffix)
     plain = {k.replace("_", ""): k for k in ("all_reduce", *RING_ONCE, *DIRECT)}
     # The names torch writes, and the kernels' split at their capitals, hold underscores only where nccl-tests' name
-    # has them (reduce_scatter) or none (allgather): a key with underscores is its own plain name, found or not, so
-    # the mutants of this replace ("XX_XX", "XXXX") are equivalent for every name a trace holds.
+    # has them (reduce_scatter) or none (allgather): a key with underscores is its own plain name, found or not.
     return plain.get(key.replace("_", ""), key)
 
 

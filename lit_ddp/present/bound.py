@@ -61,7 +61,6 @@ def cpu_bound(analysis: RunAnalysis) -> Optional[Bound]:
         return None
     medians = {p: statistics.median(v) for p, v in parts.items()}
     first, second = sorted(parts, key=medians.get, reverse=True)[:2]
-    # zip's strict=... mutants are equivalent: step_parts makes every part from the same rows.
     gap = noise.median_interval([a - b for a, b in zip(parts[first], parts[second], strict=True)])
     share = {p: medians[p] / step_ms if step_ms else 0.0 for p in parts}
     called = noise.call(gap, null=LEAD_SHARE * step_ms) == "slower"  # the lead beyond the noise above the floor

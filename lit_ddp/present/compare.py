@@ -265,7 +265,6 @@ def _samples(run: Run, each_sample: bool) -> tuple[dict, dict]:
 def step_floor(a: Sequence[dict], b: Sequence[dict]) -> float:
     """``STEP_SHARE`` of the step: the mean of the two sides' step medians (each side the mean of its runs'), so
     the words are the same whichever side is A; 0 where a side has no step row."""
-    # Only the default's samples are read ([1]): a mutant of its unit (0) is equivalent
     sides = [[statistics.median(s["step"][1]) for s in side if s.get("step", (0, []))[1]] for side in (a, b)]
     if not all(sides):
         return 0.0
@@ -296,8 +295,7 @@ def one_run_rows(a: Run, b: Run) -> tuple[list[Row], list[str]]:
     (sa, spread_a), (sb, spread_b) = _samples(a, each_sample), _samples(b, each_sample)
     same_layout = a[1] is None or b[1] is None or a[1].layout == b[1].layout
     names = [n for n in sa if n in sb and (same_layout or not n.startswith("bucket"))]
-    # Every row of a run's run_samples has its entry in that run's run_spreads: the defaults are never read (their
-    # mutants are equivalent)
+    # Every row of a run's run_samples has its entry in that run's run_spreads: the defaults are never read.
     spread = {n: max(spread_a.get(n, 0.0), spread_b.get(n, 0.0)) for n in names}
     rows = compare(
         [Samples(n, sa[n][0], sa[n][1], sb[n][1], spread[n]) for n in names], floor_ms=step_floor([sa], [sb])

@@ -85,7 +85,7 @@ def ddp_memory_lines(memory: DDPMemory, advice: Advice = CLI, detail: bool = Tru
         f"({fmt_bytes(memory.held)}) before activations.",
     ]
     if not memory.buckets:
-        return "\n".join(lines)  # one line: the separator is never written (a mutant of it is equivalent)
+        return "\n".join(lines)
     if view:
         lines.append(f"gradient_as_bucket_view is on: the gradients are the buckets, saving {total:,} bytes.")
     else:

@@ -58,7 +58,7 @@ def phase_table(analysis: RunAnalysis, detail: bool = True) -> str:
                      f"rank {slowest}: {fmt_ms(per_rank[slowest].median)}"))  # fmt: skip
     header = ["phase", f"step {record.first_step}", "median", "min", "max", "slowest rank (median)"]
     busy = record.ranks[0].busy_ms  # GPU kernel time inside each phase of the profiled steps
-    if busy:  # zip's strict=... mutants here and below are equivalent: one row, one busy and one memory cell a phase
+    if busy:  # one row, one busy and one memory cell a phase
         header.append("GPU busy (rank 0)")
         rows = [(*row, fmt_ms(_busy_median(busy, phase))) for row, phase in zip(rows, names, strict=True)]
     memory = has_memory(record)
@@ -192,8 +192,7 @@ def _wire_advice(comm: Optional[CommRecord], step_ms: float, savings: Mapping[st
     if comm is not None and comm.compression:
         return (f"the buckets are {comm.compression} already: python -m lit_ddp.forecast RUN --forecast "
                 f"{comm.meta.world_size} --link ... forecasts other links")  # fmt: skip
-    # comm is never None here (the exposed part comes from CommMonitor's record): mutants of "if comm" and its
-    # fallback of 2 ranks are equivalent for the verdict, the only caller.
+    # comm is never None here (the exposed part comes from CommMonitor's record).
     return f"python -m lit_ddp.forecast RUN --forecast {comm.meta.world_size if comm else 2} forecasts fp16 compression"
 
 
@@ -202,9 +201,6 @@ def roofline_table(record: PhaseRecord, detail: bool = True) -> str:
     ``detail``, only where a peak is known)."""
     r = record.roofline
     rows = []
-    # Mutants of the unit constants (1e12, 1e9, and fmt_bandwidth's 1e9 below) into 1e12 + 1 and 1e9 + 1 are
-    # equivalent: a change of 1e-12 or 1e-9 relative, in figures printed to 3 or 4 digits, shows only at an exact
-    # rounding tie.
     for phase, work, unit, peak in (
         ("forward", r.forward_flop, "FLOP", r.peak_tflops and r.peak_tflops * 1e12),
         ("backward", r.backward_flop, "FLOP", r.peak_tflops and r.peak_tflops * 1e12),

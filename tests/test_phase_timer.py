@@ -479,7 +479,7 @@ class RaiseAfterStep(Callback):
 def test_a_failed_fit_logs_its_windows_finished_steps(make_trainer, tmp_path, callback, column, ranks):
     """Lightning's cadence holds the rows for 50 steps; a fit that fails in step 29's batch end still logs steps
     0-28, whose marks ended (a step ends at the next one's start). Forked ranks' callbacks hear of the exception
-    from the tool's launcher (``lit_ddp._lightning.CarryBackLauncher``), as Lightning tells ``ddp``'s and
+    from the tool's launcher (``lit_ddp.run.spawn_launcher.CarryBackLauncher``), as Lightning tells ``ddp``'s and
     torchrun's; the launching process, which never set them up, hears of it too."""
     trainer = make_trainer(max_steps=100, callbacks=[callback(), RaiseAfterStep(29)],
                            logger=CSVLogger(tmp_path, name="run", version=0), **ranks)  # fmt: skip

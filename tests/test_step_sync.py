@@ -118,8 +118,8 @@ def test_a_launching_parent_learns_how_rank_0s_training_ended(start_method):
 
     from lightning.pytorch import Trainer
 
-    from lit_ddp._lightning import CarryBackLauncher
     from lit_ddp.errors import Ending
+    from lit_ddp.run.spawn_launcher import CarryBackLauncher
     from lit_ddp.run.strategy import LitDDPStrategy
 
     strategy = LitDDPStrategy(start_method=start_method)

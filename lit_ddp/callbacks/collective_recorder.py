@@ -13,9 +13,9 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lit_ddp._lightning import LeanCallback
 from lit_ddp.measure.collectives import CollectiveRecord
 from lit_ddp.run import hangs, watchdog
+from lit_ddp.run.lean import LeanCallback
 
 
 class CollectiveRecorder(LeanCallback):

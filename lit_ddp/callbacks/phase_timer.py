@@ -27,7 +27,6 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit_ddp import _torch
-from lit_ddp._lightning import LeanCallback
 from lit_ddp.callbacks import end_of_fit
 from lit_ddp.callbacks.shared import (
     device_name,
@@ -48,6 +47,7 @@ from lit_ddp.measure.profiling import LightningProfilerTraces, TraceRecorder
 from lit_ddp.records import phases as phase_table
 from lit_ddp.records.phases import StepPhases
 from lit_ddp.records.schema import PhaseRecord, Roofline, save
+from lit_ddp.run.lean import LeanCallback
 
 __all__ = ["FIRST_PROFILED_STEP", "PhaseTimer"]
 

@@ -23,7 +23,8 @@ from lit_ddp.derive.trace import RankAnalysis
 from lit_ddp.errors import RecordError
 from lit_ddp.formatting import fmt_bytes, fmt_ms, fmt_rate, fmt_us, table
 from lit_ddp.records import phases as phase_table
-from lit_ddp.records.schema import CommRecord, PhaseRecord, load_run, no_record
+from lit_ddp.records.runs import no_record
+from lit_ddp.records.schema import CommRecord, PhaseRecord, load_run
 
 CONFIDENCE = 0.95  # for the family of all the rows: the chance that any row is called by noise alone is <= 5%
 # A time row that moves by less than this share of the step (the mean of A's and B's, the same whichever side is

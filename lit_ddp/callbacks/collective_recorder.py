@@ -2,8 +2,9 @@
 
     python tests/hang_scripts.py logkeys      # rank 1 logs a key rank 0 does not: one line names it
 
-A few marks per step (``lit_ddp.measure.collectives``), and nothing else until an exception: then the rank's
-report goes to the others and the diagnosis is made (``lit_ddp.run.hangs``). StepSync adds it (every tool
+A few marks per step (``lit_ddp.measure.collectives``) and the watchdog's beat (``lit_ddp.run.watchdog``), and
+nothing else until the rank stops moving (the watchdog) or an exception: then the rank's report goes to the others
+and the diagnosis is made (``lit_ddp.run.hangs``). StepSync adds it (every tool
 callback brings a StepSync), just before itself: its mark at a step's end comes before StepSync's gather.
 docs/failures.md#why-did-it-hang.
 """

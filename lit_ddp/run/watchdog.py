@@ -179,6 +179,9 @@ class Watchdog:
     def leave(self) -> None:
         """At exit: this rank is past its script; said at once, so that a peer waiting in a collective it will
         never call learns it."""
+        if self._printed and self._since is not None and self.last_progress() != self._since:
+            self._say(f"moved on after {self.last_progress() - self._since:.0f} s")  # before the next tick came
+        self._since = None
         self.left = True
         self.store = self.store or _torch.default_store()
         if self.store is not None and self.world_size > 1:

@@ -27,7 +27,8 @@ from lit_ddp.formatting import oom_line
 from lit_ddp.present import plots
 from lit_ddp.present.compare import compare_dirs
 from lit_ddp.present.end_of_fit import tables
-from lit_ddp.records.schema import load_oom, load_run, no_record
+from lit_ddp.records.locate import no_record
+from lit_ddp.records.schema import load_oom, load_run
 from lit_ddp.scaling.model import Measured
 
 

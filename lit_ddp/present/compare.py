@@ -22,7 +22,8 @@ from lit_ddp.derive.row_samples import run_samples, run_spreads, trace_samples
 from lit_ddp.derive.trace import RankAnalysis
 from lit_ddp.errors import RecordError
 from lit_ddp.formatting import fmt_bytes, fmt_ms, fmt_rate, fmt_us, table
-from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, load_run, no_record
+from lit_ddp.records.locate import no_record
+from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, load_run
 
 CONFIDENCE = 0.95  # for the family of all the rows: the chance that any row is called by noise alone is <= 5%
 # A time row that moves by less than this share of the step (the mean of A's and B's, the same whichever side is

@@ -86,3 +86,10 @@ def test_fit_s_detail_reaches_the_ranks_through_the_environment(monkeypatch):
     assert not end_of_fit.detail_asked()
     monkeypatch.setenv(end_of_fit.DETAIL_ENV, "1")
     assert end_of_fit.detail_asked()
+
+
+def test_fit_takes_detail_on_its_command_line():
+    from lit_ddp.fit import build_cli
+
+    cpu = ["--trainer.accelerator", "cpu", "--devices", "1"]
+    assert build_cli([*cpu, "--detail"]).config.detail and not build_cli(cpu).config.detail

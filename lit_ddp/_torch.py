@@ -31,9 +31,7 @@ PRIVATE_NAMES = [
     PrivateName(distributed_c10d, "_get_default_store", "the rendezvous store, to name hung ranks after a timeout"),
     PrivateName(torch._C._distributed_c10d, "_dump_fr_trace", "Flight Recorder's entries, read at a failure"),
     PrivateName(torch._C._distributed_c10d, "_dump_nccl_trace", "NCCL's Flight Recorder entries (CUDA builds)"),
-    PrivateName(
-        dataloader, "_MultiProcessingDataLoaderIter", "the watchdog names the DataLoader worker a rank waits on"
-    ),
+    PrivateName(dataloader, "_MultiProcessingDataLoaderIter", "the watchdog names the worker a rank waits on"),
     PrivateName(
         dataloader._MultiProcessingDataLoaderIter,
         "_task_info",

@@ -84,7 +84,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cases", help="comma-separated case names (default: all; see --list)")
     p.add_argument("--skip", default="", help="comma-separated case names to leave out")
     p.add_argument("--repeat", type=int, default=1, help="runs of each case")
-    p.add_argument("--timeout-s", type=float, default=40, help="the process group's timeout each job sets")
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=60,
+        help="the process group's timeout each job sets (the "
+        "rendezvous' too: a rank that takes longer to start never joins)",
+    )
     p.add_argument("--logs", type=Path, help="write each case's whole output to LOGS/<case>.log")
     p.add_argument("--list", action="store_true", help="list the cases and what must name them, and exit")
     args = p.parse_args(argv)

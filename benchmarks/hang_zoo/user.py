@@ -32,7 +32,7 @@ def hang_starts() -> None:
 
 
 def timeout_s() -> float:
-    return float(os.environ.get("HANG_ZOO_TIMEOUT_S", "40"))
+    return float(os.environ.get("HANG_ZOO_TIMEOUT_S", "60"))
 
 
 class Rows(Dataset):

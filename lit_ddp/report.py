@@ -20,21 +20,23 @@ import pickle
 import sys
 from pathlib import Path
 
-from lit_ddp import forecast, trace_report
 from lit_ddp.analysis.flight_recorder import flight_recorder_text
 from lit_ddp.analysis.run_analysis import RunAnalysis, analyze
 from lit_ddp.errors import ForecastError, RecordError, UsageParser
 from lit_ddp.formatting import fmt_si, oom_line
-from lit_ddp.present import plots, timeline
+from lit_ddp.present import forecast, plots, timeline, traces
 from lit_ddp.present.compare import compare_dirs
 from lit_ddp.present.end_of_fit import tables
-from lit_ddp.records.schema import load_oom, load_run, no_record
+from lit_ddp.records.runs import no_record
+from lit_ddp.records.schema import load_oom, load_run
 from lit_ddp.scaling.model import Measured
 
+PROG = "python -m lit_ddp.report"
 
-def parser() -> UsageParser:
-    """The command line (``--help``)."""
-    parser = UsageParser(prog="python -m lit_ddp.report", description=__doc__.splitlines()[0])
+
+def parser(prog: str = PROG) -> UsageParser:
+    """The command line (``--help``); ``prog`` names the command in its errors (an alias's own name)."""
+    parser = UsageParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("run_dirs", type=Path, nargs="*", metavar="run_dir",
                         help="a run's log directory (phases.json / comm.json); several with --compare")  # fmt: skip
     parser.add_argument("--no-plot", action="store_true", help="tables only")
@@ -60,8 +62,8 @@ def parser() -> UsageParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    command = parser()
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    command = parser(prog)
     args = command.parse_args(argv)
     if len(args.run_dirs) > 1 and args.compare is None:
         command.error("several run directories go with --compare (A1 A2 --compare B1 B2)")
@@ -104,8 +106,8 @@ def _traces(command: UsageParser, args: argparse.Namespace) -> int:
             command.error("--trace A --compare B takes one folder of traces on each side")
         if args.trace.resolve() == args.compare[0].resolve():
             command.error(f"{args.compare[0]} is given twice: each profile goes on one side, once")
-        return trace_report.compare(args.trace, args.compare[0], prog=command.prog)
-    return trace_report.run(args.trace, args.json, picture=not args.no_plot, prog=command.prog)
+        return traces.compare(args.trace, args.compare[0], prog=command.prog)
+    return traces.run(args.trace, args.json, picture=not args.no_plot, prog=command.prog)
 
 
 def _check_run_dirs(command: UsageParser, given: tuple[Path, ...]) -> None:
@@ -177,6 +179,21 @@ def _timeline(command: UsageParser, args: argparse.Namespace) -> int:
     print(f"wrote {path} ({fmt_si(path.stat().st_size, 'B')}): open it in Perfetto's UI (https://ui.perfetto.dev, "
           "Open trace file), chrome://tracing or speedscope")  # fmt: skip
     return 0
+
+
+def forecast_alias(argv: list[str] | None = None) -> int:
+    """``python -m lit_ddp.forecast RUN [...]`` (kept for old command lines): ``report RUN --forecast 8,64,512
+    [...]``, the ranks given or these."""
+    argv = sys.argv[1:] if argv is None else argv
+    ranks = [] if any(a == "--forecast" or a.startswith("--forecast=") for a in argv) else ["--forecast", "8,64,512"]
+    return main([*argv, *ranks], prog="python -m lit_ddp.forecast")
+
+
+def trace_alias(argv: list[str] | None = None) -> int:
+    """``python -m lit_ddp.trace_report DIR [--json OUT] [--no-plot]`` (kept for old command lines):
+    ``report --trace DIR [...]``."""
+    argv = sys.argv[1:] if argv is None else argv
+    return main(["--trace", *argv], prog="python -m lit_ddp.trace_report")
 
 
 if __name__ == "__main__":

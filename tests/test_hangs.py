@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from lit_ddp import _lightning, _torch
+from lit_ddp import _torch
 from lit_ddp.analysis.divergence import Collective, RankReport, divergences, first_cause, never_arrived
 from lit_ddp.measure.collectives import MARKS_KEPT, REPORTED, CollectiveRecord, frame_of, user_frame
-from lit_ddp.run import hangs
+from lit_ddp.run import hangs, spawn_launcher
 from tests.runner import start_module
 
 LOG_LINE = "logkeys.py:21 training_step: self.log('rare_metric', loss, sync_dist=True)"
@@ -202,10 +202,10 @@ def test_the_first_cause_is_the_earliest_own_error_not_the_first_report(tmp_path
         path = tmp_path / f"rank{rank}.json"
         path.write_text(json.dumps({"pid": 100 + rank, "failed_at": failed_at, "message": "Traceback: ...",
                                     "consequence": consequence}))  # fmt: skip
-    first = _lightning.first_failure(tmp_path)
+    first = spawn_launcher.first_failure(tmp_path)
     assert (first.rank, first.pid) == (1, 101)
     (tmp_path / "rank1.json").unlink()
-    assert _lightning.first_failure(tmp_path).rank == 0  # only consequences: the earliest
+    assert spawn_launcher.first_failure(tmp_path).rank == 0  # only consequences: the earliest
 
 
 @pytest.mark.parametrize(
@@ -240,6 +240,8 @@ WATCHDOG_RUNS = {
     "setup_barrier": ("tests.hang_scripts", "setup_barrier", "--timeout-s", "600"),
     "logkeys_ddp": ("tests.hang_scripts", "logkeys", "--strategy", "ddp"),
     "log_dir_after_fit": ("tests.hang_scripts", "log_dir_after_fit", "--strategy", "ddp"),
+    "rank0_work": ("tests.hang_scripts", "rank0_work", "--timeout-s", "40", "--epochs", "1"),
+    "head_rank1": ("tests.hang_scripts", "head_rank1", "--strategy", "ddp"),
 }
 
 
@@ -384,6 +386,32 @@ def test_the_watchdog_names_the_rank_its_line_and_what_the_others_wait_in_long_b
     assert code == 1  # at the timeout: a wait is never ended for its length
     assert re.search(pattern, stderr, re.M), stderr[-3000:]
     assert "hung" not in stderr.partition("lit_ddp: waiting")[2].splitlines()[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_parameters_unused_on_a_rank_are_named_with_the_rank_under_lightnings_own_strategy(watchdog_runs):
+    """A head (``b``) that only rank 1 uses, from step 4: after the first backward the callbacks name it."""
+    code, _, stderr = watchdog_runs["head_rank1"]
+    assert code == 1
+    assert "got no gradient in step 0 on rank 0: b.weight, b.bias; " in stderr, stderr[-3000:]
+    assert "DDPStrategy(find_unused_parameters=True)" in stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_healthy_long_work_is_said_to_wait_and_goes_on(watchdog_runs):
+    """Rank 0 works 14 s in its step, past the watchdog's 10 s: a waiting line, then it moves on; never ended."""
+    code, _, stderr = watchdog_runs["rank0_work"]
+    assert code == 0, stderr[-3000:]
+    assert re.search(
+        r"^lit_ddp: waiting 1\d s: rank 0 has been at hang_scripts.py:\d+ training_step: time.sleep\(14\) "
+        r"for \d+ s \(step 3, training_step\), outside any collective; rank 1 waits in ",
+        stderr,
+        re.M,
+    )
+    assert re.search(r"^lit_ddp: moved on after 1\d s$", stderr, re.M), stderr[-3000:]
+    assert "hung" not in stderr and "diverged" not in stderr
 
 
 @pytest.mark.slow

@@ -62,5 +62,5 @@ def test_speedscope_in_headless_chromium_loads_it_and_draws_every_ranks_tracks(v
     for title, shot in seen["shots"].items():
         pixels = image.imread(shot)[145:160, :, :3]  # the first row of slices: steps, or all-reduces
         drawn = (pixels.min(axis=2) < 0.95).mean()  # not the chart's white
-        assert drawn > (0.5 if "phases" in title else 0.1), (title, drawn)
+        assert drawn > (0.5 if "phases" in title else 0.02), (title, drawn)  # all-reduces: short slices too
     print(f"screenshots of each rank's tracks: {sorted(seen['shots'].values())}")

@@ -6,6 +6,7 @@ import pytest
 
 from lit_ddp.analysis.run_analysis import RunAnalysis
 from lit_ddp.present import timeline
+from lit_ddp.records.phases import StepPhases, boundaries
 from lit_ddp.records.schema import (
     CommRecord,
     DDPMemory,
@@ -15,7 +16,6 @@ from lit_ddp.records.schema import (
     RankPhases,
     RunMeta,
     StepBuckets,
-    StepPhases,
     StepRow,
 )
 
@@ -26,8 +26,9 @@ def meta(backend: str = "gloo") -> RunMeta:
 
 def row(step: int, start_s: float, micro: int = 1) -> StepRow:
     """forward 10, backward 20, update 5, data 60 and other 5 ms (1 before the forward, 2 + 2 between phases)."""
-    offsets = [1.0, 11.0, 12.0, 32.0, 34.0, 39.0, 40.0, 100.0]
-    return StepRow(step, StepPhases(10.0, 20.0, 5.0, 5.0, 100.0, 60.0), offsets, micro, start_s)
+    offsets = dict(zip(boundaries(), (1.0, 11.0, 12.0, 32.0, 34.0, 39.0, 40.0, 100.0), strict=True))
+    ms = StepPhases(forward=10.0, backward=20.0, update=5.0, other=5.0, step=100.0, data=60.0)
+    return StepRow(step, ms, offsets, micro, start_s)
 
 
 def phases(rows: list[list[StepRow]], **kwargs) -> PhaseRecord:

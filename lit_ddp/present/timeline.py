@@ -25,8 +25,9 @@ from lit_ddp.analysis.run_analysis import RunAnalysis, analyze
 from lit_ddp.derive.stragglers import MIN_LATE_MS
 from lit_ddp.errors import RecordError
 from lit_ddp.maths.bus_factors import allreduce_bus_factor
+from lit_ddp.records import phases as step_phases
+from lit_ddp.records.phases import END, REMAINDER
 from lit_ddp.records.schema import (
-    BOUNDARIES,
     CommRecord,
     OutOfMemory,
     RankPhases,
@@ -39,12 +40,6 @@ from lit_ddp.records.schema import (
 MARKERS, PHASES_TRACK, COMM_TRACK = 0, 1, 2  # thread ids; all-reduce lanes follow COMM_TRACK, profiler tracks at 100
 COLLECTIVES = 50
 PROFILER_TRACKS = 100
-LAID_PHASES = ("forward", "backward", "update", "data", "other")
-# A phase's span in a step of one micro-batch: from and to these boundaries (``BOUNDARIES``); "other" is the gaps.
-SPANS = {"forward": ("forward_start", "forward_end"), "backward": ("backward_start", "backward_end"),
-         "update": ("update_start", "update_end"), "data": ("data_start", "end")}  # fmt: skip
-GAPS = ((None, "forward_start"), ("forward_end", "backward_start"), ("backward_end", "update_start"),
-        ("update_end", "data_start"))  # fmt: skip
 _RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)|^fit-(\d+)-")
 
 
@@ -109,21 +104,22 @@ def phase_slices(rank: int, row: StepRow, start_us: float) -> list[dict]:
     """The step's slice and its phases' inside it, each phase's duration the record's. With one micro-batch each
     phase sits where it ran (``other``: the gaps between the phases); with several, the phases are sums over the
     micro-batches and are laid end to end from the step's start, as the args say."""
-    ms, offsets = row.ms, dict(zip(BOUNDARIES, row.offsets_ms, strict=True))
-    step_us = max(row.offsets_ms[-1], ms.step) * 1e3
+    ms, offsets, marked = row.ms, row.offsets_ms, step_phases.marked()
+    step_us = max(offsets[END], ms.step) * 1e3
     step_args = {"step": row.step, "step_ms": _ms(ms.step), "micro_batches": row.micro_batches}
     out = [_slice(rank, PHASES_TRACK, f"step {row.step}", start_us, step_us, step_args, "step")]
     placed = []
-    gaps = [(offsets[a] if a else 0.0, offsets[b]) for a, b in GAPS]
+    # The remainder is the gaps: from the step's start to the first phase, and between one phase and the next.
+    gaps = [(offsets[before.closes] if before else 0.0, offsets[p.opens])
+            for before, p in zip((None, *marked[:-1]), marked, strict=True)]  # fmt: skip
     if row.micro_batches == 1 and all(b >= a for a, b in gaps):
-        for phase, (a, _) in SPANS.items():
-            placed.append((phase, offsets[a], getattr(ms, phase)))
-        placed += [("other", a, b - a) for a, b in gaps if b > a]
+        placed = [(p.name, offsets[p.opens], ms[p.name]) for p in marked]
+        placed += [(REMAINDER, a, b - a) for a, b in gaps if b > a]
     else:
         at = 0.0
-        for phase in LAID_PHASES:
-            placed.append((phase, at, getattr(ms, phase)))
-            at += getattr(ms, phase)
+        for phase in step_phases.names():
+            placed.append((phase, at, ms[phase]))
+            at += ms[phase]
         step_args["laid_end_to_end"] = f"{row.micro_batches} micro-batches: each phase summed over them"
     end_us = start_us + step_us
     for phase, at_ms, dur_ms in placed:
@@ -211,13 +207,13 @@ def markers(analysis: RunAnalysis, rows: dict[int, dict[int, StepRow]], clock: _
                 out.append(_instant(rank, f"update skipped: step {step}", at, {"step": step}))
         last = kept[max(kept)] if kept else None
         if phases is not None and phases.ended_by and last is not None:
-            end = clock.us(rank, last.start_s) + last.offsets_ms[-1] * 1e3
+            end = clock.us(rank, last.start_s) + last.offsets_ms[END] * 1e3
             out.append(_instant(rank, f"{phases.ended_by}: stopped after step {last.step}", end, {"step": last.step}))
     for oom in ooms:
         kept = rows.get(oom.rank, {})
         row = kept.get(oom.step) or (kept[max(kept)] if kept else None)
         if row is not None:
-            at = clock.us(oom.rank, row.start_s) + (0.0 if row.step == oom.step else row.offsets_ms[-1] * 1e3)
+            at = clock.us(oom.rank, row.start_s) + (0.0 if row.step == oom.step else row.offsets_ms[END] * 1e3)
             out.append(_instant(oom.rank, f"out of memory: step {oom.step}, {oom.phase}", at,
                                 {"step": oom.step, "phase": oom.phase, "error": oom.error}))  # fmt: skip
     straggler = analysis.named_straggler
@@ -353,7 +349,7 @@ def timeline(
         starts = {step: clock.us(rank, row.start_s) for step, row in kept.items()}
         if starts:
             last = kept[max(kept)]
-            span = (min(starts.values()), starts[last.step] + last.offsets_ms[-1] * 1e3)
+            span = (min(starts.values()), starts[last.step] + last.offsets_ms[END] * 1e3)
             events += _profiler_events(path, rank, starts, span)
     events.sort(key=lambda e: (e["pid"], e.get("tid", -1), e.get("ts", -1.0), -e.get("dur", 0.0)))
     aligned = "comm.json's clock_offset_s" if offsets else "none (no comm.json): each rank's own clock"

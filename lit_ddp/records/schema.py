@@ -24,17 +24,18 @@ from pathlib import Path
 from typing import Any, Optional, TypeVar, Union
 
 from lit_ddp.errors import RecordError
+from lit_ddp.records.phases import StepPhases
 from lit_ddp.records.sketch import Sketch
 
 R = TypeVar("R")
-SCHEMA_VERSION = 4  # 3: memory (StepMemory, DDPMemory, OutOfMemory); 4: each kept step's start (StepRow.start_s)
-# Schemas this lit_ddp reads: 3 is 4 without the steps' starts and the ending (they load as None).
-READS = (3, SCHEMA_VERSION)
-
-PHASES = ("forward", "backward", "update", "data", "other", "step")
-# What PhaseTimer marks within a step, after its start; offsets are ms from the step's start to each.
-BOUNDARIES = ("forward_start", "forward_end", "backward_start", "backward_end", "update_start", "update_end",
-              "data_start", "end")  # fmt: skip
+# 3: memory (StepMemory, DDPMemory, OutOfMemory); 4: each kept step's start (StepRow.start_s); 5: a step's
+# boundaries keyed by name (StepRow.offsets_ms), so that a phase more (lit_ddp.records.phases) is no new schema.
+SCHEMA_VERSION = 5
+# Schemas this lit_ddp reads: 3 is 4 without the steps' starts and the ending (they load as None); 3 and 4 hold the
+# boundaries as a list, in OLD_BOUNDARIES' order.
+READS = (3, 4, SCHEMA_VERSION)
+OLD_BOUNDARIES = ("forward_start", "forward_end", "backward_start", "backward_end", "update_start", "update_end",
+                  "data_start", "end")  # fmt: skip
 WARMUP_STEPS = 1
 MAX_SKIPPED_KEPT = 100  # skipped steps named in a record (all are counted)
 HEAD_STEPS = 10
@@ -83,30 +84,14 @@ class RunMeta:
     lightning: str
 
 
-@dataclass(frozen=True)
-class StepPhases:
-    """One optimizer step's phases on one rank, in milliseconds, each summed over the step's micro-batches;
-    ``other`` = ``step`` minus the four phases; ``data`` runs from the end of each batch to the start of the next
-    one (fetching it, Lightning's loop). Validation inside fit is in none of them, ``step`` included.
-    ``backward_last``: the last micro-batch's backward, which DDP all-reduces (the others run under ``no_sync``)."""
-
-    forward: float
-    backward: float
-    update: float
-    other: float
-    step: float
-    data: float = 0.0
-    backward_last: float = 0.0
-
-
 @dataclass
 class StepRow:
-    """One kept step of one rank: its phases and where each boundary fell (ms from the step's start, in
-    ``BOUNDARIES`` order)."""
+    """One kept step of one rank: its phases and where each boundary fell (ms from the step's start, by the
+    boundary's name: ``lit_ddp.records.phases.boundaries()``)."""
 
     step: int
     ms: StepPhases
-    offsets_ms: list[float]
+    offsets_ms: dict[str, float]
     micro_batches: int = 1  # batches (forward + backward) in this optimizer step: gradient accumulation
     # The step's start on this rank's host clock (seconds; lit_ddp.measure.clock.host_now's, the clock of
     # StepBuckets.arrival_s; on CUDA when the GPU reached it). Minus comm.json's clock_offset_s[rank]: on rank 0's
@@ -116,9 +101,10 @@ class StepRow:
 
 @dataclass
 class StepMemory:
-    """One step's memory on one rank, in bytes: held when it started, and per phase (``PHASES``; ``step`` is the
-    whole step) the most held at once and what was still held when the phase ended (its last span, with gradient
-    accumulation). ``PhaseRecord.memory_source`` says whose bytes they are (``lit_ddp.measure.memory``)."""
+    """One step's memory on one rank, in bytes: held when it started, and per phase (``lit_ddp.records.phases``;
+    ``step`` is the whole step) the most held at once and what was still held when the phase ended (its last span,
+    with gradient accumulation). ``PhaseRecord.memory_source`` says whose bytes they are
+    (``lit_ddp.measure.memory``)."""
 
     step: int
     start: int
@@ -316,7 +302,7 @@ def as_json(value: Any) -> Any:
         return value.to_json()
     if dataclasses.is_dataclass(value):
         return {f.name: as_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
+    if isinstance(value, (dict, StepPhases)):
         return {k: as_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [as_json(v) for v in value]
@@ -357,6 +343,8 @@ def _value(kind: Any, data: Any, where: str) -> Any:
     """``data`` read as the annotation ``kind`` says: a dataclass, a Sketch, a list or dict of them, Optional."""
     if kind is Sketch:
         return Sketch.from_json(data)
+    if kind is StepPhases:
+        return StepPhases(data)
     if dataclasses.is_dataclass(kind):
         return read(kind, data, where)
     origin, args = typing.get_origin(kind), typing.get_args(kind)
@@ -398,6 +386,8 @@ def load(path: Path) -> PhaseRecord | CommRecord | OutOfMemory:
     try:
         if kind is None:
             raise RecordError(f"kind {data.get('kind')!r} is none of {sorted(kinds)}")
+        if version < 5 and kind is PhaseRecord:
+            _name_boundaries(data)
         found = read(kind, data)
         if not isinstance(found, OutOfMemory) and not found.ranks:  # a callback writes every rank's, or none
             raise RecordError(f"{kind.__name__}.ranks: no rank")
@@ -406,25 +396,21 @@ def load(path: Path) -> PhaseRecord | CommRecord | OutOfMemory:
         raise RecordError(f"{path}: a damaged run record ({err})") from err
 
 
+def _name_boundaries(data: dict) -> None:
+    """A schema 3 or 4 ``phases.json``'s boundaries, lists in ``OLD_BOUNDARIES`` order, keyed by name as schema
+    5's (in place, before it is read)."""
+    for rank in data.get("ranks") or ():
+        for row in (*(rank.get("rows") or ()), *(rank.get("busy_ms") or ())):
+            if isinstance(row, dict) and isinstance(row.get("offsets_ms"), list):
+                row["offsets_ms"] = dict(zip(OLD_BOUNDARIES, row["offsets_ms"], strict=False))
+
+
 def load_run(run_dir: Union[str, os.PathLike]) -> tuple[Optional[PhaseRecord], Optional[CommRecord]]:
     """The run's ``phases.json`` and ``comm.json`` (``run_dir`` a path or a str, as ``trainer.log_dir``); None for a
     file the run did not write."""
     run_dir = Path(run_dir)
     found = [load(run_dir / name) if (run_dir / name).is_file() else None for name in ("phases.json", "comm.json")]
     return found[0], found[1]  # type: ignore[return-value]
-
-
-def no_record(run_dir: Union[str, os.PathLike]) -> str:
-    """The line for a directory with no record of its own: the runs under it that have one (a logger's folder,
-    ``runs/mini_train_profile``, holds its ``version_N``), or what would have written one."""
-    run_dir = Path(run_dir)
-    runs = sorted({p.parent for name in ("phases.json", "comm.json") for p in run_dir.glob(f"*/{name}")},
-                  key=lambda p: (len(p.name), p.name))  # fmt: skip
-    if runs:
-        shown = ", ".join(str(p) for p in runs[-5:])
-        more = f" (the last 5 of {len(runs)})" if len(runs) > 5 else ""
-        return f"{run_dir} is a folder of runs: give one of {shown}{more}"
-    return f"{run_dir} holds neither phases.json nor comm.json: was PhaseTimer or CommMonitor on?"
 
 
 def load_oom(run_dir: Union[str, os.PathLike]) -> list[OutOfMemory]:

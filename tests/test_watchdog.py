@@ -3,7 +3,6 @@ the real 2-rank runs are in tests/test_hangs.py (``hung_runs``)."""
 
 import itertools
 import json
-import os
 
 import pytest
 
@@ -234,4 +233,3 @@ def test_its_thread_ends_when_stopped(monkeypatch):
     dog.stop()
     dog._thread.join(timeout=5 * watchdog.POLL_S)
     assert not dog._thread.is_alive()
-

@@ -308,6 +308,7 @@ def ended_file(launcher_pid: int) -> str:
 
 
 _WATCHDOG: Optional[Watchdog] = None
+_CARRIED_OVER: list[Watchdog] = []  # watchdogs a fork copied in (a forked rank leaves by os._exit)
 
 
 def start(rank: int, world_size: int) -> Watchdog:
@@ -319,6 +320,8 @@ def start(rank: int, world_size: int) -> Watchdog:
     if _WATCHDOG is not None and (_WATCHDOG.pid != os.getpid() or _WATCHDOG.left):
         if _WATCHDOG.pid == os.getpid():
             _WATCHDOG.stop()
+        else:  # kept, never freed here: freeing its store joins the parent's store thread, absent here (for ever)
+            _CARRIED_OVER.append(_WATCHDOG)
         _WATCHDOG = None
     if _WATCHDOG is None:
         _WATCHDOG = Watchdog(rank, world_size)

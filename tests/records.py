@@ -17,8 +17,8 @@ from lit_ddp.records.schema import (
     StepBuckets,
     StepPhases,
     StepRow,
-    is_steady,
 )
+from lit_ddp.records.steps import is_steady
 
 
 def meta(world_size: int = 1, clock: str = "perf_counter") -> RunMeta:

@@ -26,7 +26,8 @@ from lit_ddp.present.phases import phase_table, roofline_table
 from lit_ddp.records import schema as record
 from lit_ddp.records.phases import range_of, with_step
 from lit_ddp.records.ranges import STEP_PREFIX
-from lit_ddp.records.schema import HEAD_STEPS, TAIL_STEPS, Roofline, Sketch, is_steady
+from lit_ddp.records.schema import Roofline, Sketch
+from lit_ddp.records.steps import HEAD_STEPS, TAIL_STEPS, is_steady
 from lit_ddp.run.roles import NamesPendingCollective, ReportsOutOfMemory
 from tests.records import phase_record
 from tests.runner import PROFILE_RUN, ROOT, run_fit

@@ -16,7 +16,8 @@ from lit_ddp.errors import RecordError
 from lit_ddp.records import phases
 from lit_ddp.records import schema as record
 from lit_ddp.records.phases import StepPhases
-from lit_ddp.records.schema import HEAD_STEPS, TAIL_STEPS, Roofline, Sketch, StepBuckets, Window
+from lit_ddp.records.schema import Roofline, Sketch, StepBuckets
+from lit_ddp.records.steps import HEAD_STEPS, TAIL_STEPS, Window
 from tests.records import comm_record, phase_record
 from tests.runner import ROOT
 

@@ -6,7 +6,8 @@ import random
 
 from lit_ddp.records import phases as phase_table
 from lit_ddp.records.phases import StepPhases
-from lit_ddp.records.schema import RankPhases, Sketch, StepRow, Window, as_json, is_steady
+from lit_ddp.records.schema import RankPhases, Sketch, StepRow, as_json
+from lit_ddp.records.steps import Window, is_steady
 
 
 def collect(steps: int, seed: int = 0) -> RankPhases:

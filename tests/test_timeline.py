@@ -13,7 +13,8 @@ import lit_ddp
 from lit_ddp import report
 from lit_ddp.present import timeline
 from lit_ddp.records import phases as step_phases
-from lit_ddp.records.schema import is_steady, load_run
+from lit_ddp.records.schema import load_run
+from lit_ddp.records.steps import is_steady
 from tests.conftest import SLOW_MS, SLOW_RANK
 from tests.runner import PROFILE_RUN, ROOT, run_fit, run_module
 

@@ -36,7 +36,8 @@ from lit_ddp.measure.clock import ClockOffset, CudaClock, HostClock, clock_for
 from lit_ddp.measure.gradients import check_all_used, without_grad
 from lit_ddp.measure.memory import ddp_memory
 from lit_ddp.records.ranges import BUCKET_PREFIX
-from lit_ddp.records.schema import CommRecord, RankComm, Sketch, StepBuckets, Window, is_steady
+from lit_ddp.records.schema import CommRecord, RankComm, Sketch, StepBuckets
+from lit_ddp.records.steps import Window, is_steady
 from lit_ddp.run import console
 from lit_ddp.run.lean import LeanCallback
 

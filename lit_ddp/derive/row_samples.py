@@ -11,7 +11,8 @@ from typing import Optional
 from lit_ddp.derive import noise, stragglers
 from lit_ddp.derive.trace import RankAnalysis
 from lit_ddp.records import phases as phase_table
-from lit_ddp.records.schema import CommRecord, PhaseRecord, RankPhases, StepMemory, is_steady
+from lit_ddp.records.schema import CommRecord, PhaseRecord, RankPhases, StepMemory
+from lit_ddp.records.steps import is_steady
 
 
 def _per_step(record: PhaseRecord, value) -> dict[int, float]:

@@ -16,7 +16,8 @@ from typing import Optional
 
 from lit_ddp.derive import noise
 from lit_ddp.records import phases as phase_table
-from lit_ddp.records.schema import CommRecord, PhaseRecord, is_steady
+from lit_ddp.records.schema import CommRecord, PhaseRecord
+from lit_ddp.records.steps import is_steady
 
 STRAGGLER_SHARE = 0.75
 # Below this a rank is not called a straggler whatever its lateness: two undelayed CPU ranks sharing two cores

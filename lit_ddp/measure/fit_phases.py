@@ -29,9 +29,8 @@ from lit_ddp.records.schema import (
     StepMemory,
     StepPhases,
     StepRow,
-    Window,
-    is_steady,
 )
+from lit_ddp.records.steps import Window, is_steady
 
 FIRST_PROFILED_STEP = 2  # of the fit: after its warm-up step and one more (allocator, DDP's bucket rebuild)
 

@@ -22,7 +22,8 @@ from lit_ddp._torch import ddp_logging_data
 from lit_ddp.derive import trace, trace_memory
 from lit_ddp.measure.profiling import opens
 from lit_ddp.records import phases
-from lit_ddp.records.schema import HEAD_STEPS, DDPMemory, StepMemory
+from lit_ddp.records.schema import DDPMemory, StepMemory
+from lit_ddp.records.steps import HEAD_STEPS
 
 
 # The phase each of PhaseTimer's boundaries opens (a step's start opens "other" until its forward starts).

@@ -6,8 +6,8 @@ forecast, the benchmarks, the notebook and the tests read back, by field name.
 
 ``phases.json`` is a ``PhaseRecord`` (PhaseTimer), ``comm.json`` a ``CommRecord`` (CommMonitor); both carry
 ``schema`` (``SCHEMA_VERSION``) and a ``RunMeta``; a rank that ran out of memory writes ``oom_rank<r>.json``
-(an ``OutOfMemory``). Times are milliseconds, memory bytes. Which steps are steady (``is_steady``)
-and the bounded window of steps a rank keeps (``Window``) are defined here too. The fields, what a step is, and
+(an ``OutOfMemory``). Times are milliseconds, memory bytes. Which steps are steady and which a rank
+keeps: ``lit_ddp.records.steps``. The fields, what a step is, and
 the window: docs/architecture.md.
 """
 
@@ -17,8 +17,6 @@ import json
 import os
 import types
 import typing
-from collections import deque
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, TypeVar, Union
@@ -26,6 +24,7 @@ from typing import Any, Optional, TypeVar, Union
 from lit_ddp.errors import RecordError
 from lit_ddp.records.phases import StepPhases
 from lit_ddp.records.sketch import Sketch
+from lit_ddp.records.steps import is_steady
 
 R = TypeVar("R")
 # 3: memory (StepMemory, DDPMemory, OutOfMemory); 4: each kept step's start (StepRow.start_s); 5: a step's
@@ -36,38 +35,7 @@ SCHEMA_VERSION = 5
 READS = (3, 4, SCHEMA_VERSION)
 OLD_BOUNDARIES = ("forward_start", "forward_end", "backward_start", "backward_end", "update_start", "update_end",
                   "data_start", "end")  # fmt: skip
-WARMUP_STEPS = 1
 MAX_SKIPPED_KEPT = 100  # skipped steps named in a record (all are counted)
-HEAD_STEPS = 10
-TAIL_STEPS = 50
-
-
-def is_steady(step: int, profiled: Iterable[int] = (), first_step: int = 0) -> bool:
-    """After the warm-up step of the fit that started at global step ``first_step`` (0, or where a fit resumed from
-    a checkpoint), and not slowed by the profiler."""
-    return step >= first_step + WARMUP_STEPS and step not in profiled
-
-
-class Window:
-    """The steps whose per-step detail a rank keeps: the first ``HEAD_STEPS`` of the fit (which starts at global step
-    ``first_step``), the ``profiled`` ones, and the last ``TAIL_STEPS`` (older ones are dropped as new ones come)."""
-
-    def __init__(self, profiled: Iterable[int] = (), first_step: int = 0) -> None:
-        self.profiled = set(profiled)
-        self.first_step = first_step
-        self._kept: dict[int, Any] = {}
-        self._tail: deque[int] = deque()
-
-    def add(self, step: int, item: Any) -> None:
-        self._kept[step] = item
-        if step < self.first_step + HEAD_STEPS or step in self.profiled:
-            return
-        self._tail.append(step)
-        if len(self._tail) > TAIL_STEPS:
-            del self._kept[self._tail.popleft()]
-
-    def items(self) -> Iterator[tuple[int, Any]]:
-        return iter(sorted(self._kept.items()))
 
 
 @dataclass

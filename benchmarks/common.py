@@ -37,7 +37,7 @@ if str(ROOT) not in sys.path:
 def child_env(base: Optional[Mapping[str, str]] = None, **extra: str) -> dict[str, str]:
     """``base`` (by default this process's environment) and ``extra``, with the repository first on PYTHONPATH and
     what was there kept after it: on the GPU machine jsonargparse lives in wheels unpacked onto PYTHONPATH
-    (``benchmarks/gpu_session.sh``), so a child whose PYTHONPATH were replaced could not run ``lit_ddp.fit``."""
+    (``benchmarks/gpu_check.py run``), so a child whose PYTHONPATH were replaced could not run ``lit_ddp.fit``."""
     base = os.environ if base is None else base
     path = os.pathsep.join(p for p in (str(ROOT), base.get("PYTHONPATH")) if p)
     return {**base, **extra, "PYTHONPATH": path}

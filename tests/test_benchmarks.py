@@ -1,7 +1,6 @@
 """The benchmarks' bookkeeping, deterministically (hand-made marks and records, a mock trainer); one real run of
 the bare Lightning loop. No timing is asserted: the benchmarks print measured tables, they are not tests."""
 
-import gzip
 import json
 import math
 import os
@@ -13,11 +12,8 @@ from unittest import mock
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from benchmarks import clean_exit, common, gpu_busy, gpu_events, gpu_fits, gpu_scaling, gpu_syncs, step_time
-from lit_ddp.maths.intervals import union_length
-from lit_ddp.records.schema import PhaseRecord, RankPhases, RunMeta, StepPhases, StepRow
+from benchmarks import clean_exit, common, step_time
 from tests.runner import ROOT, pythonpath
 
 
@@ -142,84 +138,6 @@ def test_port_commands_put_a_config_first_and_the_clock_last(tmp_path):
     cmd = step_time.port_cmd(2, 64, 10, "--config", "fast.yaml")(tmp_path)
     assert cmd[1:5] == ["-m", "lit_ddp.fit", "--config", "fast.yaml"]
     assert cmd[-1] == f"--trainer.callbacks.out_dir={tmp_path}"
-
-
-def _record(rows: list[StepRow], busy: list[StepRow], profiled: list[int]) -> PhaseRecord:
-    meta = RunMeta(1, "cuda", "a GPU", "nccl", "cuda_event", "32-true", "2", "2")
-    return PhaseRecord(meta, [RankPhases(0, rows, {}, busy)], profiled)
-
-
-def _row(step: int, forward: float, backward: float = 2.0, update: float = 3.0) -> StepRow:
-    ms = StepPhases(
-        forward=forward, backward=backward, update=update, other=0.5, step=forward + backward + update + 0.5
-    )
-    return StepRow(step, ms, {})
-
-
-def test_the_gpu_sections_read_the_record_by_field():
-    busy = [_row(2, 0.1), _row(3, 0.3), _row(6, 0.2)]
-    record = _record([_row(s, float(s)) for s in range(9)], busy, profiled=[2, 3, 6])
-    total, steps = gpu_busy.timer_busy(record)
-    assert steps == 3 and total == pytest.approx(sum(r.ms.step for r in busy))
-    steady = gpu_events.event_rows(record, first=5)
-    assert [r.step for r in steady] == [5, 7, 8]  # from step 5 on, the profiled ones left out
-    assert gpu_events.phase_medians(steady) == [7.0, 2.0, 3.0]
-    assert gpu_events.phase_medians(busy) == [pytest.approx(0.2), 2.0, 3.0]
-
-
-def test_the_busy_section_reads_a_chrome_trace_through_lit_ddp_trace():
-    raw = json.loads(gzip.decompress((ROOT / "tests" / "data" / "a100_nccl_2rank_rank0.json.gz").read_bytes()))
-    ops = [(e["ts"], e["ts"] + e["dur"]) for e in raw["traceEvents"]
-           if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("ph") == "X"]  # fmt: skip
-    assert gpu_busy.file_busy_ms(ROOT / "tests" / "data" / "a100_nccl_2rank_rank0.json.gz") == pytest.approx(
-        union_length(ops) / 1e3
-    )
-    with profile(activities=[ProfilerActivity.CPU]) as cpu_only:  # exported, read back: no GPU op in it
-        torch.ones(4) @ torch.ones(4)
-    assert math.isnan(gpu_busy.trace_busy_ms(cpu_only))
-
-
-def test_a_step_window_begins_counts_and_ends_once():
-    calls = []
-
-    class Recording(gpu_fits.StepWindow):
-        def begin(self):
-            calls.append("begin")
-
-        def step_done(self):
-            calls.append("step")
-
-        def end(self):
-            calls.append("end")
-
-    window = Recording(first=2, steps=2)
-    for step in range(6):
-        window.on_train_batch_start(SimpleNamespace(global_step=step), None, None, step)
-    window.on_train_end(None, None)
-    assert calls == ["begin", "step", "step", "end"]
-    with pytest.raises(ValueError, match=r"`Recording\(first=0, steps=0\)`"):
-        Recording(first=0, steps=0)
-
-
-def test_sync_verdicts():
-    site = gpu_syncs.SyncSite("lit_ddp/callbacks/step_sync.py", 80, "flags.cpu()")
-    other = gpu_syncs.SyncSite("lit_ddp/callbacks/phase_timer.py", 10, "x.item()")
-    ok = gpu_syncs.sync_verdicts([[], []], [[site], [site]])
-    assert ok[0].startswith("syncs: OK, 0 host syncs") and ok[1].startswith("counter: OK")
-    missed = gpu_syncs.sync_verdicts([[other], [other]], [[other, site], [other, site]])
-    assert missed[0].startswith("syncs: MISSED, 1 host syncs") and "phase_timer.py:10" in missed[0]
-    assert gpu_syncs.sync_verdicts([[], []], [[], []])[1].startswith("counter: BROKEN")
-
-
-def test_the_overhead_falls_under_the_limit_from_the_first_row_after_the_last_miss():
-    rows = [gpu_scaling.ScalingRow(d, 32, 1.0, 1.0, p, 1.0) for d, p in ((1, 1.2), (2, 1.01), (3, 1.3), (4, 1.02))]
-    assert gpu_scaling.under_limit_from(rows, lambda r: r.overhead).dim == 4
-    assert gpu_scaling.under_limit_from(rows[:3], lambda r: r.overhead) is None
-
-
-def test_the_synchronized_loop_runs_on_cpu():
-    phases = gpu_events.synchronized_phases(steps=3, warmup=1, device=torch.device("cpu"))
-    assert len(phases) == 3 and all(ms > 0 for ms in phases)
 
 
 def test_the_bare_lightning_loop_imports_no_tool_code():

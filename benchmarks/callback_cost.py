@@ -67,6 +67,7 @@ PARTS = {
     ("measure/fit_phases.py", "mark"): "PhaseTimer's marks (FitPhases.mark)",
     ("callbacks/comm_monitor.py", "_collect"): "CommMonitor's window: buckets to rows (_collect)",
     ("measure/collectives.py", "mark"): "the collective record's mark (CollectiveRecord.mark)",
+    ("run/watchdog.py", "beat"): "the watchdog's beat (watchdog.beat)",
 }
 RUNS = {
     "default config": (),
@@ -126,6 +127,7 @@ FUNCTION_PARTS = {  # module-level functions as their callers look them up: (mod
     ("lit_ddp._torch", "all_gather_started"): ("StepSync", "the all_gather started (the process group's call)"),
     ("lit_ddp.callbacks.step_sync", "all_gather"): ("StepSync", "the all_gather started (torch.distributed's call)"),
     ("lit_ddp.callbacks.sync_check", "fingerprints"): ("SyncCheck", "the fingerprint"),
+    ("lit_ddp.run.watchdog", "beat"): ("CollectiveRecorder", "the watchdog's beat (a clock read at a new step)"),
 }
 
 
@@ -301,6 +303,25 @@ def hook_run(nproc: int, dim: int, steps: int, warmup: int, extra: tuple[str, ..
         return json.loads(Path(tmp, "hooks.json").read_text())
 
 
+def watchdog_beat_line(calls: int = 200_000, repeats: int = 5) -> str:
+    """The watchdog's per-step cost, timed alone (``timeit``: the wrapper HookClock puts around a call costs more
+    than the call): a step's first beat (a clock read and an append) and a second one of the same step (a
+    comparison: the strategy and the recorder both beat), each the median of ``repeats`` runs of ``calls``."""
+    import statistics
+    import timeit
+
+    from lit_ddp.run.watchdog import Watchdog
+
+    dog = Watchdog(0, 1)
+    steps = iter(range(10**9))
+    new = statistics.median(timeit.repeat(lambda: dog.beat(next(steps)), number=calls, repeat=repeats)) / calls
+    again = statistics.median(timeit.repeat(lambda: dog.beat(0), number=calls, repeat=repeats)) / calls
+    return (
+        f"the watchdog's beats, timed alone: {(new + again) * 1e6:.2f} µs a step (a new step's {new * 1e6:.2f} "
+        f"µs, the same step's again {again * 1e6:.2f} µs; wall time, median of {repeats} x {calls:,})"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python benchmarks/callback_cost.py", description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=torch.cuda.device_count() or 2)
@@ -320,6 +341,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     clock = "the main thread's CPU time" if args.clock == "cpu" else "wall time"
     print(f"Rank 0 ({clock}), {args.nproc} ranks on {device}, dim {args.dim}, steps {args.warmup}-{args.steps}")
+    print(watchdog_beat_line())
     for name, extra in RUNS.items():
         timed = hook_run(args.nproc, args.dim, args.steps, args.warmup, extra, args.clock)
         step_us = timed["step_us"]

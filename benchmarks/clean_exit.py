@@ -29,7 +29,7 @@ import lightning  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.common import child_env  # noqa: E402
-from lit_ddp.analysis.tables import table  # noqa: E402
+from lit_ddp.formatting import table  # noqa: E402
 
 MANUAL_SCRIPT = """
 from lightning.pytorch import Trainer, seed_everything

@@ -1,6 +1,6 @@
 """What every benchmark shares: the repository's place, child-process environments, the step clock and its
 steady median, and the formatters of the benchmarks' tables (the tables are
-``lit_ddp.analysis.tables.table``).
+``lit_ddp.formatting.table``).
 
     from benchmarks.common import ROOT, StepClock, child_env, steady_step_ms
 
@@ -137,7 +137,7 @@ def steady_step_ms(starts: Sequence[Sequence[float]], warmup: int) -> float:
 
 def step_samples_ms(starts: Sequence[Sequence[float]], warmup: int) -> list[float]:
     """Each step's time (ms), in time order, the mean over ranks, the first ``warmup`` steps dropped: a run's
-    samples for the noise model (``lit_ddp.analysis.noise``)."""
+    samples for the noise model (``lit_ddp.derive.noise``)."""
     per_rank = [[(b - a) * 1e3 for a, b in zip(rank[warmup:], rank[warmup + 1 :], strict=False)] for rank in starts]
     return [statistics.fmean(step) for step in zip(*per_rank, strict=False)]
 

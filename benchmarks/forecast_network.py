@@ -32,7 +32,7 @@ if not __package__:  # run as a file: the repository on sys.path instead of benc
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks.common import ROOT, child_env, shaped_nodes  # noqa: E402
-from lit_ddp.analysis.tables import fmt_bandwidth, table  # noqa: E402
+from lit_ddp.formatting import fmt_bandwidth, table  # noqa: E402
 from lit_ddp.scaling.links import topology  # noqa: E402
 from lit_ddp.scaling.model import Bucket, Forecast, Measured, measured_run, simulate  # noqa: E402
 

@@ -4,8 +4,8 @@
 
 The profile's events are read in one place, ``profile_activity`` (the Chrome trace PhaseTimer kept, as plain JSON,
 sorted by ``gpu_activity``): it finds PhaseTimer's steps through their GPU user annotations (each
-``lit_ddp.step#N`` range drawn on the GPU timeline), which ``lit_ddp.analysis.trace`` leaves out of a trace's ops. The
-second fit's profile is read both ways: torch.profiler's own total, and ``lit_ddp.analysis.trace`` over its exported
+``lit_ddp.step#N`` range drawn on the GPU timeline), which ``lit_ddp.derive.trace`` leaves out of a trace's ops. The
+second fit's profile is read both ways: torch.profiler's own total, and ``lit_ddp.derive.trace`` over its exported
 Chrome trace (``trace_busy_ms``).
 """
 
@@ -22,10 +22,10 @@ from typing_extensions import override
 
 from benchmarks.common import fmt_num, fmt_pct, ratio
 from benchmarks.gpu_fits import DIM, KERNEL_STEPS, LIMIT, Budget, Section, StepWindow, fit, profiled_fit, quiet_loss
-from lit_ddp.analysis import trace
-from lit_ddp.analysis.tables import table
 from lit_ddp.callbacks import CommMonitor, PhaseTimer
 from lit_ddp.callbacks.phase_timer import FIRST_PROFILED_STEP
+from lit_ddp.derive import trace
+from lit_ddp.formatting import table
 from lit_ddp.maths.intervals import union_length
 from lit_ddp.records.schema import PhaseRecord
 
@@ -46,7 +46,7 @@ def gpu_activity(events: Iterable[dict[str, Any]]) -> GpuActivity:
 
     A step is found through its GPU user annotation: kineto draws each ``lit_ddp.step#N`` record_function on the
     GPU timeline from the first to the last GPU op launched inside it. This uses neither the correlation ids nor
-    the launch times that ``lit_ddp.analysis.trace`` (so PhaseTimer) uses, so that the two can be held against each
+    the launch times that ``lit_ddp.derive.trace`` (so PhaseTimer) uses, so that the two can be held against each
     other.
     """
     spans = [(e, e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3) for e in events if e.get("ph") == "X" and "dur" in e]
@@ -71,7 +71,7 @@ def device_total_ms(prof: profile) -> float:
 
 
 def trace_busy_ms(prof: profile) -> float:
-    """GPU-busy ms of a whole profile as ``lit_ddp.analysis.trace`` reads its exported Chrome trace: the union of every
+    """GPU-busy ms of a whole profile as ``lit_ddp.derive.trace`` reads its exported Chrome trace: the union of every
     kernel, memcpy and memset, without torch in the reading."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp, "rank0.pt.trace.json")  # the rank in the name, for a trace without distributedInfo
@@ -80,7 +80,7 @@ def trace_busy_ms(prof: profile) -> float:
 
 
 def file_busy_ms(path: Path) -> float:
-    """``lit_ddp.analysis.trace``'s busy time of the trace file at ``path``, in ms; NaN for a trace without GPU ops."""
+    """``lit_ddp.derive.trace``'s busy time of the trace file at ``path``, in ms; NaN for a trace without GPU ops."""
     found = trace.breakdown(trace.load(path).ops)
     return found.busy_us / 1e3 if found is not None else math.nan
 
@@ -120,7 +120,7 @@ class StepProfiler(StepWindow):
 
 def independent_profile_ms() -> tuple[float, float]:
     """Our own profiler over steps 2-4 of a fit like ``profiled_fit``'s, but with PhaseTimer not profiling (so none
-    of its ranges): its device total (ms), and its busy time as ``lit_ddp.analysis.trace`` reads it (NaN without
+    of its ranges): its device total (ms), and its busy time as ``lit_ddp.derive.trace`` reads it (NaN without
     one)."""
     profiler = StepProfiler(FIRST_PROFILED_STEP, KERNEL_STEPS)
     callbacks = [profiler, PhaseTimer(print_steps=0, kernel_steps=0), CommMonitor(), quiet_loss()]
@@ -140,7 +140,7 @@ def busy_section(budget: Budget) -> Section:
     """PhaseTimer's GPU-busy time against torch.profiler's own kernel figures, over the same steps.
 
     What is comparable: PhaseTimer's busy "step" column is the union of the GPU ops each profiled step (2-4) queued,
-    read by ``lit_ddp.analysis.trace`` from the trace PhaseTimer kept (ops linked to their launch by correlation id).
+    read by ``lit_ddp.derive.trace`` from the trace PhaseTimer kept (ops linked to their launch by correlation id).
     The
     reference is computed from the *same* trace (PhaseTimer's own profiler, kept by ``profiled_fit``), independently
     of those links: PhaseTimer's ``lit_ddp.step#N`` ranges found as GPU user annotations (``gpu_activity``), then (a)
@@ -174,7 +174,7 @@ def busy_section(budget: Budget) -> Section:
         ("(c) same profile: key_averages() device total", device_total_ms(run.profile)),
         ("    (a) with GPU user annotations counted as busy", with_annotations),
         ("(d) second fit, own profiler, no PhaseTimer profile: key_averages() device total", second),
-        ("    (d)'s Chrome trace read by lit_ddp.analysis.trace: union of its GPU ops", second_busy),
+        ("    (d)'s Chrome trace read by lit_ddp.derive.trace: union of its GPU ops", second_busy),
     ]
     section.lines += table(("measure", "ms", "PhaseTimer / it"), busy_rows(timer_ms, steps, measures)).splitlines()
     section.lines.append(f"window: {first_label} start to {last_label} end on the GPU timeline; "

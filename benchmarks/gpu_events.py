@@ -16,8 +16,8 @@ from torch.nn.parallel import DistributedDataParallel
 from benchmarks.common import fmt_num, fmt_share, median, ratio
 from benchmarks.gpu_fits import BATCH, DIM, KERNEL_STEPS, Budget, Section, in_process_run, profiled_fit
 from lit_ddp import LinearRegression
-from lit_ddp.analysis.tables import table
 from lit_ddp.callbacks.phase_timer import FIRST_PROFILED_STEP
+from lit_ddp.formatting import table
 from lit_ddp.lab.data import shard
 from lit_ddp.records.schema import PHASES, PhaseRecord, StepRow
 

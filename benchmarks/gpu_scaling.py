@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional
 
 from benchmarks.common import ROOT, child_env, clock_args, fmt_num, fmt_pct, ratio, read_rank_files, steady_step_ms
 from benchmarks.gpu_fits import CLEAN_ENV, LIMIT, Budget, Section, in_process_run
-from lit_ddp.analysis.tables import table
+from lit_ddp.formatting import table
 
 SCALING_SHAPES = [(dim, batch) for dim in (1024, 4096, 8192) for batch in (32, 1024)]
 # `python -m lit_ddp.reference` for several configurations in one interpreter (one start-up instead of one per

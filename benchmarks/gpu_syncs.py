@@ -22,8 +22,8 @@ from typing_extensions import override
 
 from benchmarks.common import ROOT, median
 from benchmarks.gpu_fits import BATCH, DIM, Budget, Section, StepWindow, fit
-from lit_ddp.analysis.tables import table
 from lit_ddp.callbacks import CommMonitor, LossMonitor, PhaseTimer, SyncCheck
+from lit_ddp.formatting import table
 
 SYNC_MESSAGE = "synchronizing CUDA operation"  # the TORCH_WARN of c10::cuda::warn_or_error_on_sync
 

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from lit_ddp.analysis.tables import table  # noqa: E402
+from lit_ddp.formatting import table  # noqa: E402
 
 KILLED = ("killed", "timeout", "segfault", "caught by type check")  # the tests (or the type checker) noticed
 UNCHECKED = ("not checked", "skipped")  # not run yet: left out of the score

@@ -7,7 +7,7 @@
 Every run is ``python -m lit_ddp.fit`` with PhaseTimer and CommMonitor, 40 steps (``--steps``), in a fresh process,
 one workload after the other in each round (so that the machine's drift falls on all alike). Three tables:
 
-1. **A/A**: every pair of the repeated runs of one workload, ``report A --compare A'`` (``lit_ddp.analysis.compare``):
+1. **A/A**: every pair of the repeated runs of one workload, ``report A --compare A'`` (``lit_ddp.present.compare``):
    the share of rows called ``slower`` or ``faster`` (each row's interval holds for the family of rows at 95%, so
    at most 5% of pairs should have any row called, and fewer of the rows).
 2. **Detection**: the first workload with every rank's forward ``d`` ms longer (``--delays``), each run against
@@ -17,7 +17,7 @@ one workload after the other in each round (so that the machine's drift falls on
    (``compare.many_rows``: the runs' medians, their variation between runs included): every split of a
    workload's runs into two disjoint groups of ``--group`` runs, and the slowed runs (as one group) against every
    group of as many plain runs.
-4. **The verdict** of each run (``lit_ddp.analysis.phases.verdict``), as it begins, and the straggler named, per
+4. **The verdict** of each run (``lit_ddp.present.phases.verdict``), as it begins, and the straggler named, per
    workload: 5 runs of one workload should say one thing.
 """
 
@@ -34,9 +34,11 @@ if not __package__:  # run as a file: the repository on sys.path instead of benc
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks.common import ROOT, child_env  # noqa: E402, F401
-from lit_ddp.analysis import compare, stragglers
-from lit_ddp.analysis.phases import verdict
-from lit_ddp.analysis.tables import table
+from lit_ddp.analysis.run_analysis import analyze
+from lit_ddp.derive import stragglers
+from lit_ddp.formatting import table
+from lit_ddp.present import compare
+from lit_ddp.present.phases import verdict
 from lit_ddp.records.schema import load_run
 
 
@@ -184,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         said = []
         for path in runs[w.name]:
             phases, comm = records[path]
-            line = verdict(phases, comm).removeprefix("Verdict: ").removeprefix("a CPU run (no device to idle): ")
+            line = (
+                verdict(analyze(phases, comm)).removeprefix("Verdict: ").removeprefix("a CPU run (no device to idle): ")
+            )
             found = stragglers.find_straggler(comm, phases)
             said.append((line.split(":")[0].split(",")[0], found.rank if found else None))
         for (what, rank), count in Counter(said).most_common():

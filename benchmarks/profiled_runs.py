@@ -28,7 +28,7 @@ import lightning  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.common import ROOT, child_env  # noqa: E402
-from lit_ddp.analysis.tables import table  # noqa: E402
+from lit_ddp.formatting import table  # noqa: E402
 
 PROFILED_RUN = ("-m", "lit_ddp.fit", "--devices", "2", "--trainer.accelerator", "cpu",
                 "--config", str(ROOT / "configs" / "mini_train_profile.yaml"), "--model.dim", "2048",

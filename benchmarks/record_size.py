@@ -30,9 +30,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROOT, child_env, clock_args, read_rank_files  # noqa: E402
-from lit_ddp.analysis.comm import comm_table  # noqa: E402
-from lit_ddp.analysis.phases import phase_table  # noqa: E402
-from lit_ddp.analysis.tables import fmt_ms, fmt_si, table  # noqa: E402
+from lit_ddp.analysis.run_analysis import analyze
+from lit_ddp.formatting import fmt_ms, fmt_si, table  # noqa: E402
+from lit_ddp.present.comm import comm_table  # noqa: E402
+from lit_ddp.present.phases import phase_table  # noqa: E402
 from lit_ddp.records.schema import load_run, save  # noqa: E402
 
 PROFILE = ROOT / "configs" / "mini_train_profile.yaml"
@@ -71,7 +72,7 @@ def simulate(run_dir: Path, world_size: int, out: Path) -> dict:
     phases.meta.world_size = comm.meta.world_size = world_size
     start = time.perf_counter()
     size = save(phases, out / "phases.json").stat().st_size + save(comm, out / "comm.json").stat().st_size
-    phase_table(phases), comm_table(comm)
+    phase_table(analyze(phases, None)), comm_table(analyze(None, comm))
     elapsed = time.perf_counter() - start
     kept = len(phases.ranks[0].rows)
     row_bytes = len(json.dumps([phases.ranks[0].rows[0].__dict__ | {"ms": phases.ranks[0].rows[0].ms.__dict__}]))

@@ -55,8 +55,8 @@ if not __package__:  # run as a file: the repository on sys.path instead of benc
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks import callback_cost, common  # noqa: E402
-from lit_ddp.analysis import noise  # noqa: E402
-from lit_ddp.analysis.tables import table  # noqa: E402
+from lit_ddp.derive import noise  # noqa: E402
+from lit_ddp.formatting import table  # noqa: E402
 
 Command = Callable[[Path], list[str]]  # the command of one run, given its scratch directory
 PLAIN = "plain loop (torchrun)"

@@ -35,7 +35,7 @@ if not __package__:  # run as a file: the repository on sys.path instead of benc
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks.common import ROOT, ShapedNodes, child_env, shaped_nodes  # noqa: E402
-from lit_ddp.analysis.tables import table  # noqa: E402
+from lit_ddp.formatting import table  # noqa: E402
 
 MODEL = ("--model", "examples.own_module.RandomTokens", "--model.vocab_size", "1000",
          "--data", "examples.own_module.RandomTokenData")  # fmt: skip

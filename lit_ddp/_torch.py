@@ -3,7 +3,7 @@
     pytest tests/test_private_apis.py      # fails loudly, naming the name, when the installed torch changed
 
 Tested with torch 2.11, 2.13 and 2.14 (CI runs tests/test_private_apis.py on each). Reading profiler traces uses
-none: ``lit_ddp.analysis.trace`` reads the
+none: ``lit_ddp.derive.trace`` reads the
 Chrome-trace JSON that ``torch.profiler`` writes, a public format.
 """
 
@@ -31,13 +31,22 @@ PRIVATE_NAMES = [
     PrivateName(distributed_c10d, "_get_default_store", "the rendezvous store, to name hung ranks after a timeout"),
     PrivateName(torch._C._distributed_c10d, "_dump_fr_trace", "Flight Recorder's entries, read at a failure"),
     PrivateName(torch._C._distributed_c10d, "_dump_nccl_trace", "NCCL's Flight Recorder entries (CUDA builds)"),
-    PrivateName(dataloader, "_MultiProcessingDataLoaderIter", "the watchdog names the DataLoader worker a rank waits on"),
-    PrivateName(dataloader._MultiProcessingDataLoaderIter, "_task_info", "see _MultiProcessingDataLoaderIter: the "
-                "worker each batch index went to"),
-    PrivateName(dataloader._MultiProcessingDataLoaderIter, "_rcvd_idx", "see _MultiProcessingDataLoaderIter: the "
-                "batch index the loader waits for"),
-    PrivateName(dataloader._MultiProcessingDataLoaderIter, "_workers", "see _MultiProcessingDataLoaderIter: the "
-                "worker processes"),
+    PrivateName(dataloader, "_MultiProcessingDataLoaderIter", "the watchdog names the worker a rank waits on"),
+    PrivateName(
+        dataloader._MultiProcessingDataLoaderIter,
+        "_task_info",
+        "see _MultiProcessingDataLoaderIter: the worker each batch index went to",
+    ),
+    PrivateName(
+        dataloader._MultiProcessingDataLoaderIter,
+        "_rcvd_idx",
+        "see _MultiProcessingDataLoaderIter: the batch index the loader waits for",
+    ),
+    PrivateName(
+        dataloader._MultiProcessingDataLoaderIter,
+        "_workers",
+        "see _MultiProcessingDataLoaderIter: the worker processes",
+    ),
     PrivateName(torch.cuda.memory, "_record_memory_history", "PhaseTimer(memory_snapshot=True): allocation history"),
     PrivateName(torch.cuda.memory, "_dump_snapshot", "PhaseTimer(memory_snapshot=True): dumped on OOM"),
 ]

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 
-from lit_ddp.analysis.tables import fmt_bandwidth, table
 from lit_ddp.errors import ForecastError, UsageParser
+from lit_ddp.formatting import fmt_bandwidth, table
 from lit_ddp.measure.allreduce import KIB, SLOW_LINK_SHARE, probe, probe_nodes
 from lit_ddp.run.rendezvous import init_loopback_process_group
+from lit_ddp.scaling.links import fit_probe
 
 
 def parse_bytes(text: str) -> int:
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.backend == "nccl":
             parser.error("--backend nccl: the probe across nodes runs gloo")
         try:
-            record = probe_nodes(args.max_bytes, args.min_bytes, args.warmup, args.iters)
+            record = probe_nodes(fit_probe, args.max_bytes, args.min_bytes, args.warmup, args.iters)
         except ForecastError as e:  # no fit to these times (every rank computes it): one line, from rank 0
             return _no_fit(parser, e)
         if record is not None:  # rank 0
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         record = probe(
             init_loopback_process_group,
+            fit_probe,
             args.nproc,
             args.max_bytes,
             args.min_bytes,

@@ -74,6 +74,11 @@ class UnevenDataError(RuntimeError):
     every rank at the same step, before any rank has run out."""
 
 
+class StartTimeoutError(RuntimeError):
+    """Ranks that never joined the rendezvous by the start's timeout, named with their node and the settings each
+    joined rank was started with; raised on every rank that joined."""
+
+
 class RecordError(ValueError):
     """A run record (``phases.json``, ``comm.json``) that cannot be read: one line naming the file and why."""
 
@@ -84,4 +89,4 @@ class ForecastError(ValueError):
 
 # Raised on every rank at the same step, so one report (rank 0's) is enough; each with its exit code.
 AGREED_ERRORS = {SyncError: EXIT_FAILED, NonFiniteLossError: EXIT_FAILED, UnusedParametersError: EXIT_USAGE,
-                 UnevenDataError: EXIT_FAILED}  # fmt: skip
+                 UnevenDataError: EXIT_FAILED, StartTimeoutError: EXIT_FAILED}  # fmt: skip

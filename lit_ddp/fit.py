@@ -69,6 +69,13 @@ class LitDDPCLI(LightningCLI):
         )
         super().add_core_arguments_to_parser(parser)
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:  # with the parser at hand: the option a mistyped one is nearest to
+            options = [f"--{key}" for key in parser.get_defaults().keys()]
+            raise UsageError(one_line(err, options)) from err
+
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()

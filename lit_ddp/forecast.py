@@ -2,7 +2,7 @@
 
     python -m lit_ddp.forecast runs/mini_train_profile/version_0 --forecast 8,64,512 --link nvlink+ib400
 
-(``python -m lit_ddp.report RUN --forecast ...`` does the same after its tables.) Reads ``phases.json`` and
+(``python -m lit_ddp.report RUN --forecast ...`` prints the same, and only that.) Reads ``phases.json`` and
 ``comm.json`` of a run, prints step time, exposed communication, scaling efficiency and samples/s at each N,
 what-if rows for DDP's knobs, and writes ``forecast.png`` into the run directory. The model
 (``lit_ddp.scaling.model``) and what it leaves out: docs/forecast.md.
@@ -10,12 +10,12 @@ what-if rows for DDP's knobs, and writes ``forecast.png`` into the run directory
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from lit_ddp.analysis import plots
-from lit_ddp.analysis.tables import fmt_bandwidth, fmt_ms, table
 from lit_ddp.errors import ForecastError, UsageParser
+from lit_ddp.formatting import fmt_bandwidth, fmt_ms, table
+from lit_ddp.present import plots
 from lit_ddp.scaling.links import BYTES_PER_MS_PER_GBPS, LINK_NAMES, Topology, check_ranks, topology
 from lit_ddp.scaling.model import Measured, measured_run, simulate, what_ifs
 
@@ -86,7 +86,7 @@ def report(run: Measured, topo: Topology, ranks: Sequence[int], caps_mib: Sequen
 
 def figure(run: Measured, topo: Topology, ranks: Sequence[int], caps_mib: Sequence[float]):
     """``forecast.png``: step time and scaling efficiency vs ranks, for the measured buckets and each what-if (here,
-    not in ``lit_ddp.analysis.plots``: it draws the model's curves, and analysis is a floor below scaling)."""
+    not in ``lit_ddp.present.plots``: it draws the model's curves, and analysis is a floor below scaling)."""
     fig = plots.figure(figsize=(11, 4.2))
     ax_step, ax_eff = fig.subplots(1, 2)
     top = base = simulate(run, 1, topo).step_ms  # nothing to reduce on 1 rank: the compute alone
@@ -177,9 +177,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="bucket caps to try (default 25,100)")  # fmt: skip
 
 
-def run(args: argparse.Namespace, run_dir: Path) -> int:
-    """Prints the forecast for parsed ``args`` and writes ``forecast.png`` (unless ``args.no_plot``); returns the
-    exit code, 0 or ``EXIT_NO_PICTURE`` (``lit_ddp.analysis.plots.write``). Raises ``ForecastError`` (a
+def run(args: argparse.Namespace, run_dir: Path, inputs: Callable[[], Measured]) -> int:
+    """Prints the forecast for parsed ``args`` of the run's forecast inputs (``inputs``, asked for once the options
+    are known good) and writes ``forecast.png`` (unless ``args.no_plot``); returns the
+    exit code, 0 or ``EXIT_NO_PICTURE`` (``lit_ddp.present.plots.write``). Raises ``ForecastError`` (a
     ``ValueError``) with a one-line message on bad input, before it prints anything."""
     spec = "+".join(n for n in args.link if n)
     probe = args.probe if args.probe is not None else (run_dir / "probe.json")
@@ -188,7 +189,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> int:
     topo = topology(args.link, args.gpus_per_node, measured_probe, across_nodes=ranks[-1] > args.gpus_per_node)
     for n in ranks:
         check_ranks(n, topo, spec)
-    measured = measured_run(run_dir)
+    measured = inputs()
     print(report(measured, topo, ranks, args.what_if_bucket_mb, str(run_dir)))
     if getattr(args, "no_plot", False):
         return 0
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.forecast is None:
         args.forecast = [8, 64, 512]
     try:
-        return run(args, args.run_dir)
+        return run(args, args.run_dir, lambda: measured_run(args.run_dir))
     except ForecastError as e:
         parser.error(str(e))
 

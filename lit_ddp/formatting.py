@@ -1,11 +1,16 @@
-"""Figures and advice as the tool writes them: SI prefixes, bytes, and a setting phrased for where it is read (a
-command line's ``--trainer.strategy.*`` options, or a script's ``DDPStrategy(...)``).
+"""Figures and advice as the tool writes them, in one module: SI prefixes, bytes, times, bandwidths, text tables,
+and a setting phrased for where it is read (a command line's ``--trainer.strategy.*`` options, or a script's
+``DDPStrategy(...)``).
 
     python -m lit_ddp.report runs/mini_train_profile/version_0     # its tables use them
 """
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
+
+from lit_ddp.records.schema import DDPMemory, OutOfMemory
 
 
 def fmt_si(value: float, unit: str) -> str:
@@ -19,6 +24,33 @@ def fmt_si(value: float, unit: str) -> str:
 
 def fmt_bytes(value: float) -> str:
     return fmt_si(value, "B")
+
+
+def fmt_ms(value: float) -> str:
+    """Milliseconds, or seconds from 1000 ms on (as printed: 999.996 ms is 1.00 s, not 1000.00 ms)."""
+    return f"{value:.2f} ms" if round(value, 2) < 1000 else f"{value / 1000:.2f} s"
+
+
+def fmt_bandwidth(gb_per_s: float) -> str:
+    """A bandwidth given in GB/s (1e9 bytes/s), with the prefix its magnitude calls for as ``fmt_si`` chooses it,
+    to three significant figures: ``82.0 kB/s``, ``25.3 MB/s``, ``514 MB/s``, ``1.23 GB/s``; ``-`` when it is not
+    known (NaN)."""
+    if math.isnan(gb_per_s):
+        return "-"
+    value = float(f"{gb_per_s * 1e9:.3g}")  # rounded first: 999.6 MB/s is 1.00 GB/s, not 1000 MB/s
+    prefix, scale = next(((p, k) for p, k in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)) if abs(value) >= k),
+                         ("", 1.0))  # fmt: skip
+    scaled = value / scale
+    return f"{scaled:.{2 if abs(scaled) < 10 else 1 if abs(scaled) < 100 else 0}f} {prefix}B/s"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[object]], left: int = 1) -> str:
+    """Columns padded to their widest cell; the first ``left`` left-aligned (names), the rest right-aligned."""
+    cells = [[str(c) for c in row] for row in [header, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+             for row in cells]  # fmt: skip
+    return "\n".join(line.rstrip() for line in lines)
 
 
 @dataclass(frozen=True)
@@ -41,3 +73,28 @@ CLI = Advice()
 
 def _option_value(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def holders(held: DDPMemory, allocated: Optional[int]) -> list[tuple[str, int]]:
+    """What held memory, largest first; ``the rest`` (activations, workspace) where the allocator's total is
+    known (CUDA)."""
+    parts = [("parameters", held.parameters), ("gradients", held.own_gradients), ("DDP's buckets", sum(held.buckets)),
+             ("optimizer state", held.optimizer_state)]  # fmt: skip
+    if allocated is not None:
+        parts.append(("the rest (activations, workspace)", max(allocated - held.held, 0)))
+    return sorted((p for p in parts if p[1]), key=lambda p: -p[1])
+
+
+def oom_line(oom: OutOfMemory, path: Optional[str] = None) -> str:
+    """One line: where the rank ran out of memory, where memory peaked, and what held it."""
+    held = ", ".join(f"{name} {fmt_bytes(n)}" for name, n in holders(oom.held, oom.allocated))
+    rest = "" if oom.allocated is not None else " (the rest is not measured on CPU)"
+    peak = ""
+    if oom.peak is not None:
+        peak = f"; memory peaked at {fmt_bytes(oom.peak)} in step {oom.peak_step}, {oom.peak_phase}"
+    saved = f"; record: {path}" if path else ""
+    snapshot = f"; snapshot: {oom.snapshot}" if oom.snapshot else ""
+    return (
+        f"rank {oom.rank} ran out of memory in step {oom.step}, {oom.phase} ({oom.error}){peak}; held then: "
+        f"{held or 'nothing the tool sees'}{rest}{saved}{snapshot}"
+    )

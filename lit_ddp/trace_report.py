@@ -4,7 +4,7 @@
     python -m lit_ddp.trace_report traces/ --json trace.json --no-plot
 
 Finds the traces under DIR (``*.pt.trace.json[.gz]`` at any depth, else every ``*.json[.gz]`` in DIR, or DIR as
-one trace file), prints the tables of ``lit_ddp.analysis.trace_tables``, writes ``trace.png`` beside the traces
+one trace file), prints the tables of ``lit_ddp.present.trace_tables``, writes ``trace.png`` beside the traces
 (``pip install 'lit_ddp[plot]'``) and, with ``--json OUT``, every figure in microseconds. Exit codes: 0 done
 (without matplotlib too); 1 no picture (its folder not writable); 2 nothing to analyse (one line on stderr).
 docs/traces.md.
@@ -17,17 +17,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from lit_ddp.analysis import plots
-from lit_ddp.analysis.compare import compare_traces
-from lit_ddp.analysis.trace import (
+from lit_ddp.derive.trace import (
     NoGpuEvents,
     RankAnalysis,
     TraceError,
     analyze_rank,
     load,
 )
-from lit_ddp.analysis.trace_tables import to_json, trace_report
 from lit_ddp.errors import EXIT_USAGE, UsageParser
+from lit_ddp.present import plots
+from lit_ddp.present.compare import compare_traces
+from lit_ddp.present.trace_tables import to_json, trace_report
 
 TRACE_REPORT_PROG = "python -m lit_ddp.trace_report"
 PICTURE = "trace.png"
@@ -92,7 +92,7 @@ def run(path: Path, json_out: Optional[Path] = None, picture: bool = True, prog:
 
 
 def compare(path_a: Path, path_b: Path, prog: str = TRACE_REPORT_PROG) -> int:
-    """Two profiles of one job, row by row (``lit_ddp.analysis.compare``): what ``python -m lit_ddp.report --trace
+    """Two profiles of one job, row by row (``lit_ddp.present.compare``): what ``python -m lit_ddp.report --trace
     A --compare B`` calls; the exit code as ``run``'s."""
     try:
         a, b = (load_ranks(find_traces(Path(p))) for p in (path_a, path_b))

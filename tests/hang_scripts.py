@@ -23,7 +23,6 @@ if __name__ == "__main__" and not __package__:  # run as a file: the repository 
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from lit_ddp.callbacks import LossMonitor, StepSync  # noqa: E402
-from lit_ddp.callbacks.collective_recorder import CollectiveRecorder  # noqa: E402
 from lit_ddp.run.strategy import LitDDPStrategy  # noqa: E402
 
 DIM = 8
@@ -45,13 +44,15 @@ class Shard(IterableDataset):
 class RankSized(Dataset):
     """``rows[rank]`` rows on each rank, a length asked in the rank (the ranks fork from one process)."""
 
-    def __init__(self, rows: dict[int, int]) -> None:
-        self.rows = rows
+    def __init__(self, rows: dict[int, int], stuck: bool = False) -> None:
+        self.rows, self.stuck = rows, stuck
 
     def __len__(self) -> int:
         return self.rows[int(os.environ.get("LOCAL_RANK", 0))]
 
     def __getitem__(self, i: int):
+        if self.stuck and i == 12 and int(os.environ.get("LOCAL_RANK", 0)) == 1:
+            time.sleep(3600)  # rank 1's worker, in its fourth batch
         x = torch.full((DIM,), i / 32)
         return x, x.sum(0, keepdim=True)
 
@@ -62,6 +63,10 @@ class Case(LightningModule):
         self.case, self.fault_step = case, fault_step
         self.layer = torch.nn.Linear(DIM, 1)
         self.trained: dict[int, int] = {}
+
+    def setup(self, stage: str) -> None:
+        if self.case == "setup_barrier" and self.global_rank == 0:
+            torch.distributed.barrier()  # rank 0 only: rank 1 goes on to DDP's first broadcast
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -83,6 +88,8 @@ class Case(LightningModule):
                 raise RuntimeError("injected failure on rank 1 between two collectives")
         elif self.case == "sleep" and at_fault:
             time.sleep(3600)
+        elif self.case == "rank0_work" and self.global_step == self.fault_step and self.global_rank == 0:
+            time.sleep(14)  # rank 0's own work (an evaluation, an upload), longer than the watchdog's 10 s: healthy
         elif self.case == "sleep_rank0" and self.global_step == self.fault_step and self.global_rank == 0:
             time.sleep(3600)  # rank 0 hosts the store: its server answers while this thread sleeps
         return loss
@@ -100,13 +107,16 @@ def loader(case: str) -> DataLoader:
     if case == "uneven_shards":
         return DataLoader(Shard({0: 8, 1: 5}), batch_size=None)
     # Sized: each rank its own rows, as a user who shards by hand does (use_distributed_sampler=False).
+    if case == "stuck_worker":
+        return DataLoader(RankSized({0: 32, 1: 32}, stuck=True), batch_size=4, num_workers=2)
     return DataLoader(RankSized({0: 32, 1: 20 if case == "uneven_sized" else 32}), batch_size=4)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("case", choices=["logkeys", "log_dict", "gather_rank0", "raise", "sleep", "sleep_rank0",
-                                         "uneven_shards", "uneven_sized", "even"])  # fmt: skip
+                                         "uneven_shards", "uneven_sized", "even", "log_dir_after_fit", "rank0_work",
+                                         "setup_barrier", "stuck_worker"])  # fmt: skip
     parser.add_argument("--uneven", default="stop", choices=["stop", "error"])
     parser.add_argument("--timeout-s", type=float, default=20)
     parser.add_argument("--epochs", type=int, default=2)
@@ -115,9 +125,7 @@ def main() -> None:
     parser.add_argument("--start-method", default="auto", choices=["auto", "popen", "spawn"],
                         help="popen: Lightning's `ddp` launcher (the script again for rank 1)")  # fmt: skip
     args = parser.parse_args()
-    callbacks = [LossMonitor(), StepSync(uneven=args.uneven)]
-    if args.strategy == "ddp":  # the callbacks alone: the recorder shortens Lightning's 30-minute timeout
-        callbacks.append(CollectiveRecorder(timeout_s=args.timeout_s))
+    callbacks = [LossMonitor(), StepSync(uneven=args.uneven)]  # under `ddp`: Lightning's 30-minute timeout
     trainer = Trainer(
         accelerator=args.accelerator,
         devices=2,
@@ -133,6 +141,8 @@ def main() -> None:
         use_distributed_sampler=False,
     )
     trainer.fit(Case(args.case), loader(args.case))
+    if args.case == "log_dir_after_fit" and trainer.global_rank == 0:
+        print(trainer.log_dir)  # a collective (the strategy's broadcast) that rank 1, past its script, never calls
 
 
 if __name__ == "__main__":

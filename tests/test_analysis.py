@@ -9,17 +9,13 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 
 from lit_ddp import report
-from lit_ddp.analysis.comm import comm_summary, comm_table
-from lit_ddp.analysis.phases import (
-    MEASURE,
-    micro_batches,
-    phase_summary,
-    phase_table,
-    roofline_table,
-    step_parts,
-    verdict,
-)
+from lit_ddp.analysis.run_analysis import analyze
 from lit_ddp.callbacks import CommMonitor, LossMonitor, PhaseTimer, StepSync, SyncCheck
+from lit_ddp.derive.stragglers import arrivals
+from lit_ddp.derive.summaries import comm_summary, micro_batches, phase_summary, step_parts
+from lit_ddp.formatting import CLI
+from lit_ddp.present.comm import comm_table
+from lit_ddp.present.phases import MEASURE, phase_table, roofline_table, verdict
 from lit_ddp.records.schema import (
     CommRecord,
     DDPMemory,
@@ -31,7 +27,6 @@ from lit_ddp.records.schema import (
     StepBuckets,
     StepMemory,
     load_run,
-    save,
 )
 from lit_ddp.scaling.advice import wire_savings
 from tests import records
@@ -50,16 +45,16 @@ def comm_record(world_size: int, nbytes: int, ms: list[float]) -> CommRecord:
 
 def test_bandwidth_follows_the_nccl_tests_definitions():
     # 8 MB in 4 ms (the shortest duration across ranks: the transfer): algbw 2 GB/s; busbw = algbw x 2(n-1)/n.
-    text = comm_table(comm_record(4, 8_000_000, [4.0, 5.0, 4.5, 6.0]))
+    text = comm_table(analyze(None, comm_record(4, 8_000_000, [4.0, 5.0, 4.5, 6.0])))
     assert re.search(r"^0\s+8,000,000\s+4\.00 ms\s+2\.00 GB/s\s+3\.00 GB/s\s+0\.00 ms$", text, re.M), text
     assert "each rank sends 2(n-1)/n x S = 12,000,000 bytes in a ring all-reduce" in text
 
 
 def test_two_ranks_busbw_equals_algbw():
-    text = comm_table(comm_record(2, 1_000_000, [1.0, 1.0]))
+    text = comm_table(analyze(None, comm_record(2, 1_000_000, [1.0, 1.0])))
     assert re.search(r"^0\s+1,000,000\s+1\.00 ms\s+1\.00 GB/s\s+1\.00 GB/s", text, re.M), text
     # A small bucket on a slow link: its unit by magnitude (82,000 bytes in 4 ms), not 0.02 GB/s.
-    text = comm_table(comm_record(2, 82_000, [4.0, 4.0]))
+    text = comm_table(analyze(None, comm_record(2, 82_000, [4.0, 4.0])))
     assert re.search(r"^0\s+82,000\s+4\.00 ms\s+20\.5 MB/s\s+20\.5 MB/s", text, re.M), text
 
 
@@ -84,8 +79,8 @@ def test_outside_fit_the_callbacks_stand_aside(tmp_path):
     assert not any(isinstance(c, StepSync) for c in trainer.callbacks)
 
 
-# The verdict (lit_ddp.analysis.phases.verdict) on hand-made records: a part of the step is named only beyond the
-# noise model's interval (lit_ddp.analysis.noise), the all-reduce from CommMonitor's exposed time.
+# The verdict (lit_ddp.present.phases.verdict) on hand-made records: a part of the step is named only beyond the
+# noise model's interval (lit_ddp.derive.noise), the all-reduce from CommMonitor's exposed time.
 
 
 def noisy_steps(rng: random.Random, n: int, means: tuple[float, float, float, float], sd: float = 0.3):
@@ -96,25 +91,27 @@ def noisy_steps(rng: random.Random, n: int, means: tuple[float, float, float, fl
 def test_the_verdict_names_a_phase_beyond_the_noise_and_else_says_it_cannot_tell():
     rng = random.Random(0)
     clear = phase_record([noisy_steps(rng, 40, (1.0, 6.0, 1.0, 0.5))])
-    line = verdict(clear)
+    line = verdict(analyze(clear, None))
     assert re.search(r"backward bounds the step, 6\.\d\d ms \(7\d%\): the model's compute, [45]\.\d\d ms per step "
                      r"\(.* to .*, 95%, 39 steps\) over (forward|update) \(", line), line  # fmt: skip
     assert line.endswith(MEASURE)
     level = phase_record([noisy_steps(rng, 40, (4.0, 4.1, 1.0, 0.5), sd=1.0)])
-    line = verdict(level)
+    line = verdict(analyze(level, None))
     assert re.search(r"can't tell what bounds the step, because (forward|backward) \([34]\.\d\d ms, [34]\d%\) and "
                      r"(forward|backward) \([34]\.\d\d ms, [34]\d%\), the largest parts, differ by .* per step "
                      r"\(.*, 95%, 39 steps\): within the noise; ", line), line  # fmt: skip
     # Beyond the noise but by little: a lead of 0.4 ms in a 9.6 ms step (4%) bounds nothing.
     close = phase_record([noisy_steps(rng, 40, (4.0, 4.4, 1.0, 0.2), sd=0.05)])
     assert "the largest parts, differ by 0.4" in verdict(
-        close
-    ) and ": not beyond the noise above 10% of the step; " in verdict(close)
+        analyze(close, None)
+    ) and ": not beyond the noise above 10% of the step; " in verdict(analyze(close, None))
     two_ranks = phase_record([noisy_steps(rng, 40, (1.0, 6.0, 1.0, 0.5))] * 2)  # no CommMonitor record to split it
-    assert "backward bounds the step, " in verdict(two_ranks)
-    assert "the model's compute, and the gradient all-reduce where backward does not hide it" in verdict(two_ranks)
+    assert "backward bounds the step, " in verdict(analyze(two_ranks, None))
+    assert "the model's compute, and the gradient all-reduce where backward does not hide it" in verdict(
+        analyze(two_ranks, None)
+    )
     few = phase_record([noisy_steps(rng, 4, (1.0, 6.0, 1.0, 0.5))])
-    assert "can't tell what bounds the step, because only 3 steady step(s) were kept" in verdict(few)
+    assert "can't tell what bounds the step, because only 3 steady step(s) were kept" in verdict(analyze(few, None))
 
 
 @pytest.mark.parametrize(
@@ -130,7 +127,7 @@ def test_the_gpu_verdict_is_named_only_when_every_profiled_step_agrees(busy_ms, 
     """A 10 ms steady step on the CUDA clock; the GPU's busy time of each of 3 profiled steps (all in forward)."""
     steps = [(2.0, 6.0, 1.0, 1.0)] * 8
     record = phase_record([steps], profiled=[2, 3, 4], clock="cuda_event", busy=[(b, 0, 0, 0) for b in busy_ms])
-    assert verdict(record).startswith(start), verdict(record)
+    assert verdict(analyze(record, None)).startswith(start), verdict(analyze(record, None))
 
 
 def comm_bound_case(steps: int = 30, seed: int = 0, ranks: int = 2) -> tuple:
@@ -169,7 +166,7 @@ def jittery_wait_case(steps: int = 30, seed: int = 0) -> tuple:
 
 def test_a_wait_for_ranks_that_take_turns_being_late_is_no_bound_and_the_verdict_says_so():
     phases, comm = jittery_wait_case()
-    line = verdict(phases, comm)
+    line = verdict(analyze(phases, comm))
     assert line.startswith("Verdict: a CPU run (no device to idle): can't tell what bounds the step, because its "
                            "largest part is rank 0's wait for a later rank's gradients, "), line  # fmt: skip
     assert "no rank is late often and steadily enough to be named a straggler" in line and line.endswith(MEASURE)
@@ -178,21 +175,20 @@ def test_a_wait_for_ranks_that_take_turns_being_late_is_no_bound_and_the_verdict
 
 def test_a_communication_bound_step_is_called_so_with_the_figure_of_the_change_that_cuts_the_bytes(tmp_path):
     phases, comm = comm_bound_case()
-    line = verdict(phases, comm)
+    line = verdict(analyze(phases, comm))
     assert re.search(r"communication-bound: the gradient all-reduce's exposed transfer is 33\d\.\d\d ms of the "
                      r"35\d\.\d\d ms step \(9\d%\)", line), line  # fmt: skip
     assert "backward bounds" not in line and "straggler" not in line
     # The figure: the forecast's model at 2 ranks over the link these all-reduces ran at (lit_ddp.scaling.advice).
-    run_dir = tmp_path / "run"
-    save(phases, run_dir / "phases.json"), save(comm, run_dir / "comm.json")
-    savings = wire_savings(run_dir, comm)
-    (label, saving), = savings.items()  # fmt: skip
+    # From the records in memory: nothing is read back from disk.
+    analysis = analyze(phases, comm)
+    (label, saving), = analysis.savings.items()  # fmt: skip
     assert label.startswith("fp16 compression") and 160 < saving < 175  # half the bytes: half the 336 ms
-    line = verdict(phases, comm, savings)
+    line = verdict(analysis)
     assert re.search(r"fp16 compression \(.*\): step 35\d\.\d\d ms -> ~1[89]\d\.\d\d ms, forecast$", line), line
-    assert wire_savings(run_dir, None) == {} and wire_savings(None, comm) == {}
+    assert analyze(None, comm).savings == {} and wire_savings(comm, None, arrivals(comm)) == {}
     # Without CommMonitor's record the same steps are backward's: the model's compute and the all-reduce's.
-    assert "backward bounds the step" in verdict(phases)
+    assert "backward bounds the step" in verdict(analyze(phases, None))
 
 
 def test_the_measured_two_node_run_is_communication_bound_with_the_fp16_figure(capsys):
@@ -200,9 +196,9 @@ def test_the_measured_two_node_run_is_communication_bound_with_the_fp16_figure(c
     transfer, 377 ms of a 746 ms step, is what bounds it, and halving the bytes is forecast to save ~190 ms."""
     run_dir = ROOT / "tests" / "data" / "two_nodes_100mbit"
     phases, comm = load_run(run_dir)
-    (saving,) = wire_savings(run_dir, comm).values()
+    (saving,) = analyze(phases, comm).savings.values()
     assert 150 < saving < 230  # about half the transfer: the rest of the step is compute
-    line = verdict(phases, comm, {"fp16 compression": saving})
+    line = verdict(dataclasses.replace(analyze(phases, comm), savings={"fp16 compression": saving}))
     assert re.search(r"communication-bound: the gradient all-reduce's exposed transfer is 377\.17 ms of the "
                      r"746\.24 ms step \(51%\), .*; fp16 compression: step 746\.24 ms -> ~5\d\d\.\d\d ms, forecast$",
                      line), line  # fmt: skip
@@ -235,7 +231,7 @@ def test_the_roofline_of_a_phase_timed_at_0_ms_has_no_rate_and_no_fraction_of_pe
     ]
 
 
-# The phase table's and the verdict's edges, on hand-made records (lit_ddp.analysis.phases).
+# The phase table's and the verdict's edges, on hand-made records (lit_ddp.present.phases).
 
 
 def test_the_micro_batches_are_the_steady_steps_most_common_count_or_the_kept_steps_or_1():
@@ -247,7 +243,7 @@ def test_the_micro_batches_are_the_steady_steps_most_common_count_or_the_kept_st
     record.first_step, record.profiled_steps = 100, [102, 103, 104]
     record.meta.clock = "time_ns"
     assert micro_batches(record) == 2
-    assert phase_table(record).splitlines()[:2] == [
+    assert phase_table(analyze(record, None)).splitlines()[:2] == [
         ("Phase times (time_ns), 1 rank(s), 2 micro-batches per optimizer step (each phase summed over them), step 100 "
          "= warm-up (the fit resumed there), then 5 steady step(s) (steps 102-104 ran under the profiler without "
          "completing a GPU-busy measurement, left out of the others):"),
@@ -255,8 +251,9 @@ def test_the_micro_batches_are_the_steady_steps_most_common_count_or_the_kept_st
     ]  # fmt: skip
     # 5 steady steps, the fewest the noise model takes: a bound is named. Backward leads forward by 3 + 0.1 i ms
     # in steps i = 1, 5-8: 3.60 ms median.
+    line = verdict(analyze(record, None))
     assert re.search(r"backward bounds the step, 5\.20 ms \(69%\): the model's compute, 3\.60 ms per step \(.*, 95%, 5 "
-                     r"steps\) over forward \(1\.60 ms\)", verdict(record)), verdict(record)  # fmt: skip
+                     r"steps\) over forward \(1\.60 ms\)", line), line  # fmt: skip
     one_step = phase_record([[(1.0, 2.0, 0.5, 0.25)]])  # a 1-step run: no steady step, the warm-up's count
     one_step.ranks[0].rows[0].micro_batches = 4
     assert micro_batches(one_step) == 4
@@ -270,13 +267,13 @@ def test_a_phase_without_its_summary_is_the_median_of_the_steady_steps_else_of_t
     assert phase_summary(record, 0, "forward").median == pytest.approx(1.2, rel=0.01)
     one_step = phase_record([[(1.0, 2.0, 0.5, 0.25)]])  # its summaries count nothing: the warm-up is all there is
     assert [phase_summary(one_step, 0, p).median for p in ("forward", "step")] == pytest.approx([1.0, 3.75], rel=0.01)
-    assert verdict(one_step) == (
+    assert verdict(analyze(one_step, None)) == (
         "Verdict: a CPU run (no device to idle): can't tell what bounds the step, because only 1 steady step(s) were "
         f"kept; {MEASURE}"
     )
     without_warmup = phase_record([steps_of(0)])
     del without_warmup.ranks[0].rows[0]  # the fit's first step not kept: nothing to show for it
-    assert phase_table(without_warmup).splitlines()[2].startswith("forward        -  1.40 ms  1.10 ms")
+    assert phase_table(analyze(without_warmup, None)).splitlines()[2].startswith("forward        -  1.40 ms  1.10 ms")
 
 
 def test_the_skipped_steps_line_names_ten_and_marks_more():
@@ -287,7 +284,7 @@ def test_the_skipped_steps_line_names_ten_and_marks_more():
         record = phase_record([[(1.0, 6.0, 1.0, 0.5)] * 30])
         record.meta.precision = "16-mixed"
         record.skipped_steps, record.skipped_count = list(range(12, 12 + count)), count  # the record keeps 100
-        assert phase_table(record).splitlines()[-2] == (
+        assert phase_table(analyze(record, None)).splitlines()[-2] == (
             f"{count} optimizer step(s) skipped by the 16-mixed grad scaler (inf/NaN gradients, no update; the scale "
             f"was lowered): step(s) {named}; left out of the medians"
         )
@@ -298,7 +295,7 @@ def test_each_kind_of_work_outside_the_steps_gets_a_line_from_the_rank_that_spen
     record = phase_record([[(1.0, 6.0, 1.0, 0.5)] * 8] * 2)
     record.ranks[0].outside = {"validation": Sketch.of([30.0, 40.0])}
     record.ranks[1].outside = {"validation": Sketch.of([20.0, 25.0]), "test": Sketch.of([5.0])}
-    assert phase_table(record).splitlines()[8:10] == [
+    assert phase_table(analyze(record, None)).splitlines()[8:10] == [
         "test inside fit, kept out of the steps above: 1 run(s), 5.00 ms in all, 5.00 ms median (rank 1, the longest)",
         ("validation inside fit, kept out of the steps above: 2 run(s), 70.00 ms in all, 30.11 ms median (rank 0, the "
          "longest)"),
@@ -316,7 +313,7 @@ def test_step_parts_split_backward_by_commmonitors_record_and_keep_only_the_step
     late = {1: 0.5, 2: 0.5, 3: 3.0, 6: 0.5}
     kept = [[bucket(s, 0.0) for s in range(7) if s != 4], [bucket(s, late.get(s, 0.0)) for s in range(7) if s != 5]]
     comm = records.comm_record(kept, param_bytes=1000)
-    parts = step_parts(phase_record([[(1.0, 6.0, 1.0, 0.5)] * 7] * 2), comm)
+    parts = step_parts(phase_record([[(1.0, 6.0, 1.0, 0.5)] * 7] * 2), comm, arrivals(comm))
     assert list(parts.items()) == [
         ("forward", [1.0] * 5), ("update", [1.0] * 5), ("data", [0.0] * 5), ("other", [0.5] * 5),
         ("backward", [4.0] * 5), ("exposed", [1.5, 1.5, 0.0, 2.0, 1.5]), ("wait", [0.5, 0.5, 2.0, 0.0, 0.5]),
@@ -331,7 +328,7 @@ def test_a_straggler_is_the_verdict_with_the_phase_it_loses_its_time_in():
 
     comm = records.comm_record([[row(r, s) for s in range(8)] for r in (0, 1)], param_bytes=1000)
     phases = phase_record([[(1.0, 501.0, 1.0, 1.0)] * 8, [(501.0, 1.0, 1.0, 1.0)] * 8])
-    assert verdict(phases, comm) == (
+    assert verdict(analyze(phases, comm)) == (
         "Verdict: straggler: rank 1 arrives 500.0 ms late at 100% of all-reduces (median within 500.0 to 500.0 ms); "
         "its forward phase is +500.0 ms over the other ranks' median; rank(s) 0 wait 500.0 ms per step; the "
         "all-reduce itself takes 2.0 ms"
@@ -340,9 +337,15 @@ def test_a_straggler_is_the_verdict_with_the_phase_it_loses_its_time_in():
 
 def test_a_cuda_clock_without_gpu_busy_time_gives_no_verdict_and_says_why():
     unmeasured = phase_record([[(1.0, 6.0, 1.0, 0.5)] * 8], clock="cuda_event")
-    assert verdict(unmeasured) == "Verdict: unknown: GPU-busy time was not measured (PhaseTimer(kernel_steps=0))"
+    assert (
+        verdict(analyze(unmeasured, None))
+        == "Verdict: unknown: GPU-busy time was not measured (PhaseTimer(kernel_steps=0))"
+    )
     unfinished = phase_record([[(1.0, 6.0, 1.0, 0.5)] * 8], profiled=[2], clock="cuda_event")
-    assert verdict(unfinished) == "Verdict: unknown: GPU-busy time was not measured (no profiled step completed)"
+    assert (
+        verdict(analyze(unfinished, None))
+        == "Verdict: unknown: GPU-busy time was not measured (no profiled step completed)"
+    )
 
 
 @pytest.mark.parametrize(
@@ -358,24 +361,26 @@ def test_a_gpu_busy_exactly_80_percent_of_the_step_is_gpu_bound_and_one_profiled
     steps = [(2.0, 6.0, 1.0, 1.0)] * 8  # 10 ms
     record = phase_record([steps], profiled=[2, 3][: len(busy_ms)], clock="cuda_event",
                           busy=[(b, 0, 0, 0) for b in busy_ms])  # fmt: skip
-    assert verdict(record) == f"Verdict: {says}"
+    assert verdict(analyze(record, None)) == f"Verdict: {says}"
 
 
 def test_steps_timed_at_0_ms_give_shares_of_0_rather_than_dividing_by_zero():
     zero = [(0.0, 0.0, 0.0, 0.0)] * 8
-    assert verdict(phase_record([zero])) == (
+    assert verdict(analyze(phase_record([zero]), None)) == (
         "Verdict: a CPU run (no device to idle): can't tell what bounds the step, because forward (0.00 ms, 0%) and "
         "backward (0.00 ms, 0%), the largest parts, differ by 0.00 ms per step (0.00 ms to 0.00 ms, 95%, 7 steps): "
         f"within the noise; {MEASURE}"
     )
     gpu = phase_record([zero], profiled=[2, 3], clock="cuda_event", busy=[(0.0, 0.0, 0.0, 0.0)] * 2)
-    assert verdict(gpu).startswith("Verdict: host-bound: the GPU was busy 0% of the step (0% to 0% in the 2 profiled ")
+    assert verdict(analyze(gpu, None)).startswith(
+        "Verdict: host-bound: the GPU was busy 0% of the step (0% to 0% in the 2 profiled "
+    )
 
 
 def test_a_lead_whose_interval_holds_1_ms_but_not_0_is_beyond_the_noise_but_under_the_bar():
     """Backward leads forward by 0.4 to 1.6 ms (1 ms median) in a 26 ms step: beyond the noise, under 10% of it."""
     lead = [1.0, 0.4, 1.6, 0.6, 1.4, 0.8, 1.2, 1.0, 0.5, 1.5, 1.0, 0.7, 1.3]
-    line = verdict(phase_record([[(10.0, 10.0 + d, 4.0, 1.0) for d in lead]]))
+    line = verdict(analyze(phase_record([[(10.0, 10.0 + d, 4.0, 1.0) for d in lead]]), None))
     assert re.search(r"differ by 1\.00 ms per step \(0\.\d\d ms to 1\.\d\d ms, 95%, 12 steps\): not beyond the noise "
                      r"above 10% of the step; ", line), line  # fmt: skip
 
@@ -383,13 +388,13 @@ def test_a_lead_whose_interval_holds_1_ms_but_not_0_is_beyond_the_noise_but_unde
 def test_a_communication_bound_verdict_says_how_to_forecast_what_it_cannot_figure():
     """Without the forecast's figures: the command for this run's ranks; for buckets compressed already, the
     forecast of other links; with two figures, both."""
-    four = verdict(*comm_bound_case(ranks=4))
+    four = verdict(dataclasses.replace(analyze(*comm_bound_case(ranks=4)), savings={}))
     assert four.endswith("the next; python -m lit_ddp.forecast RUN --forecast 4 forecasts fp16 compression"), four
     phases, comm = comm_bound_case()
-    compressed = verdict(phases, dataclasses.replace(comm, compression="fp16"))
+    compressed = verdict(analyze(phases, dataclasses.replace(comm, compression="fp16")))
     assert compressed.endswith("the next; the buckets are fp16 already: python -m lit_ddp.forecast RUN --forecast 2 "
                                "--link ... forecasts other links"), compressed  # fmt: skip
-    both = verdict(phases, comm, {"fp16": 168.0, "bf16": 168.5})
+    both = verdict(dataclasses.replace(analyze(phases, comm), savings={"fp16": 168.0, "bf16": 168.5}))
     assert re.search(r"the next; fp16: step (35\d\.\d\d) ms -> ~18\d\.\d\d ms, forecast; bf16: step \1 ms -> "
                      r"~18\d\.\d\d ms, forecast$", both), both  # fmt: skip
 
@@ -416,7 +421,7 @@ def test_the_all_reduce_table_says_every_line_its_record_calls_for():
         find_unused_parameters=True, unused=[f"p{i}" for i in range(6)], unused_bytes=300, unused_every_step=True,
         ddp_memory=DDPMemory(6000, 3000, [1000, 2000], False, 12000, 1 << 20),
     )  # fmt: skip
-    assert comm_table(one).splitlines() == [
+    assert comm_table(analyze(None, one)).splitlines() == [
         ("Gradient all-reduce per step (1 ranks, float32 on the wire, compression none, rank 0, steady "
          "median):"),
         "bucket  bytes     time      algbw     busbw",
@@ -445,7 +450,7 @@ def test_the_all_reduce_table_says_every_line_its_record_calls_for():
     two = comm_record([buckets(0, 2, (0, 1)), buckets(1, 2, (0, 1))], param_bytes=3000, compression="bf16")
     two = dataclasses.replace(two, wire_dtype="bfloat16", find_unused_parameters=True, clock_offset_s=[0.0, 0.0],
                               clock_error_s=[0.0, 0.0])  # fmt: skip
-    assert comm_table(two).splitlines() == [
+    assert comm_table(analyze(None, two)).splitlines() == [
         ("Gradient all-reduce per step (2 ranks, bfloat16 on the wire, compression bf16, all ranks, steady "
          "median):"),
         "bucket  bytes  transfer      algbw      busbw     wait",
@@ -463,7 +468,7 @@ def test_the_all_reduce_table_says_every_line_its_record_calls_for():
     ]  # fmt: skip
     three = dataclasses.replace(two, unused=["a", "b"], unused_bytes=600, unused_every_step=False, wire_dtype=None,
                                 compression=None)  # fmt: skip
-    assert [comm_table(three).splitlines()[i] for i in (0, 7)] == [
+    assert [comm_table(analyze(None, three)).splitlines()[i] for i in (0, 7)] == [
         "Gradient all-reduce per step (2 ranks, compression none, all ranks, steady median):",
         ("find_unused_parameters=True: 2 parameter(s), 600 bytes (20% of the gradients), got no gradient in "
          "the last step (the set changes between steps): a, b. They are all-reduced all the same (zeros, 20% "
@@ -484,10 +489,10 @@ def test_a_record_without_summaries_reads_its_steps_and_says_only_what_applies()
     medians = [comm_summary(record, 0, name).median for name in ("total_ms", "bucket1.ms", "bucket0.ready_ms")]
     assert medians == pytest.approx([3.0, 2.0, 1.0], rel=0.005)
     assert comm_summary(record, 0, "exposed_ms").median == pytest.approx(0.8, rel=0.005)
-    assert comm_table(record).splitlines()[0] == (
+    assert comm_table(analyze(None, record)).splitlines()[0] == (
         "Gradient all-reduce per step (1 ranks, compression none, rank 0, steady median):"
     )
-    assert comm_table(record).splitlines()[4:] == [
+    assert comm_table(analyze(None, record)).splitlines()[4:] == [
         ("2 bucket(s), 3,000 bytes reduced per step (0 bytes of gradients); each rank sends 2(n-1)/n x S = 0 bytes "
          "in a ring all-reduce."),
         "communication 2.50 ms per step, of which 0.80 ms exposed (not hidden under backward compute)",
@@ -498,7 +503,9 @@ def test_a_record_without_summaries_reads_its_steps_and_says_only_what_applies()
     ]  # fmt: skip
     mixed = dataclasses.replace(record, meta=dataclasses.replace(record.meta, precision="bf16-mixed"),
                                 wire_dtype="bfloat16", find_unused_parameters=False)  # fmt: skip
-    assert "bfloat16 on the wire" in comm_table(mixed) and "16 bits" not in comm_table(mixed)
+    assert "bfloat16 on the wire" in comm_table(analyze(None, mixed)) and "16 bits" not in comm_table(
+        analyze(None, mixed)
+    )
 
 
 def test_the_straggler_verdict_is_the_comm_tables_only_without_the_phase_table():
@@ -509,13 +516,15 @@ def test_the_straggler_verdict_is_the_comm_tables_only_without_the_phase_table()
         return StepBuckets(step, [1000], [2.0], [0.0], 2.0, 2.0, [step + 0.5 * rank])
 
     record = comm_record([[row(r, s) for s in range(8)] for r in (0, 1)], param_bytes=1000)
-    alone = comm_table(record)
+    alone = comm_table(analyze(None, record))
     assert alone.splitlines()[-1].startswith("straggler: rank 1 arrives 500.0 ms late at 100% of all-reduces")
     assert re.search(r"^0\s+1,000\s+2\.00 ms\s+500 kB/s\s+500 kB/s\s+500\.00 ms$", alone, re.M), alone
     phases = phase_record([[(1.0, 1.0, 1.0, 1.0)] * 8] * 2)
-    assert "straggler" not in comm_table(record, phases)
+    assert "straggler" not in comm_table(analyze(phases, record))
     untimed = comm_record([[dataclasses.replace(row(0, s), ms=[0.0]) for s in range(8)]], param_bytes=1000)
-    assert re.search(r"^0\s+1,000\s+0\.00 ms\s+-\s+-$", comm_table(untimed), re.M), comm_table(untimed)
+    assert re.search(r"^0\s+1,000\s+0\.00 ms\s+-\s+-$", comm_table(analyze(None, untimed)), re.M), comm_table(
+        analyze(None, untimed)
+    )
 
 
 def steps_of(rank: int, n: int = 8) -> list[tuple[float, float, float, float]]:
@@ -537,10 +546,10 @@ def test_the_phase_table_and_the_roofline_print_every_figure_where_it_belongs():
                         micro_batches=2, compute_dtype="bfloat16")  # fmt: skip
     cpu = phase_record([steps_of(0), steps_of(1)], profiled=[2], roofline=roofline)
     cpu.meta = dataclasses.replace(cpu.meta, precision="bf16-mixed")
-    assert phase_table(cpu) + "\n" == (PHASE_TABLES / "phase_table_cpu.txt").read_text()
+    assert phase_table(analyze(cpu, None)) + "\n" == (PHASE_TABLES / "phase_table_cpu.txt").read_text()
     busy = [(0.9, 3.0, 0.4, 0.1), (1.1, 3.4, 0.5, 0.1)]
     gpu = phase_record([steps_of(0)], profiled=[2, 3], clock="cuda_event", busy=busy)
-    assert phase_table(gpu) + "\n" == (PHASE_TABLES / "phase_table_gpu.txt").read_text()
+    assert phase_table(analyze(gpu, None)) + "\n" == (PHASE_TABLES / "phase_table_gpu.txt").read_text()
 
 
 def memory_rows(scale: int) -> list[StepMemory]:
@@ -572,7 +581,10 @@ def test_the_phase_table_with_memory_validation_skipped_steps_and_the_all_reduce
     """Memory columns and line, the validation and skipped-step lines, and the verdict on backward split by
     CommMonitor's record: compute-bound with 1.5 ms exposed, communication-bound (with the forecast's figure) with
     20 ms; character for character (tests/golden/phase_table_mixed.txt, the two tables one after the other)."""
-    tables = [phase_table(*mixed_record(1.5)), phase_table(*mixed_record(20.0), {"fp16 compression (a test)": 9.0})]
+    tables = [
+        phase_table(analyze(*mixed_record(1.5))),
+        phase_table(dataclasses.replace(analyze(*mixed_record(20.0)), savings={"fp16 compression (a test)": 9.0})),
+    ]
     assert "\n\n".join(tables) + "\n" == (PHASE_TABLES / "phase_table_mixed.txt").read_text()
 
 
@@ -597,7 +609,7 @@ def test_the_all_reduce_table_of_two_ranks_shows_the_transfer_in_the_units_and_w
     record = records.comm_record([[two_buckets(r, s) for s in range(6)] for r in (0, 1)], param_bytes=12_374_000)
     held = DDPMemory(12_374_000, 12_374_000, [11_000_000, 1_374_000], False, 0, 0)
     record = dataclasses.replace(record, clock_offset_s=[0.0, 0.0], clock_error_s=[0.0, 0.0], ddp_memory=held)
-    lines = comm_table(record, advice=Advice(cli=False, strategy="LitDDPStrategy")).splitlines()
+    lines = comm_table(analyze(None, record), advice=Advice(cli=False, strategy="LitDDPStrategy")).splitlines()
     assert lines[:4] == [
         "Gradient all-reduce per step (2 ranks, compression none, all ranks, steady median):",
         "bucket       bytes  transfer      algbw      busbw     wait",
@@ -627,11 +639,48 @@ def test_the_runs_own_link_is_its_upper_median_transfer_and_a_run_compressed_alr
         rows = [[StepBuckets(s, [375_000], [t], [1.0], t, t, [float(s)]) for s, t in enumerate(ms)] for _ in (0, 1)]
         return records.comm_record(rows, param_bytes=375_000)
 
-    assert run_link(comm([9.0, 0.25, 0.5, 0.125, 0.375])) == Link(
+    bought = comm([9.0, 0.25, 0.5, 0.125, 0.375])
+    assert run_link(bought, arrivals(bought)) == Link(
         "this run's", 1.0, 0.0, source="the run's own all-reduces (CommMonitor's transfer times)"
     )
-    assert run_link(comm([0.0] * 5)) is None
+    idle = comm([0.0] * 5)
+    assert run_link(idle, arrivals(idle)) is None
     phases, measured = comm_bound_case()
-    save(phases, tmp_path / "phases.json"), save(measured, tmp_path / "comm.json")
-    assert wire_savings(tmp_path, measured)  # as measured: a figure
-    assert wire_savings(tmp_path, dataclasses.replace(measured, compression="fp16")) == {}
+    assert analyze(phases, measured).savings  # as measured: a figure
+    assert analyze(phases, dataclasses.replace(measured, compression="fp16")).savings == {}
+
+
+def test_the_end_of_fit_finds_the_arrivals_and_the_straggler_once_and_reads_no_record_back(tmp_path, monkeypatch):
+    """EndOfFit, the end of training's one owner: the arrivals and the straggler are computed once for the phase
+    table's verdict, the all-reduce table and comm.json together, and nothing the fit wrote is read back."""
+    from types import SimpleNamespace
+
+    from lit_ddp.callbacks.end_of_fit import EndOfFit
+    from lit_ddp.derive import stragglers
+    from lit_ddp.records import schema
+
+    calls = {"arrivals": 0, "straggler_of": 0}
+    for name in calls:
+        real = getattr(stragglers, name)
+
+        def counted(*args, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(stragglers, name, counted)
+    monkeypatch.setattr(schema, "load", lambda *a: pytest.fail("a record was read back"))
+    phases, comm = comm_bound_case()
+    owner, said = EndOfFit(), []
+    for record, filename in ((phases, "phases.json"), (comm, "comm.json")):
+        owner.expect(SimpleNamespace(record=record, log_dir=str(tmp_path), filename=filename))
+    trainer = SimpleNamespace(is_global_zero=True, progress_bar_callback=None, world_size=2)
+    monkeypatch.setattr("lit_ddp.callbacks.end_of_fit.say", lambda trainer, text: said.append(text))
+    monkeypatch.setattr("lit_ddp.run.console.advice", lambda trainer: CLI)
+    owner.on_train_end(trainer, None)
+    assert calls == {"arrivals": 1, "straggler_of": 1}
+    assert said[0].startswith("Phase times") and said[1].startswith("Gradient all-reduce per step")
+    assert "fp16 compression (CommMonitor(compression=fp16): half the bytes): step" in said[0]
+    assert said[2].startswith("Record in ") and sorted(p.name for p in tmp_path.iterdir()) == [
+        "comm.json",
+        "phases.json",
+    ]

@@ -86,9 +86,10 @@ def test_comm_monitor_stands_aside_without_ddp():
     monitor = CommMonitor()
     with pytest.warns(UserWarning, match="needs a DDP strategy, got SingleDeviceStrategy: it stands aside"):
         monitor.setup(trainer, LinearRegression(dim=4), "fit")
-    # No hook to register, and ended with no record: the phase table does not wait for one (report_timers).
-    assert monitor.standing_aside and monitor.ended and monitor.record is None
+    # No hook to register, and no record; nor an EndOfFit expecting one.
+    assert monitor.standing_aside and monitor.record is None
     monitor.on_train_start(trainer, trainer.lightning_module)
+    assert not any(type(c).__name__ == "EndOfFit" for c in trainer.callbacks)
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""``python -m lit_ddp.report RUN_A --compare RUN_B`` (``lit_ddp.analysis.compare``): on seeded samples and hand-made
+"""``python -m lit_ddp.report RUN_A --compare RUN_B`` (``lit_ddp.present.compare``): on seeded samples and hand-made
 records a known change is found in its row and nowhere else, identical runs call no row, the set-ups' differences
 come first; on real runs, two of one job call nothing, and every rank's forward 10 ms longer is found as that."""
 
@@ -18,9 +18,10 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_ddp import FixedBatchDataModule, report
-from lit_ddp.analysis import compare, noise, row_samples
 from lit_ddp.callbacks import CommMonitor, PhaseTimer
+from lit_ddp.derive import noise, row_samples
 from lit_ddp.errors import RecordError
+from lit_ddp.present import compare
 from lit_ddp.records.schema import StepBuckets, StepMemory, load_run, save
 from tests import records
 from tests.slow_ranks import SlowRegression
@@ -452,7 +453,8 @@ def test_several_runs_per_side_call_nothing_for_runs_moved_as_a_whole_and_find_a
     assert compare.ONE_RUN not in same
     one = compare.compare_runs(a[1], again[1])  # 0.9 against -0.4: every phase moved, update and other too
     assert "Every phase of B is faster than A's beyond its steps' noise, update and other too" in one, one
-    assert set(words(one).values()) == {"same"} and compare.ONE_RUN in one, one
+    # No row called; the step 38% faster within the whole run's move is "can't tell" (its last word "tell")
+    assert set(words(one).values()) == {"same", "tell"} and words(one)["step"] == "tell" and compare.ONE_RUN in one, one
     assert one.splitlines()[-1].startswith("Summary: can't tell: every phase moved with the whole run"), one
     assert compare.whole_run_shift(a[1], again[1]) == "faster" and compare.whole_run_shift(again[1], a[1]) == "slower"
     (alone,) = compare.compare([compare.Samples("update", "ms", *(row_samples.run_samples(*r)["update"][1]

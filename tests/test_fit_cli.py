@@ -251,6 +251,37 @@ def test_bad_input_is_one_line_and_exit_2(args, names, capsys, monkeypatch, tmp_
     assert names in err
 
 
+TYPOS = [
+    (["--trainer.max_stpes", "3"], "unrecognized arguments: --trainer.max_stpes 3; did you mean --trainer.max_steps?"),
+    (["--loss_monitor.every_n_stpes", "3"], "did you mean --loss_monitor.every_n_steps?"),
+    (["--model.dimm", "3"], "Option 'dimm' is not accepted; did you mean dim?"),
+    (
+        ["--trainer.strategy.init_args.timeout_ss", "3"],
+        "(lit_ddp.LitDDPStrategy): Option 'timeout_ss' is not accepted; did you mean timeout_s?",
+    ),  # fmt: skip
+    (
+        ["--config", "callback.yaml"],
+        'Parser key "trainer.callbacks" (lit_ddp.callbacks.PhaseTimer): Option '
+        "'print_stepz' is not accepted; did you mean print_steps?",
+    ),  # fmt: skip
+    (["--config", "trainer.yaml"], "Group 'trainer' does not accept option 'max_stpes'; did you mean max_steps?"),
+    (["--trainer.zzz", "3"], "unrecognized arguments: --trainer.zzz 3"),  # nothing near: no guess
+]
+
+
+@pytest.mark.parametrize("args, message", TYPOS, ids=lambda a: " ".join(a) if isinstance(a, list) else None)
+def test_a_mistyped_name_is_one_short_line_with_the_nearest_name(args, message, capsys, monkeypatch, tmp_path):
+    """A callback's init_args typo was a 900-character Union dump; a mistyped option had no suggestion."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "callback.yaml").write_text("trainer:\n  callbacks:\n    - class_path: lit_ddp.callbacks.PhaseTimer\n"
+                                            "      init_args:\n        print_stepz: 3\n")  # fmt: skip
+    (tmp_path / "trainer.yaml").write_text("trainer:\n  max_stpes: 3\n")
+    result = run_main(monkeypatch, capsys, *CPU, *args)
+    err = result.stderr.strip()
+    assert result.returncode == 2 and len(err.splitlines()) == 1 and len(err) < 200, err
+    assert err.endswith(message), err
+
+
 def test_bad_yaml_is_refused(tmp_path, capsys, monkeypatch):
     (tmp_path / "unknown_key.yaml").write_text("model:\n  width: 3\n")
     (tmp_path / "wrong_type.yaml").write_text("trainer:\n  max_steps: many\n")

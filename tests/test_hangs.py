@@ -234,21 +234,38 @@ RUNS = {
     "raise_ddp": ("tests.hang_scripts", "raise", "--strategy", "ddp"),  # the callbacks under Lightning's own strategy
     "raise_torchrun": ("torch.distributed.run", "--nproc-per-node", "2", SCRIPT, "raise"),
 }
+# The watchdog's cases, with timeouts it must not need (under `ddp`, the callbacks alone: Lightning's 30 minutes).
+WATCHDOG_RUNS = {
+    "sleep_named": ("tests.hang_scripts", "sleep", "--timeout-s", "40"),
+    "stuck_worker": ("tests.hang_scripts", "stuck_worker", "--timeout-s", "40"),
+    "setup_barrier": ("tests.hang_scripts", "setup_barrier", "--timeout-s", "600"),
+    "logkeys_ddp": ("tests.hang_scripts", "logkeys", "--strategy", "ddp"),
+    "log_dir_after_fit": ("tests.hang_scripts", "log_dir_after_fit", "--strategy", "ddp"),
+    "rank0_work": ("tests.hang_scripts", "rank0_work", "--timeout-s", "40", "--epochs", "1"),
+}
 
 
-@pytest.fixture(scope="module")
-def hung_runs(tmp_path_factory) -> dict[str, tuple[int, float, str]]:
+def run_all(tmp_path_factory, commands: dict[str, tuple[str, ...]]) -> dict[str, tuple[int, float, str]]:
     """Each run's exit code, seconds from start to exit, and stderr."""
     with ExitStack() as stack:
         start = time.monotonic()
-        runs = {name: stack.enter_context(start_module(*command, "--timeout-s", str(TIMEOUT_S),
-                                                       cwd=tmp_path_factory.mktemp(name)))
-                for name, command in RUNS.items()}  # fmt: skip
+        runs = {name: stack.enter_context(start_module(*command, cwd=tmp_path_factory.mktemp(name)))
+                for name, command in commands.items()}  # fmt: skip
         ended = {}
         for name, run in runs.items():
             code = run.wait(timeout=180)
             ended[name] = (code, time.monotonic() - start, run.stderr)
     return ended
+
+
+@pytest.fixture(scope="module")
+def hung_runs(tmp_path_factory) -> dict[str, tuple[int, float, str]]:
+    return run_all(tmp_path_factory, {name: (*c, "--timeout-s", str(TIMEOUT_S)) for name, c in RUNS.items()})
+
+
+@pytest.fixture(scope="module")
+def watchdog_runs(tmp_path_factory) -> dict[str, tuple[int, float, str]]:
+    return run_all(tmp_path_factory, WATCHDOG_RUNS)
 
 
 def last_line(stderr: str) -> str:
@@ -346,6 +363,71 @@ def test_under_torchrun_the_root_cause_is_the_rank_that_raised(hung_runs):
     root = stderr.partition("Root Cause (first observed failure):")[2]
     assert "rank      : 1 (local_rank: 1)" in root, stderr[-3000:]
     assert "RuntimeError: injected failure on rank 1 between two collectives" in root, stderr[-3000:]
+
+
+WAITS_IN_BUCKET = r"rank 0 waits in all_reduce #\d+ Float\[9\] \(DDP gradient bucket 0\) at step 3, backward"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("case", "pattern"),
+    [
+        ("sleep_named", r"^lit_ddp: waiting 1\d s: rank 1 has been at hang_scripts.py:\d+ training_step: "
+                        r"time.sleep\(3600\) for \d+ s \(step 3, training_step\), outside any collective; "
+                        + WAITS_IN_BUCKET + " -> .*raise timeout_s"),
+        ("stuck_worker", r"^lit_ddp: waiting 1\d s: rank 1 waits for its DataLoader worker 1 \(pid \d+\) at "
+                         r"hang_scripts.py:\d+ __getitem__: time.sleep\(3600\), \d+ s .*; " + WAITS_IN_BUCKET),
+    ],
+)  # fmt: skip
+def test_the_watchdog_names_the_rank_its_line_and_what_the_others_wait_in_long_before_the_timeout(
+    watchdog_runs, case, pattern
+):
+    code, _, stderr = watchdog_runs[case]
+    assert code == 1  # at the timeout: a wait is never ended for its length
+    assert re.search(pattern, stderr, re.M), stderr[-3000:]
+    assert "hung" not in stderr.partition("lit_ddp: waiting")[2].splitlines()[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_healthy_long_work_is_said_to_wait_and_goes_on(watchdog_runs):
+    """Rank 0 works 14 s in its step, past the watchdog's 10 s: a waiting line, then it moves on; never ended."""
+    code, _, stderr = watchdog_runs["rank0_work"]
+    assert code == 0, stderr[-3000:]
+    assert re.search(
+        r"^lit_ddp: waiting 1\d s: rank 0 has been at hang_scripts.py:\d+ training_step: time.sleep\(14\) "
+        r"for \d+ s \(step 3, training_step\), outside any collective; rank 1 waits in ",
+        stderr,
+        re.M,
+    )
+    assert re.search(r"^lit_ddp: moved on after 1\d s$", stderr, re.M), stderr[-3000:]
+    assert "hung" not in stderr and "diverged" not in stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("case", "pattern"),
+    [
+        ("setup_barrier", r"collective #\d+ diverged: rank 0 called barrier before training .*; out of step since "
+                          r"#\d+, barrier: rank 0 at hang_scripts.py:\d+ setup: torch.distributed.barrier\(\), "
+                          r"rank 1 at "),
+        ("logkeys_ddp", r"collective #\d+ diverged: rank 0 called all_reduce Float\[9\] \(DDP gradient bucket 0\) at "
+                        r"step 3, backward; rank 1 called barrier at step 3, training_step \(hang_scripts.py:\d+ "
+                        r"training_step: self.log\(\"rare_metric\", loss, sync_dist=True\)\) -> .*rank_zero_only"),
+        ("log_dir_after_fit", r"^lit_ddp: rank 0 waits in broadcast #\d+ .*\(hang_scripts.py:\d+ main: "
+                              r"print\(trainer.log_dir\)\); rank 1 left \(past the end of the script\) and will "
+                              r"never call it -> .*rank_zero_only"),
+    ],
+)  # fmt: skip
+def test_a_certain_divergence_ends_the_job_whatever_the_timeout(watchdog_runs, case, pattern):
+    """Lightning's 30 minutes (the callbacks leave the user's timeout), 600 s: the job ends in seconds, named."""
+    code, _, stderr = watchdog_runs[case]
+    assert code == 1
+    assert re.search(pattern, stderr, re.M), stderr[-3000:]
+    assert "timeout is now" not in stderr  # the callbacks leave the user's timeout as it is
+    assert "Timed out" not in stderr
 
 
 def _raises():

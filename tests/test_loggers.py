@@ -14,8 +14,8 @@ METRICS = {"train/loss", "time/step_ms", "time/backward_ms", "comm/busy_ms", "co
 def test_a_csv_and_a_tensorboard_logger_both_get_the_metrics(make_trainer, tmp_path):
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     loggers = [CSVLogger(tmp_path, name="csv", version=0), TensorBoardLogger(tmp_path, name="tb", version=0)]
-    trainer = make_trainer(max_steps=4, logger=loggers,
-                           callbacks=[LossMonitor(every_n_steps=1), PhaseTimer(print_steps=0), CommMonitor()])  # fmt: skip
+    callbacks = [LossMonitor(every_n_steps=1), PhaseTimer(print_steps=0), CommMonitor()]
+    trainer = make_trainer(max_steps=4, logger=loggers, callbacks=callbacks)
     trainer.fit(LinearRegression(dim=16), FixedBatchDataModule(dim=16, batch_size=4))
 
     with open(tmp_path / "csv" / "version_0" / "metrics.csv", newline="") as f:

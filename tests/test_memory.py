@@ -18,12 +18,13 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lit_ddp import FixedBatchDataModule, LinearRegression, report
-from lit_ddp.analysis import trace, trace_memory
-from lit_ddp.analysis.comm import comm_table
-from lit_ddp.analysis.memory import oom_line
-from lit_ddp.analysis.phases import phase_table
+from lit_ddp.analysis.run_analysis import analyze
 from lit_ddp.callbacks import CommMonitor, PhaseTimer
+from lit_ddp.derive import trace, trace_memory
+from lit_ddp.formatting import oom_line
 from lit_ddp.measure import memory
+from lit_ddp.present.comm import comm_table
+from lit_ddp.present.phases import phase_table
 from lit_ddp.records import schema as record
 from lit_ddp.run.strategy import LitDDPStrategy
 from tests.recorders import RecordDDPBuckets
@@ -105,8 +106,10 @@ def test_gradient_as_bucket_view_gives_back_the_bucket_bytes(runs, capsys):
                  for r in (separate, view)]  # fmt: skip
         assert abs(above[0] - above[1]) <= 0.05 * layout
     # What the tables say: the saving, as the layout's bytes.
-    assert f"gradient_as_bucket_view true gives back {layout:,} bytes" in comm_table(separate.comm, separate.phases)
-    assert f"the gradients are the buckets, saving {layout:,} bytes" in comm_table(view.comm, view.phases)
+    assert f"gradient_as_bucket_view true gives back {layout:,} bytes" in comm_table(
+        analyze(separate.phases, separate.comm)
+    )
+    assert f"the gradients are the buckets, saving {layout:,} bytes" in comm_table(analyze(view.phases, view.comm))
 
 
 @pytest.mark.timeout(240)
@@ -126,7 +129,7 @@ def test_forward_peak_holds_the_known_activations(runs):
 @pytest.mark.timeout(240)
 def test_memory_reaches_the_table_every_logger_and_the_report(runs, capsys):
     run = runs[False]
-    table = phase_table(run.phases, run.comm)
+    table = phase_table(analyze(run.phases, run.comm))
     assert re.search(r"phase .* peak memory +retained\n", table)
     assert "Memory (rank " in table and "profile_memory=True" in table
     header = (run.dir / "metrics.csv").read_text().splitlines()[0].split(",")
@@ -318,7 +321,7 @@ def test_a_forked_rank_out_of_memory_says_so_before_the_job_ends(tmp_path):
 def test_frozen_parameters_hold_no_gradient_and_no_optimizer_state():
     """A model whose first layer is frozen (fine-tuning): its parameters are held, but gradients, what a step holds
     and the out-of-memory holders count the trainable layer's gradients only."""
-    from lit_ddp.analysis.memory import holders
+    from lit_ddp.formatting import holders
 
     net = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))  # 576 + 272 bytes of float32 parameters
     net[0].requires_grad_(False)
@@ -346,7 +349,7 @@ def memory_steps(scale: int) -> list[record.StepMemory]:
 
 @pytest.mark.timeout(10)
 def test_the_memory_columns_are_the_highest_ranks_medians_and_the_line_says_whose_and_over_what():
-    from lit_ddp.analysis import memory as text
+    from lit_ddp.present import memory as text
     from tests.records import phase_record
 
     phases = phase_record([[(1.0, 2.0, 0.5, 0.1)] * 5] * 2)
@@ -375,7 +378,8 @@ def test_the_memory_columns_are_the_highest_ranks_medians_and_the_line_says_whos
 
 @pytest.mark.timeout(10)
 def test_ddps_own_memory_says_what_the_bucket_view_and_compression_change():
-    from lit_ddp.analysis.memory import ddp_memory_lines, holders
+    from lit_ddp.formatting import holders
+    from lit_ddp.present.memory import ddp_memory_lines
 
     view = record.DDPMemory(6000, 3000, [1000, 2000, *[500] * 7], True, 12000, 0, "bf16")
     assert ddp_memory_lines(view).splitlines() == [
@@ -413,8 +417,8 @@ def test_the_out_of_memory_line_names_the_step_the_peak_and_the_holders_largest_
 
 @pytest.mark.timeout(10)
 def test_the_highest_rank_can_be_rank_0_its_summaries_come_first_and_without_kept_steps_the_line_says_no_step():
-    from lit_ddp.analysis import memory as text
-    from lit_ddp.analysis.memory import ddp_memory_lines
+    from lit_ddp.present import memory as text
+    from lit_ddp.present.memory import ddp_memory_lines
     from tests.records import phase_record
 
     phases = phase_record([[(1.0, 2.0, 0.5, 0.1)] * 5] * 3)

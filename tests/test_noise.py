@@ -1,4 +1,4 @@
-"""The noise model (``lit_ddp.analysis.noise``) on seeded synthetic samples: known shifts are found, A/A pairs are
+"""The noise model (``lit_ddp.derive.noise``) on seeded synthetic samples: known shifts are found, A/A pairs are
 called ``same`` at about the chosen rate, correlated steps do not inflate that rate, and the words are seeded."""
 
 import math
@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 import pytest
 
-from lit_ddp.analysis import noise
+from lit_ddp.derive import noise
 
 pytestmark = pytest.mark.timeout(60)
 

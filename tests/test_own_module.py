@@ -94,6 +94,29 @@ def test_lightning_s_noise_is_hidden_in_a_script_and_can_be_kept(monkeypatch):
     assert rank_zero.filter(record) and len(caught) == 1
 
 
+def test_quiet_lightning_also_drops_the_amp_line_the_model_summary_and_the_logging_interval_warning(monkeypatch):
+    monkeypatch.delenv(console.QUIET_ENV, raising=False)
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    summary = logging.getLogger(console.MODEL_SUMMARY_LOGGER)
+    monkeypatch.setattr(summary, "filters", [])
+    amp = rank_zero.makeRecord(rank_zero.name, logging.INFO, __file__, 1, "Using bfloat16 Automatic Mixed Precision "
+                               "(AMP)", (), None)  # fmt: skip
+    table = summary.makeRecord(summary.name, logging.INFO, __file__, 1, "\n  | Name | Type | Params", (), None)
+    interval = (
+        "The number of training batches (4) is smaller than the logging interval Trainer(log_every_n_steps="
+        "50). Set a lower value for log_every_n_steps if you want to see logs for the training epoch."
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        console.quiet_lightning()
+        warnings.warn(interval, UserWarning, stacklevel=1)
+    assert not rank_zero.filter(amp) and not summary.filter(table) and caught == []
+    console.quiet_lightning(model_summary=True)  # the summary asked for: shown, in this process and the ranks'
+    assert summary.filter(table) and os.environ[console.QUIET_ENV] == console.KEEP_SUMMARY
+    console.quiet_if_asked()  # a spawned rank, reading the script's choice
+    assert summary.filter(table) and not rank_zero.filter(amp)
+
+
 def test_a_script_s_process_group_is_torn_down_at_exit_once_training_ended_normally(monkeypatch):
     registered = []
     monkeypatch.setattr(atexit, "register", registered.append)

@@ -17,12 +17,14 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp._torch import optimizer_step_post_hooks
-from lit_ddp.analysis.phases import phase_table, roofline_table
-from lit_ddp.analysis.trace import BACKWARD, FORWARD, STEP_PREFIX, UPDATE
+from lit_ddp.analysis.run_analysis import analyze
 from lit_ddp.callbacks import LossMonitor, PhaseTimer
 from lit_ddp.callbacks.comm_monitor import CommMonitor
+from lit_ddp.callbacks.end_of_fit import EndOfFit
+from lit_ddp.derive.trace import BACKWARD, FORWARD, STEP_PREFIX, UPDATE
 from lit_ddp.measure.clock import HostClock
 from lit_ddp.measure.profiling import Ranges
+from lit_ddp.present.phases import phase_table, roofline_table
 from lit_ddp.records import schema as record
 from lit_ddp.records.schema import HEAD_STEPS, PHASES, TAIL_STEPS, Roofline, Sketch, is_steady
 from lit_ddp.run.roles import NamesPendingCollective, ReportsOutOfMemory
@@ -40,6 +42,11 @@ class FakeTrainer(SimpleNamespace):
                          global_step=0, log_dir=str(log_dir), callbacks=[], progress_bar_callback=None,
                          precision="32-true", optimizers=[torch.optim.Adam(model.parameters())],
                          profiler=None, log_every_n_steps=50)  # fmt: skip
+
+    def train_end(self, model, *callbacks):
+        """Lightning's ``on_train_end``: ``callbacks``' first, then the ``EndOfFit`` they added (it saves)."""
+        for callback in [*callbacks, *(c for c in self.callbacks if isinstance(c, EndOfFit))]:
+            callback.on_train_end(self, model)
 
 
 def drive_one_step(timer, trainer, model, clock):
@@ -75,7 +82,7 @@ def test_every_boundary_with_a_patched_clock(monkeypatch, tmp_path, caplog):
     with caplog.at_level("INFO"):
         for _ in range(3):
             drive_one_step(timer, trainer, model, clock)
-        timer.on_train_end(trainer, model)  # the last step ends here, at t0 + 0.100
+        trainer.train_end(model, timer)  # the last step ends here, at t0 + 0.100
     phases = record.load(tmp_path / "phases.json")
     assert phases.steps == [0, 1, 2]
     assert (phases.meta.world_size, phases.meta.clock) == (1, "perf_counter")
@@ -114,7 +121,7 @@ def test_the_window_is_resolved_every_log_every_n_steps_not_in_every_step(monkey
     for _ in range(7):
         drive_one_step(timer, trainer, model, clock)
         seen.append(list(logged))
-    timer.on_train_end(trainer, model)
+    trainer.train_end(model, timer)
     # Step 0 resolved at step 1's start, for its printed block; steps 1-3 at step 4's (3 pending), the rest at
     # the end.
     assert seen == [[], [0], [0], [0], [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3]]
@@ -129,7 +136,7 @@ class StandInRecorder:
     """TraceRecorder on the patched host clock (no GPU here): starting and stopping cost 1 s, as CUPTI's start-up
     and writing the trace can. Its ranges are PhaseTimer's real ones (``profiling.Ranges``), timed on the clock;
     each forward, backward and update range queues one 2 ms "kernel" as it opens. ``stop`` writes all of it as the
-    Chrome trace a GPU run would write, which PhaseTimer then reads through ``lit_ddp.analysis.trace``."""
+    Chrome trace a GPU run would write, which PhaseTimer then reads through ``lit_ddp.derive.trace``."""
 
     owns_profiler = True
 
@@ -200,10 +207,10 @@ def drive_steps(clock, tmp_path, kernel_steps: int, steps: int):
 
 def test_profiler_start_and_stop_are_in_no_step(stand_in_gpu, tmp_path, caplog):
     """The profiler starts before the first profiled step and stops after the last; its cost must land in no
-    step's time. The GPU-busy rows come from the trace it wrote, through lit_ddp.analysis.trace."""
+    step's time. The GPU-busy rows come from the trace it wrote, through lit_ddp.derive.trace."""
     timer, trainer, model = drive_steps(stand_in_gpu, tmp_path, kernel_steps=2, steps=6)
     with caplog.at_level("INFO"):
-        timer.on_train_end(trainer, model)
+        trainer.train_end(model, timer)
     trace = json.loads(gzip.decompress((tmp_path / "traces" / "rank0.pt.trace.json.gz").read_bytes()))
     steps = [e["name"] for e in trace["traceEvents"] if e["name"].startswith(STEP_PREFIX)]
     assert steps == [f"{STEP_PREFIX}2", f"{STEP_PREFIX}3"]  # opened and closed between steps, profiled ones only
@@ -217,7 +224,7 @@ def test_profiler_start_and_stop_are_in_no_step(stand_in_gpu, tmp_path, caplog):
     assert figures == [pytest.approx((2.0, 2.0, 2.0, 0.0, 6.0, 0.0))] * 2  # one 2 ms kernel queued per phase
     assert phases.profiled_steps == [2, 3]
     assert phases.ranks[0].summaries["step"].count == 3  # steps 1, 4 and 5: not the profiled ones
-    table = phase_table(phases)
+    table = phase_table(analyze(phases, None))
     assert ("then 3 steady step(s) (steps 2-3 ran under the profiler for the GPU-busy column, left out of the "
             "others):") in table  # fmt: skip
     assert table.endswith("Verdict: host-bound: the GPU was busy 6% of the step (6% to 6% in the 2 profiled steps); "
@@ -228,7 +235,7 @@ def test_profiler_start_and_stop_are_in_no_step(stand_in_gpu, tmp_path, caplog):
 def test_a_profile_that_measured_nothing_says_so():
     # Steps 2-4 were to be profiled, the run ended after step 3, and no GPU-busy row came back.
     phases = phase_record([[(1.0, 2.0, 1.0, 1.0)] * 4], profiled=[2, 3, 4], clock="cuda_event")
-    table = phase_table(phases)
+    table = phase_table(analyze(phases, None))
     assert ("then 1 steady step(s) (steps 2-3 ran under the profiler without completing a GPU-busy measurement, "
             "left out of the others):") in table  # fmt: skip
     assert "GPU busy" not in table
@@ -287,7 +294,7 @@ def test_kernel_steps_on_cpu_profile_the_cpu_and_keep_the_trace(monkeypatch, tmp
     with caplog.at_level("INFO"):
         for _ in range(5):
             drive_one_step(timer, trainer, model, clock)
-        timer.on_train_end(trainer, model)
+        trainer.train_end(model, timer)
     phases = record.load(tmp_path / "phases.json")
     assert phases.profiled_steps == [2, 3] and phases.ranks[0].summaries["step"].count == 2  # steps 1 and 4
     assert phases.ranks[0].busy_ms == []
@@ -296,7 +303,7 @@ def test_kernel_steps_on_cpu_profile_the_cpu_and_keep_the_trace(monkeypatch, tmp
     names = [e["name"] for e in trace["traceEvents"] if e.get("cat") == "user_annotation"]
     assert [n for n in names if n.startswith(STEP_PREFIX)] == [f"{STEP_PREFIX}2", f"{STEP_PREFIX}3"]
     assert {FORWARD, BACKWARD, UPDATE, "lit_ddp.data", "lit_ddp.other"} <= set(names)
-    assert "GPU busy" not in phase_table(phases)
+    assert "GPU busy" not in phase_table(analyze(phases, None))
 
 
 def test_bad_arguments_are_refused():
@@ -409,7 +416,7 @@ def test_every_optimizer_is_hooked_so_a_second_one_is_no_skipped_update(monkeypa
             trainer.global_step += 1  # manual optimization: one step per optimizer step
         clock.now += 0.01
         timer.on_train_batch_end(trainer, model, None, batch, 0)
-    timer.on_train_end(trainer, model)
+    trainer.train_end(model, timer)
     phases = record.load(tmp_path / "phases.json")
     assert (phases.skipped_count, phases.steps) == (0, [0, 2, 4])
 

@@ -63,7 +63,7 @@ def test_table_has_one_line_per_rank():
 
 
 def test_every_column_of_the_map_is_left_aligned():
-    """lit_ddp.analysis.tables.table with every column a label: the layout docs/output.md shows."""
+    """lit_ddp.formatting.table with every column a label: the layout docs/output.md shows."""
     lines = format_table([row(0, 0, "cpu"), row(10, 10, "cpu")]).splitlines()
     assert lines[1].startswith("0     0      0     n0    cpu     -                     0           -")
     assert lines[2].startswith("10    10     0     n0    cpu     -                     10          -")
@@ -110,3 +110,19 @@ def test_this_rank_reads_the_host_and_the_launchers_variables(monkeypatch):
         monkeypatch.delenv(name)
     unset = this_rank(0, 0, 0, torch.device("cpu"))
     assert (unset["cuda_visible_devices"], unset["env_local_rank"], unset["slurm_localid"]) == (None, None, None)
+
+
+def test_past_eight_ranks_the_map_is_a_line_per_run_of_alike_ranks_and_one_for_a_rank_that_differs():
+    rows = [row(r, r % 16, f"cuda:{r % 16}", host=f"n{r // 16}", node=r // 16) for r in range(32)]
+    rows[20] = row(20, 4, "cuda:0", host="n1", node=1)  # mixed up: cuda:0 while its local rank is 4
+    assert format_table(rows).splitlines() == [
+        "rank   local  node  host  device     CUDA_VISIBLE_DEVICES  LOCAL_RANK  SLURM_LOCALID",
+        "0-15   0-15   0     n0    cuda:0-15  -                     0-15        -",
+        "16-19  0-3    1     n1    cuda:0-3   -                     0-3         -",
+        "20     4      1     n1    cuda:0     -                     4           -",
+        "21-31  5-15   1     n1    cuda:5-15  -                     5-15        -",
+    ]
+    cpus = [row(r, r % 16, "cpu", host=f"n{r // 16}", node=r // 16) for r in range(32)]
+    assert [line.split()[:3] for line in format_table(cpus).splitlines()[1:]] == [["0-15", "0-15", "0"],
+                                                                                   ["16-31", "0-15", "1"]]  # fmt: skip
+    assert len(format_table(cpus[:8]).splitlines()) == 9  # up to 8 ranks: one line each

@@ -15,11 +15,11 @@ from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
-from lit_ddp.analysis.phases import roofline_table
 from lit_ddp.callbacks import CommMonitor, LossMonitor, PhaseTimer, SyncCheck
 from lit_ddp.callbacks.phase_timer import _compute_dtype
 from lit_ddp.measure import roofline
 from lit_ddp.measure.step_marks import Updates
+from lit_ddp.present.phases import roofline_table
 from lit_ddp.records import schema as record
 from tests.recorders import RecordLogs
 from tests.records import phase_record
@@ -66,8 +66,8 @@ def run_16_mixed(tmp_path, accelerator, fused=False):
                       strategy=DDPStrategy(start_method=cpu_start_method()) if cpu else "ddp", plugins=plugins,
                       precision=None if plugins else "16-mixed", logger=CSVLogger(tmp_path / "out", name="run",
                       version=0), enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[PhaseTimer(), CommMonitor(compression="fp16"), SyncCheck(), LossMonitor(every_n_steps=1),
-                                 InfGradient(), RecordLogs(tmp_path)])  # fmt: skip
+                      callbacks=[PhaseTimer(), CommMonitor(compression="fp16"), SyncCheck(),
+                                 LossMonitor(every_n_steps=1), InfGradient(), RecordLogs(tmp_path)])  # fmt: skip
     trainer.fit(LinearRegression(dim=32, fused=fused), FixedBatchDataModule(dim=32, batch_size=8))
     return RecordLogs.read(tmp_path, 0)
 

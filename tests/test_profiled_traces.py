@@ -13,8 +13,8 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
-from lit_ddp.analysis.trace import BACKWARD, DATA, FORWARD, OTHER, STEP_PREFIX, UPDATE
 from lit_ddp.callbacks import PhaseTimer
+from lit_ddp.derive.trace import BACKWARD, DATA, FORWARD, OTHER, STEP_PREFIX, UPDATE
 from lit_ddp.records import schema as record
 from tests.recorders import RecordLogs
 from tests.runner import ROOT, pythonpath
@@ -93,8 +93,8 @@ def test_with_lightnings_pytorch_profiler_phase_timer_starts_none_and_reads_its_
 
 @pytest.mark.timeout(120)
 def test_each_buckets_all_reduce_is_a_range_inside_backward(make_trainer, tmp_path):
-    from lit_ddp.analysis.trace import BUCKET_PREFIX
     from lit_ddp.callbacks import CommMonitor
+    from lit_ddp.derive.trace import BUCKET_PREFIX
 
     trainer = make_trainer(max_steps=4, callbacks=[PhaseTimer(print_steps=0, kernel_steps=1), CommMonitor()],
                            logger=CSVLogger(tmp_path, name="run", version=0), bucket_cap_mb=0.01)  # fmt: skip

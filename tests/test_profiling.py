@@ -1,5 +1,5 @@
 """PhaseTimer's profiling helper: its ranges (their order and nesting, by hand and in a real CPU profile), GPU-busy
-rows read from hand-made traces through lit_ddp.analysis.trace, what it says, the interval arithmetic, and the CUDA path
+rows read from hand-made traces through lit_ddp.derive.trace, what it says, the interval arithmetic, and the CUDA path
 where it runs."""
 
 import gzip
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lit_ddp.analysis import trace
+from lit_ddp.derive import trace
 from lit_ddp.measure.profiling import Busy, Ranges, TraceRecorder, describe, read_busy
 
 pytestmark = pytest.mark.timeout(60)

@@ -398,7 +398,7 @@ def test_load_says_what_is_wrong_with_a_record_in_its_words(tmp_path):
 
 @pytest.mark.timeout(10)
 def test_the_straggler_verdict_in_comm_json_survives_a_round_trip_with_its_phases_excess(tmp_path):
-    from lit_ddp.analysis.stragglers import Straggler
+    from lit_ddp.derive.stragglers import Straggler
 
     _, comm = records()
     comm.straggler = record.as_json(Straggler(

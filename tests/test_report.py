@@ -6,7 +6,8 @@ import pytest
 from matplotlib.collections import LineCollection
 
 from lit_ddp import report
-from lit_ddp.analysis import plots
+from lit_ddp.analysis.run_analysis import analyze
+from lit_ddp.present import plots
 from lit_ddp.records.schema import BOUNDARIES, PHASES, PhaseRecord, StepPhases, StepRow, load_run, save
 from tests.records import phase_record
 from tests.trainers import profile
@@ -21,7 +22,7 @@ def test_report_reprints_the_tables_and_draws_the_picture(make_trainer, tmp_path
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     # Every line and segment of the timeline has its legend entry: "other", the all-reduces, backward's end.
     phases, comm = load_run(log_dir)
-    timeline = plots.phases_figure(phases, comm).axes[1]
+    timeline = plots.phases_figure(analyze(phases, comm)).axes[1]
     lines = [c for c in timeline.collections if isinstance(c, LineCollection)]
     assert len(lines) == 2 and [line.get_label() for line in lines[:1]] == ["last gradient ready"]
     legend = [t.get_text() for t in timeline.get_legend().get_texts()]
@@ -42,6 +43,19 @@ def test_report_refuses_a_directory_without_timings(tmp_path, capsys):
         report.main([str(tmp_path)])
     assert exit_info.value.code == 2
     assert "neither phases.json nor comm.json" in capsys.readouterr().err
+
+
+def test_a_loggers_folder_names_its_runs_versions(tmp_path, capsys):
+    """``report runs/mini_train_profile`` (the logger's folder): the versions under it, numbered in order."""
+    record = phase_record([[(1.0, 2.0, 0.5, 0.25)] * 4])
+    for version in (0, 2, 10):
+        save(record, tmp_path / f"version_{version}" / "phases.json")
+    (tmp_path / "version_1").mkdir()  # a run without a record: not one to give
+    with pytest.raises(SystemExit) as exit_info:
+        report.main([str(tmp_path)])
+    assert exit_info.value.code == 2
+    runs = ", ".join(str(tmp_path / f"version_{v}") for v in (0, 2, 10))
+    assert capsys.readouterr().err.strip().endswith(f"{tmp_path} is a folder of runs: give one of {runs}")
 
 
 def steps_with_boundaries(per_step: list[tuple[float, float, float, float]]) -> list[StepRow]:
@@ -65,7 +79,7 @@ def warm_record() -> PhaseRecord:
 
 
 def test_the_picture_keeps_the_steady_steps_readable_and_marks_the_profiled_ones():
-    bars, timeline = plots.phases_figure(warm_record(), None).axes
+    bars, timeline = plots.phases_figure(analyze(warm_record(), None)).axes
     assert 40.0 < bars.get_ylim()[1] < 100.0  # the steady 40 ms steps fill the axis; step 0's 2 s does not
     assert [t.get_text() for t in bars.texts] == ["2.00 s ↑"] and "clipped" in bars.get_title()
     assert "0: warm-up" in bars.get_xlabel()

@@ -9,8 +9,8 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_ddp import FixedBatchDataModule
-from lit_ddp.analysis import noise, stragglers
 from lit_ddp.callbacks import CommMonitor, PhaseTimer
+from lit_ddp.derive import noise, stragglers
 from lit_ddp.records.schema import CommRecord, RankComm, RunMeta, StepBuckets, load_run
 from tests.runner import ROOT, run_fit, run_module
 from tests.slow_ranks import ShiftClock, SlowData, SlowRegression

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from lit_ddp.allreduce_probe import format_probe
-from lit_ddp.analysis.tables import fmt_bandwidth, fmt_ms, fmt_si, table
+from lit_ddp.formatting import fmt_bandwidth, fmt_ms, fmt_si, table
 
 
 @pytest.mark.parametrize(

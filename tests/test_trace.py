@@ -1,4 +1,4 @@
-"""``lit_ddp.analysis.trace``: a kineto trace's figures, held against HTA on a real A100 NCCL trace and against
+"""``lit_ddp.derive.trace``: a kineto trace's figures, held against HTA on a real A100 NCCL trace and against
 hand-computed numbers on a trace built here; DDP's collectives; phases and steps from each family of range names."""
 
 import gzip
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_ddp.analysis import trace as T
+from lit_ddp.derive import trace as T
 from lit_ddp.maths.bus_factors import bus_factor
 
 pytestmark = pytest.mark.timeout(60)

@@ -11,8 +11,7 @@ from typing import Optional
 import pytest
 
 from lit_ddp import trace_report
-from lit_ddp.analysis import trace_tables
-from lit_ddp.analysis.trace import (
+from lit_ddp.derive.trace import (
     GRADIENT,
     Breakdown,
     Collective,
@@ -22,6 +21,7 @@ from lit_ddp.analysis.trace import (
     combine,
     load,
 )
+from lit_ddp.present import trace_tables
 from tests.runner import run_module
 from tests.test_trace import A100, event, gpu, synthetic
 

@@ -192,6 +192,19 @@ def test_the_tuned_config_carries_every_knob_into_a_fit_that_parses_it(tmp_path)
     assert scope["strategy"]._ddp_comm_hook is default_hooks.fp16_compress_hook
 
 
+def test_the_tuned_config_of_a_users_model_logs_under_the_models_name_not_the_labs(tmp_path, monkeypatch):
+    (tmp_path / "cnn_of_mine.py").write_text(textwrap.dedent(MINE).replace("class M(", "class MyCNN("))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = ["--trainer.accelerator", "cpu", "--devices", "2", "--data", "cnn_of_mine.D", "--out", "x.yaml"]
+    for model, name in ((["--model", "cnn_of_mine.MyCNN"], "my_cnn"), ([], "mini_train")):
+        cli = build_cli([*args, *model], cli_class=TuneCLI, save_config_callback=None)
+        tuned = yaml.safe_load(tuned_config(cli, Knobs()))
+        assert tuned["trainer"]["logger"]["init_args"]["name"] == name
+    own = ["--model", "cnn_of_mine.MyCNN", "--trainer.logger.init_args.name", "mine"]  # a name of the user's own stays
+    cli = build_cli([*args, *own], cli_class=TuneCLI, save_config_callback=None)
+    assert yaml.safe_load(tuned_config(cli, Knobs()))["trainer"]["logger"]["init_args"]["name"] == "mine"
+
+
 def test_another_ddp_strategys_options_are_carried_where_ours_takes_them_and_the_rest_named(tmp_path):
     from lit_ddp.tuner.cli import strategy_args
 

@@ -5,6 +5,7 @@ tie-break, and the optimizer change a config cannot carry."""
 import dataclasses
 import json
 import random
+import re
 import statistics
 
 from lit_ddp.tuner.knobs import Knobs, Model
@@ -128,7 +129,9 @@ def test_when_the_step_shows_no_communication_no_bucket_size_or_compression_is_t
     assert (
         "bucket_cap_mb, comm_hook: not tried: in the first rounds the step without any all-reduce was no faster" in text
     )
-    assert "none seen" in text  # the exposed communication: not beyond the noise
+    # the exposed communication: not beyond the noise, and the most it may be (not "none")
+    (row,) = [line for line in text.splitlines() if line.startswith("yours")]
+    assert re.search(r"can't tell, <= \d+\.\d\d ms", row) and "none" not in text, row
 
 
 def test_rounds_are_interleaved_and_a_change_is_kept_only_beyond_the_noise_building_on_the_last():

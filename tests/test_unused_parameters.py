@@ -12,8 +12,9 @@ from torch import nn
 from torch.multiprocessing import ProcessRaisedException
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
-from lit_ddp.analysis.comm import comm_table
+from lit_ddp.analysis.run_analysis import analyze
 from lit_ddp.callbacks import CommMonitor
+from lit_ddp.present.comm import comm_table
 from lit_ddp.records.schema import load_run
 from lit_ddp.run.lifecycle import exit_code
 from tests.trainers import cpu_start_method
@@ -42,7 +43,7 @@ def test_with_find_unused_parameters_the_table_says_what_got_no_gradient(tmp_pat
     assert comm.find_unused_parameters and comm.unused_every_step
     assert comm.unused == ["unused.weight", "unused.bias"]
     assert comm.unused_bytes == 4 * (16 * 16 + 16) == comm.param_bytes // 2
-    text = comm_table(comm)
+    text = comm_table(analyze(None, comm))
     assert ("find_unused_parameters=True: 2 parameter(s), 1,088 bytes (50% of the gradients), got no gradient in "
             "every step: unused.weight, unused.bias") in text  # fmt: skip
     assert "static_graph=True, since the same ones are unused every step" in text

@@ -87,7 +87,7 @@ def test_validation_time_leaves_the_data_phase_and_the_step(monkeypatch, tmp_pat
             clock.now += 0.5
             timer.on_validation_end(trainer, model)
         clock.now += 0.003
-    timer.on_train_end(trainer, model)
+    trainer.train_end(model, timer)
     phases = record.load(tmp_path / "phases.json")
     for row in phases.ranks[0].rows:
         assert (row.ms.data, row.ms.step, row.ms.other) == pytest.approx((5.0, 40.0, 0.0)), row.step

@@ -24,7 +24,7 @@ import torch
 
 from benchmarks.hang_zoo.expect import Hang
 from benchmarks.hang_zoo.run import Case, Result, cluster, load, names, run_case
-from lit_ddp.analysis.tables import table
+from lit_ddp.formatting import table
 
 HEADER = ("case", "thread", "named rank/line/cause", "named s", "exit s", "code", "left")
 NAMED_WITHIN_S, CERTAIN_ENDS_WITHIN_S = 15.0, 20.0  # issue 48's acceptance, on 2 CPU ranks

@@ -8,37 +8,22 @@ callback brings a StepSync), just before itself: its mark at a step's end comes 
 docs/failures.md#why-did-it-hang.
 """
 
-from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
-import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lit_ddp import _lightning, _torch
 from lit_ddp._lightning import LeanCallback
-from lit_ddp.errors import prog
 from lit_ddp.measure.collectives import CollectiveRecord
-from lit_ddp.run import hangs
-
-# A callback alone, under a strategy that leaves torch's default (Lightning's DDPStrategy: 30 minutes), sets this.
-SHORT_TIMEOUT_S = 120.0
+from lit_ddp.run import hangs, watchdog
 
 
 class CollectiveRecorder(LeanCallback):
-    """Marks each step's phases for the collective record, and diagnoses a failure on every rank it reaches.
+    """Marks each step's phases for the collective record, beats this rank's watchdog (``lit_ddp.run.watchdog``,
+    started in ``setup`` where LitDDPStrategy has not started it already), and diagnoses a failure on every rank it
+    reaches. It leaves the process group's timeout as the user set it: the watchdog names a hang long before."""
 
-    Args:
-        timeout_s: Under a strategy whose process group waits torch's default 30 minutes (Lightning's own
-            ``DDPStrategy``), set the group's timeout to this many seconds at start (where torch allows it, said
-            in one line); ``None`` leaves it. LitDDPStrategy's ``timeout_s`` is left as it is.
-    """
-
-    def __init__(self, timeout_s: Optional[float] = SHORT_TIMEOUT_S) -> None:
-        if timeout_s is not None and not timeout_s > 0:
-            raise ValueError(f"`CollectiveRecorder(timeout_s={timeout_s!r})` must be > 0 or None")
-        self.timeout_s = timeout_s
+    def __init__(self) -> None:
         self.collective_record = CollectiveRecord()
         self._step = 0
 
@@ -47,22 +32,21 @@ class CollectiveRecorder(LeanCallback):
         """Adds one to the Trainer's callbacks, just before ``before``, unless it has one."""
         callbacks = trainer.callbacks
         if not any(isinstance(c, CollectiveRecorder) for c in callbacks):
-            callbacks.insert(callbacks.index(before) if before in callbacks else len(callbacks), CollectiveRecorder())
+            recorder = CollectiveRecorder()
+            callbacks.insert(callbacks.index(before) if before in callbacks else len(callbacks), recorder)
+            recorder.setup(trainer, trainer.lightning_module, "fit")  # Lightning's setup hooks may be past it
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        watchdog.start(trainer.global_rank, trainer.world_size).alive()
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.collective_record = CollectiveRecord()  # one per fit
         self.collective_record.mark(trainer.global_step, "the start of training")
-        if trainer.world_size < 2 or self.timeout_s is None or not dist.is_initialized():
-            return
-        if getattr(trainer.strategy, "timeout_s", None) is not None:  # LitDDPStrategy: its own, short already
-            return
-        timeout = _lightning.process_group_timeout(trainer.strategy)
-        if timeout is not None and timeout.total_seconds() <= self.timeout_s:
-            return
-        if _torch.set_pg_timeout(timedelta(seconds=self.timeout_s)):
-            rank_zero_info(f"{prog()}: the process group's timeout is now {self.timeout_s:g} s, not Lightning's 30 "
-                           "minutes (CollectiveRecorder(timeout_s=...) sets it)")  # fmt: skip
+        watch = watchdog.start(trainer.global_rank, trainer.world_size)
+        watch.record = self.collective_record
+        watch.alive()
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -80,6 +64,7 @@ class CollectiveRecorder(LeanCallback):
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         self.collective_record.mark(self._step, "the end of the step")
+        watchdog.beat(trainer.global_step)
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -88,6 +73,10 @@ class CollectiveRecorder(LeanCallback):
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.collective_record.mark(self._step, "validation")
+
+    @override
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        watchdog.alive()
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

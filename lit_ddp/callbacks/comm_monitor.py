@@ -8,7 +8,7 @@ fp16/bf16 hook) the bucket is cast before the timed all-reduce. It records each 
 clock too, for the straggler: on GPUs when the gradients were ready on the GPU, not when the host queued them.
 NCCL runs the buckets one after another on one stream: a bucket's transfer starts when it is ready and the one
 before it is done.
-Rank 0 writes ``comm.json`` (a ``CommRecord``) and prints the all-reduce table (``lit_ddp.analysis.comm``). What
+Rank 0 writes ``comm.json`` (a ``CommRecord``) and prints the all-reduce table (``lit_ddp.present.comm``). What
 each figure means: docs/output.md; the straggler: docs/stragglers.md; a step: docs/architecture.md.
 """
 
@@ -28,14 +28,15 @@ from typing_extensions import override
 
 from lit_ddp import _lightning
 from lit_ddp._lightning import LeanCallback
-from lit_ddp.analysis.trace import BUCKET_PREFIX
-from lit_ddp.callbacks.shared import gather_to_zero, log_metrics, meta, profiled_steps, report_timers
+from lit_ddp.callbacks import end_of_fit
+from lit_ddp.callbacks.shared import gather_to_zero, log_metrics, meta, profiled_steps
 from lit_ddp.callbacks.step_sync import StepSync
 from lit_ddp.maths.intervals import union_length
 from lit_ddp.measure import clock
 from lit_ddp.measure.clock import ClockOffset, CudaClock, HostClock, clock_for
 from lit_ddp.measure.gradients import check_all_used, without_grad
 from lit_ddp.measure.memory import ddp_memory
+from lit_ddp.records.ranges import BUCKET_PREFIX
 from lit_ddp.records.schema import CommRecord, RankComm, Sketch, StepBuckets, Window, is_steady
 from lit_ddp.run import console
 
@@ -131,7 +132,6 @@ class CommMonitor(LeanCallback):
         self._unused_sets: set[tuple[str, ...]] = set()  # every step's, to tell a fixed set from a changing one
         self._offsets: list[ClockOffset] = []  # on rank 0: every rank's clock against its own
         self.record: Optional[CommRecord] = None  # rank 0's, once training ended
-        self.ended = False
         self.log_dir: Optional[str] = None
         self._hook: Any = None
         self._serial = False  # NCCL: the buckets' all-reduces run one after another on one stream
@@ -155,7 +155,7 @@ class CommMonitor(LeanCallback):
         if reason:
             # A user debugging on one device keeps their callbacks list: one line, and the others still run.
             rank_zero_warn(f"{reason}: it stands aside", stacklevel=5)  # Lightning's hook call: one line, as its own
-            self.record, self.ended = None, True  # report_timers does not wait for a record that never comes
+            self.record = None  # no record, so EndOfFit has none to wait for
             return
         self._clock = clock_for(trainer.strategy.root_device)
         # NCCL queues every bucket's all-reduce on one stream, back to back; gloo's worker threads may overlap them.
@@ -189,7 +189,8 @@ class CommMonitor(LeanCallback):
         self._timings, self._pending, self._summaries, self._profiled = [], {}, {}, None
         self._collected_at = trainer.global_step
         self._backwards, self._wire_dtype = {}, None
-        self.record, self.ended = None, False
+        self.record = None  # this fit's, once it ends (rank 0's)
+        end_of_fit.owner(trainer).expect(self)
         self._unused, self._unused_sets = [], set()
         self._window = Window()
 
@@ -223,7 +224,7 @@ class CommMonitor(LeanCallback):
                     self._timings.append(timing)
                 return fut.value()
 
-            # A range of a stable name, for any trace viewer and lit_ddp.analysis.trace: the all-reduce this
+            # A range of a stable name, for any trace viewer and lit_ddp.derive.trace: the all-reduce this
             # bucket queued.
             with record_function(f"{BUCKET_PREFIX}{bucket.index()}"):
                 return hook(state, bucket).then(done)
@@ -278,9 +279,7 @@ class CommMonitor(LeanCallback):
         rows = [row for _, row in self._window.items()]
         final = tuple(rows[-1].bytes) if rows else ()
         ranks = gather_to_zero(trainer, RankComm(trainer.global_rank, rows, self._summaries.get(final, {})))
-        self.ended = True
         if ranks is None or not rows:
-            report_timers(trainer, self)
             return
         self.record = CommRecord(
             meta=meta(trainer, self._clock.name),
@@ -299,7 +298,6 @@ class CommMonitor(LeanCallback):
             wire_dtype=self._wire_dtype,
             ddp_memory=ddp_memory(trainer.strategy.model, trainer.optimizers, self._cast),
         )
-        report_timers(trainer, self)
 
     def _collect(self, trainer: Trainer, block: bool) -> None:
         """Turns the buckets of finished steps into the record's rows and summaries, oldest first, as far as

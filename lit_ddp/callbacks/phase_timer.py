@@ -10,7 +10,7 @@ optimizer's step post-hook (``lit_ddp.measure.step_marks`` turns the marks into 
 (``lit_ddp.measure.profiling``); the fit's first step's FLOPs are counted as Lightning runs it
 (``lit_ddp.measure.roofline.StepFlopCounter``: the user's code runs no extra time). Each rank keeps a bounded
 record, given to rank 0 once at the end of training: ``phases.json`` (a ``PhaseRecord``) and the phase table,
-roofline and verdict (``lit_ddp.analysis.phases``). Where each phase starts
+roofline and verdict (``lit_ddp.present.phases``). Where each phase starts
 and ends: docs/output.md; a step: docs/architecture.md. Memory per phase (``lit_ddp.measure.memory``), and
 where a rank ran out of it (``on_out_of_memory``): docs/memory.md.
 """
@@ -28,8 +28,7 @@ from typing_extensions import override
 
 from lit_ddp import _torch
 from lit_ddp._lightning import LeanCallback
-from lit_ddp.analysis.memory import oom_line
-from lit_ddp.analysis.phases import format_step
+from lit_ddp.callbacks import end_of_fit
 from lit_ddp.callbacks.shared import (
     device_name,
     exit_cleanly,
@@ -37,16 +36,16 @@ from lit_ddp.callbacks.shared import (
     grad_scaler,
     log_metrics,
     meta,
-    report_timers,
     say,
 )
 from lit_ddp.callbacks.step_sync import StepSync
 from lit_ddp.errors import Ending
+from lit_ddp.formatting import oom_line
 from lit_ddp.measure import memory, roofline
 from lit_ddp.measure.clock import CudaClock, clock_for
 from lit_ddp.measure.fit_phases import FIRST_PROFILED_STEP, FitPhases
 from lit_ddp.measure.profiling import LightningProfilerTraces, TraceRecorder
-from lit_ddp.records.schema import PHASES, PhaseRecord, Roofline, save
+from lit_ddp.records.schema import PHASES, PhaseRecord, Roofline, StepPhases, save
 
 __all__ = ["FIRST_PROFILED_STEP", "PhaseTimer"]
 METRICS = tuple(f"time/{phase}_ms" for phase in PHASES)
@@ -106,7 +105,6 @@ class PhaseTimer(LeanCallback):
         self._handles: list[Any] = []
         self._run_dir: Optional[str] = None  # trainer.log_dir, asked once while every rank is there
         self.record: Optional[PhaseRecord] = None  # rank 0's, once training ended
-        self.ended = False
         self.log_dir: Optional[str] = None
 
     @property
@@ -117,10 +115,11 @@ class PhaseTimer(LeanCallback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         exit_cleanly(trainer)
+        end_of_fit.owner(trainer).expect(self)
         clock = clock_for(trainer.strategy.root_device)
         if isinstance(clock, CudaClock):
             clock.anchor()  # events to host time, for each step's start: one synchronize, before the first step
-        self.record, self.ended = None, False  # this fit's, once it ends
+        self.record = None  # this fit's, once it ends (rank 0's)
         self._run_dir = trainer.log_dir  # a broadcast, so here: a rank that runs out of memory alone needs it
         if self.memory_snapshot:
             if clock.name == "cuda_event":
@@ -207,8 +206,6 @@ class PhaseTimer(LeanCallback):
                                       self._roofline(trainer, pl_module), skipped_steps=fit.skipped,
                                       skipped_count=fit.skipped_count, memory_source=source,
                                       first_step=fit.first_step, ended_by=_ended_by(trainer))  # fmt: skip
-        self.ended = True
-        report_timers(trainer, self)
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -301,3 +298,9 @@ def _compute_dtype(trainer: Trainer, pl_module: LightningModule) -> torch.dtype:
 def _ended_by(trainer: Trainer) -> Optional[str]:
     """``"SIGTERM"`` where StepSync stopped the fit on one (every rank at the same step), else None."""
     return "SIGTERM" if StepSync.ending_of(trainer) == Ending.SIGTERM else None
+
+
+def format_step(step: int, phases: StepPhases) -> str:
+    """The notes' per-step format (``mini_train_profile.py``), times in ms."""
+    return (f"Step {step}\n forward : {phases.forward:.2f} ms\n backward: {phases.backward:.2f} ms\n"
+            f" update  : {phases.update:.2f} ms")  # fmt: skip

@@ -1,18 +1,16 @@
 """What the callbacks share: speaking on rank 0 the way Lightning's own callbacks do, metrics to every logger,
-and the end of training of the timers (every rank's part of the record to rank 0, with the run's
-``lit_ddp.records.schema.RunMeta``)."""
+every rank's part of the record to rank 0 (with the run's ``lit_ddp.records.schema.RunMeta``), and the callbacks
+the tool adds to a Trainer: ``ExitsCleanly`` here, ``EndOfFit`` (``lit_ddp.callbacks.end_of_fit``), and StepSync's
+``CollectiveRecorder``."""
 
-import os
-import shlex
 import sys
 from collections.abc import Callable
-from pathlib import Path
-from typing import Optional, Protocol, TypeVar, Union, runtime_checkable
+from typing import Optional, Protocol, TypeVar, runtime_checkable
 
 import lightning
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
@@ -20,12 +18,8 @@ from tqdm import tqdm
 from typing_extensions import override
 
 from lit_ddp._lightning import LeanCallback
-from lit_ddp.analysis import stragglers
-from lit_ddp.analysis.comm import comm_table
-from lit_ddp.analysis.phases import phase_table
-from lit_ddp.records.schema import CommRecord, PhaseRecord, RunMeta, as_json, save
+from lit_ddp.records.schema import RunMeta
 from lit_ddp.run import console, lifecycle
-from lit_ddp.scaling.advice import wire_savings
 
 T = TypeVar("T")
 
@@ -122,7 +116,7 @@ class ExitsCleanly(LeanCallback):
 def exit_cleanly(trainer: Trainer) -> None:
     """Adds ``ExitsCleanly`` to the Trainer's callbacks once (from a tool callback's ``setup`` or
     ``on_train_start``: Lightning iterates ``trainer.callbacks`` afresh for every hook)."""
-    if not any(isinstance(c, ExitsCleanly) for c in trainer.callbacks):
+    if not any(isinstance(c, ExitsCleanly) for c in trainer.callbacks):  # docs/callbacks.md lists what is added
         trainer.callbacks.append(ExitsCleanly())
 
 
@@ -161,17 +155,6 @@ def meta(trainer: Trainer, clock: str) -> RunMeta:
 
 
 @runtime_checkable
-class RecordKeeper(Protocol):
-    """A callback that ends with a part of the run's record (PhaseTimer, CommMonitor): what ``report_timers``
-    needs of it, so that it knows neither class."""
-
-    ended: bool
-    record: Optional[Union[PhaseRecord, CommRecord]]
-    log_dir: Optional[str]
-    filename: str
-
-
-@runtime_checkable
 class ProfilesSteps(Protocol):
     """A callback that profiles some steps (PhaseTimer): the others leave those steps out of their summaries."""
 
@@ -188,35 +171,3 @@ def profiled_steps(trainer: Trainer) -> range:
     """The steps a callback of ``trainer`` profiles (none when no callback does)."""
     found = profiling_callback(trainer)
     return found.profiled_steps if found is not None else range(0)
-
-
-def report_timers(trainer: Trainer, caller: Callback) -> None:
-    """Once every record keeper of the Trainer has ended (each calls this at its end), rank 0 writes their records
-    and prints their tables, the phase table first: its verdict, and the straggler named in ``comm.json``, need
-    both records (``lit_ddp.analysis.stragglers``), whichever callback ends last."""
-    keepers = [c for c in {id(c): c for c in [*trainer.callbacks, caller]}.values() if isinstance(c, RecordKeeper)]
-    if not trainer.is_global_zero or not all(k.ended for k in keepers):
-        return
-    phases = next((k.record for k in keepers if isinstance(k.record, PhaseRecord)), None)
-    comm = next((k.record for k in keepers if isinstance(k.record, CommRecord)), None)
-    if comm is not None:
-        found = stragglers.find_straggler(comm, phases)
-        comm.straggler = as_json(found) if found else None
-    written = [keeper for keeper in keepers if keeper.record is not None and keeper.log_dir is not None]
-    for keeper in written:
-        save(keeper.record, Path(keeper.log_dir) / keeper.filename)
-    if phases is not None:  # the verdict's forecast reads the records just written
-        say(trainer, phase_table(phases, comm, wire_savings(written[0].log_dir if written else None, comm)))
-    if comm is not None:
-        say(trainer, comm_table(comm, phases, console.advice(trainer)))
-    if written:  # where it went, and the command that reads it, ready to paste (a script prints no other path)
-        run_dir = shown_path(written[0].log_dir)
-        files = ", ".join(keeper.filename for keeper in written)
-        command = f"python -m lit_ddp.report {shlex.quote(run_dir)}"
-        say(trainer, f"Record in {run_dir} ({files}); the tables again: {command}")
-
-
-def shown_path(path: str) -> str:
-    """``path`` as a user would type it here: relative to the working directory when it lies inside it."""
-    relative = os.path.relpath(path)
-    return path if relative.startswith(os.pardir) else relative

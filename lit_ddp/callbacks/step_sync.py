@@ -163,7 +163,7 @@ class StepSync(LeanCallback):
             return None
         callbacks = trainer.callbacks  # Lightning iterates trainer.callbacks afresh for every hook
         sync = next((c for c in callbacks if isinstance(c, StepSync)), None)
-        if sync is None:
+        if sync is None:  # added to the user's Trainer (docs/callbacks.md lists every callback the tool adds)
             sync = StepSync()
             callbacks.append(sync)
             sync.setup(trainer, trainer.lightning_module, "fit")
@@ -226,7 +226,9 @@ class StepSync(LeanCallback):
         if stage != "fit":
             return
         exit_cleanly(trainer)
-        CollectiveRecorder.attach(trainer, before=self)  # its mark at a step's end comes before the gather
+        # Added to the user's Trainer (docs/callbacks.md lists every callback the tool adds): its mark at a step's
+        # end comes before the gather.
+        CollectiveRecorder.attach(trainer, before=self)
         self._device = trainer.strategy.root_device
         self._host_copy = _HostCopy(self._device) if self._device.type == "cuda" else None
         self._sigterm, self.ending, self._profiles = False, Ending.FINISHED, None

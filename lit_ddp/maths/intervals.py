@@ -2,7 +2,7 @@
 
     union_length([(0, 2), (1, 3), (5, 6)])    # 4: the overlap counted once
 
-On the floor below every reader (``lit_ddp.analysis.trace``, ``lit_ddp.callbacks.comm_monitor``, the benchmarks),
+On the floor below every reader (``lit_ddp.derive.trace``, ``lit_ddp.callbacks.comm_monitor``, the benchmarks),
 with nothing of the tool's imported.
 """
 

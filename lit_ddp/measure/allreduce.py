@@ -17,17 +17,21 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lit_ddp.maths.bus_factors import allreduce_bus_factor
-from lit_ddp.scaling.links import ProbePoint, fit_probe
+from lit_ddp.records.probe import ProbePoint
 
 KIB = 1024
 # (backend, rank, world_size, port, timeout, device) -> None: makes a local rank's process group.
 InitGroup = Callable[[str, int, int, int, timedelta, torch.device], None]
+# Fits a link to a probe's rows (``lit_ddp.scaling.links.fit_probe``: the command wires it in, as the forecast's
+# floor is no business of measurement's); what comes back has ``hop_latency_us`` and ``busbw_gbps``.
+FitLink = Callable[[list[ProbePoint], int], Any]
 
 
 @dataclass(frozen=True)
@@ -110,13 +114,14 @@ def _worker(rank: int, config: ProbeConfig, init_group: InitGroup) -> None:
         dist.destroy_process_group()
 
 
-def probe(init_group: InitGroup, nproc: int, max_bytes: int, min_bytes: int = KIB, warmup: int = 3,
+def probe(init_group: InitGroup, fit_link: FitLink, nproc: int, max_bytes: int, min_bytes: int = KIB, warmup: int = 3,
           iters: int = 10, backend: str | None = None) -> dict:  # fmt: skip
     """Runs the probe on ``nproc`` local ranks and returns the JSON record (``rows`` and ``fit``).
 
     Args:
         init_group: Makes each rank's process group (``lit_ddp.run.rendezvous.init_loopback_process_group``:
             the command wires it in, as the run's floor is above this one).
+        fit_link: Fits the link to the rows (``lit_ddp.scaling.links.fit_probe``, wired in by the command).
         nproc: Ranks to start (at least 2: one rank has nothing to reduce).
         max_bytes: The largest buffer, e.g. the largest gradient bucket of a run.
         min_bytes: The smallest buffer.
@@ -138,7 +143,7 @@ def probe(init_group: InitGroup, nproc: int, max_bytes: int, min_bytes: int = KI
         mp.start_processes(_worker, args=(config, init_group), nprocs=nproc, join=True, start_method="spawn")
         times = json.loads(Path(config.result_path).read_text())
     rows = probe_points(sizes, times, nproc)
-    fit = fit_probe(rows, nproc)
+    fit = fit_link(rows, nproc)
     return {
         "backend": backend,
         "world_size": nproc,
@@ -196,14 +201,16 @@ def _pair_rates(nbytes: int, iters: int, leaders: list[int], rank: int) -> dict[
     return {(i, j): seen[i, j].item() for i in range(n) for j in range(i + 1, n)}
 
 
-def _rows_and_fit(sizes: list[int], times: list[list[float]], world_size: int) -> dict:
+def _rows_and_fit(sizes: list[int], times: list[list[float]], world_size: int, fit_link: FitLink) -> dict:
     rows = probe_points(sizes, times, world_size)
-    fit = fit_probe(rows, world_size)
+    fit = fit_link(rows, world_size)
     return {"world_size": world_size, "rows": [asdict(r) for r in rows],
             "fit": {"hop_latency_us": fit.hop_latency_us, "busbw_gbps": fit.busbw_gbps}}  # fmt: skip
 
 
-def probe_nodes(max_bytes: int, min_bytes: int = KIB, warmup: int = 3, iters: int = 10) -> dict | None:
+def probe_nodes(
+    fit_link: FitLink, max_bytes: int, min_bytes: int = KIB, warmup: int = 3, iters: int = 10
+) -> dict | None:
     """This rank's part of the probe under torchrun (gloo): all ranks, within each node (several ranks per node),
     between the nodes (one rank each) and each pair of nodes; rank 0 returns the record, the others None."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -233,11 +240,11 @@ def probe_nodes(max_bytes: int, min_bytes: int = KIB, warmup: int = 3, iters: in
     if rank != 0:
         return None
     record = {"backend": "gloo", "nodes": nodes, "ranks_per_node": per_node, "dtype": "float32", "warmup": warmup,
-              "iters": iters, **_rows_and_fit(sizes, everyone, world_size)}  # fmt: skip
+              "iters": iters, **_rows_and_fit(sizes, everyone, world_size, fit_link)}  # fmt: skip
     if within is not None:
-        record["intra_node"] = _rows_and_fit(sizes, within, per_node)
+        record["intra_node"] = _rows_and_fit(sizes, within, per_node, fit_link)
     if between is not None:
-        record["inter_node"] = _rows_and_fit(sizes, between, nodes)
+        record["inter_node"] = _rows_and_fit(sizes, between, nodes, fit_link)
     elif nodes > 1 and per_node == 1:
         record["inter_node"] = {key: record[key] for key in ("world_size", "rows", "fit")}
     if nodes > 1:

@@ -18,7 +18,6 @@ from collections import deque
 from types import FrameType, TracebackType
 from typing import Any, Optional
 
-
 from lit_ddp import _torch
 from lit_ddp.analysis.divergence import Collective, RankReport
 from lit_ddp.analysis.flight_recorder import Frame, collective_of, default_group, user_frame
@@ -81,4 +80,3 @@ class CollectiveRecord:
         entries = _torch.flight_recorder_entries()
         waited = where if kind in ("timeout", "collective error") else ""
         return RankReport(rank, time.time(), kind, error, where, step, phase, self.collectives(entries, waited))
-

@@ -19,12 +19,13 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from lit_ddp._torch import ddp_logging_data
-from lit_ddp.analysis import trace, trace_memory
+from lit_ddp.derive import trace, trace_memory
 from lit_ddp.measure.profiling import OPENS
+from lit_ddp.records import ranges
 from lit_ddp.records.schema import HEAD_STEPS, PHASES, DDPMemory, StepMemory
 
 # The phase each of PhaseTimer's boundaries opens (a step's start opens "other" until its forward starts).
-PHASE_OPENED = {"start": "other", **{boundary: trace.OWN_PHASES[name] for boundary, name in OPENS.items()}}
+PHASE_OPENED = {"start": "other", **{boundary: ranges.OWN_PHASES[name] for boundary, name in OPENS.items()}}
 CUDA_SOURCE, CPU_SOURCE = "cuda_allocator", "cpu_profiler"
 # On CUDA the steps whose phases get their own peak: the record's first steps (``HEAD_STEPS``). Only there is the
 # allocator's peak reset at every boundary; from then on ``torch.cuda.max_memory_allocated`` and Lightning's

@@ -14,7 +14,7 @@ from typing import Optional, TypedDict
 
 import torch
 
-from lit_ddp.analysis.tables import table
+from lit_ddp.formatting import table
 
 
 class RankPlacement(TypedDict):
@@ -85,19 +85,42 @@ def problems(rows: list[RankPlacement]) -> list[str]:
     return found
 
 
+PER_RANK_UP_TO = 8  # more ranks than this: one line per run of alike ranks, a line of its own for one that differs
+
+
 def format_table(rows: list[RankPlacement]) -> str:
+    """One line per rank, or past ``PER_RANK_UP_TO`` ranks one per run of consecutive ranks of one node whose
+    rows differ only by their local rank (``rank 0-15 ... cuda:0-15``): 32 ranks alike are a few lines, and a rank
+    that differs keeps its own."""
     header = ("rank", "local", "node", "host", "device", "CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "SLURM_LOCALID")
-    body = [
-        (
-            str(r["rank"]),
-            str(r["local_rank"]),
-            str(r["node_rank"]),
-            r["host"],
-            r["device"],
-            r["cuda_visible_devices"] or "-",
-            r["env_local_rank"] or "-",
-            r["slurm_localid"] or "-",
-        )
-        for r in rows
-    ]
+    groups: list[list[RankPlacement]] = []
+    for r in rows:
+        alike = len(rows) > PER_RANK_UP_TO and groups and _pattern(groups[-1][-1]) == _pattern(r)
+        if alike and groups[-1][-1]["rank"] + 1 == r["rank"] and groups[-1][-1]["local_rank"] + 1 == r["local_rank"]:
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    body = [_line(group) for group in groups]
     return table(header, body, left=len(header))  # names and labels, no figures: every column left-aligned
+
+
+def _pattern(r: RankPlacement) -> tuple:
+    """A row with its local rank taken out where it follows it (``cuda:<local>``, ``LOCAL_RANK=<local>``)."""
+    local = str(r["local_rank"])
+
+    def follows(value: Optional[str], prefix: str = "") -> Optional[str]:
+        return "<local>" if value == f"{prefix}{local}" else value
+
+    return (r["node_rank"], r["host"], follows(r["device"], "cuda:"), r["cuda_visible_devices"],
+            follows(r["env_local_rank"]), follows(r["slurm_localid"]))  # fmt: skip
+
+
+def _line(group: list[RankPlacement]) -> tuple[str, ...]:
+    first, last = group[0], group[-1]
+
+    def span(key: str, prefix: str = "") -> str:
+        a, b = ("-" if r[key] is None else str(r[key]) for r in (first, last))
+        return a if a == b else f"{a}-{b.removeprefix(prefix)}"
+
+    return (span("rank"), span("local_rank"), str(first["node_rank"]), first["host"], span("device", "cuda:"),
+            first["cuda_visible_devices"] or "-", span("env_local_rank"), span("slurm_localid"))  # fmt: skip

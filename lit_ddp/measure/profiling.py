@@ -1,6 +1,6 @@
 """The profiled steps' trace, kept: PhaseTimer's ``torch.profiler`` over a few steady steps writes each rank's
 Chrome trace into the run's log dir, and the GPU-busy time of each phase is read back from it by
-``lit_ddp.analysis.trace``. PhaseTimer's helper.
+``lit_ddp.derive.trace``. PhaseTimer's helper.
 
     python -m lit_ddp.fit --config configs/mini_train_profile.yaml --devices 1    # on a GPU: steps 2-4 profiled
     python -m lit_ddp.report --trace runs/mini_train_profile/version_0/traces     # the kept traces, any time later
@@ -22,16 +22,17 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from lit_ddp.analysis import trace
+from lit_ddp.derive import trace
+from lit_ddp.records import ranges
 from lit_ddp.records.schema import StepPhases, StepRow
 
 # The phase range each boundary opens, closing the one open before. One is open at every moment of a step, so an
 # op queued between two phases is "other", not given to a range around the phases (torch's Optimizer.step#...step
-# holds Lightning's whole closure). lit_ddp.analysis.trace takes the innermost range: one opened inside ours
+# holds Lightning's whole closure). lit_ddp.derive.trace takes the innermost range: one opened inside ours
 # (Lightning's # profiler's [Strategy]...training_step, begun just before the forward pre-hook) keeps what it holds.
-OPENS = {"forward_start": trace.FORWARD, "forward_end": trace.OTHER, "backward_start": trace.BACKWARD,
-         "backward_end": trace.OTHER, "update_start": trace.UPDATE, "update_end": trace.OTHER,
-         "data_start": trace.DATA}  # fmt: skip
+OPENS = {"forward_start": ranges.FORWARD, "forward_end": ranges.OTHER, "backward_start": ranges.BACKWARD,
+         "backward_end": ranges.OTHER, "update_start": ranges.UPDATE, "update_end": ranges.OTHER,
+         "data_start": ranges.DATA}  # fmt: skip
 
 
 def enter_range(name: str) -> record_function:
@@ -52,7 +53,7 @@ class Ranges:
 
     def begin_step(self, step: int) -> None:
         self._end_ranges()
-        self._open = [self._enter(f"{trace.STEP_PREFIX}{step}"), self._enter(trace.OTHER)]
+        self._open = [self._enter(f"{ranges.STEP_PREFIX}{step}"), self._enter(ranges.OTHER)]
 
     def mark(self, boundary: str) -> None:
         name = OPENS.get(boundary)
@@ -183,7 +184,7 @@ class Busy(NamedTuple):
 
 def read_busy(paths: Iterable[Path], rank: int, steps: Optional[Collection[int]] = None) -> Busy:
     """GPU-busy ms of each phase and of the whole step, per ``lit_ddp.step#N`` range in the traces of ``rank``
-    among ``paths``, through ``lit_ddp.analysis.trace``. A trace that is not one, is another rank's, or holds none
+    among ``paths``, through ``lit_ddp.derive.trace``. A trace that is not one, is another rank's, or holds none
     of the tool's step ranges is passed over.
 
     Args:
@@ -198,14 +199,14 @@ def read_busy(paths: Iterable[Path], rank: int, steps: Optional[Collection[int]]
             found = trace.load(path)
         except trace.TraceError:
             continue
-        if found.rank != rank or not any(r.name.startswith(trace.STEP_PREFIX) for r in found.ranges):
+        if found.rank != rank or not any(r.name.startswith(ranges.STEP_PREFIX) for r in found.ranges):
             continue
         traces.append(path)
         if not found.ops:
             continue
         gpu = True
-        own = sorted((r for r in found.ranges if r.name.startswith(trace.STEP_PREFIX)), key=lambda r: r.start_us)
-        wanted = set(steps) if steps is not None else {int(r.name.removeprefix(trace.STEP_PREFIX)) for r in own[:-1]}
+        own = sorted((r for r in found.ranges if r.name.startswith(ranges.STEP_PREFIX)), key=lambda r: r.start_us)
+        wanted = set(steps) if steps is not None else {int(r.name.removeprefix(ranges.STEP_PREFIX)) for r in own[:-1]}
         for step in trace.analyze_rank(found).steps:  # a profiler's stop waits for the GPU: no GPU tail is missing
             if step.step in wanted:
                 rows[step.step] = busy_row(step)
@@ -214,7 +215,7 @@ def read_busy(paths: Iterable[Path], rank: int, steps: Optional[Collection[int]]
 
 def busy_row(step: trace.StepAnalysis) -> StepRow:
     """One step's GPU-busy ms per phase (0 for a phase that queued no GPU op) and of the step (the union)."""
-    ms = {p: step.phases[p].busy_us / 1e3 if p in step.phases else 0.0 for p in trace.TRACE_PHASES}
+    ms = {p: step.phases[p].busy_us / 1e3 if p in step.phases else 0.0 for p in ranges.TRACE_PHASES}
     return StepRow(step.step, StepPhases(ms["forward"], ms["backward"], ms["update"], ms["other"],
                                          step.breakdown.busy_us / 1e3, ms["data"]), [])  # fmt: skip
 

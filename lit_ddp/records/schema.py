@@ -262,9 +262,7 @@ class CommRecord:
     unused: list[str] = field(default_factory=list)  # rank 0's parameters without a gradient in its last step
     unused_bytes: int = 0
     unused_every_step: bool = False  # the same ones in every step rank 0 ran
-    straggler: Optional[dict[str, Any]] = (
-        None  # lit_ddp.analysis.stragglers.Straggler's fields, with phases.json's cause
-    )
+    straggler: Optional[dict[str, Any]] = None  # lit_ddp.derive.stragglers.Straggler's fields, with phases.json's cause
     kind: str = "comm"
     wire_dtype: Optional[str] = None  # the buckets' dtype as the all-reduce saw them (after any compression)
     ddp_memory: Optional[DDPMemory] = None  # rank 0's, at the end of training
@@ -393,6 +391,19 @@ def load_run(run_dir: Union[str, os.PathLike]) -> tuple[Optional[PhaseRecord], O
     run_dir = Path(run_dir)
     found = [load(run_dir / name) if (run_dir / name).is_file() else None for name in ("phases.json", "comm.json")]
     return found[0], found[1]  # type: ignore[return-value]
+
+
+def no_record(run_dir: Union[str, os.PathLike]) -> str:
+    """The line for a directory with no record of its own: the runs under it that have one (a logger's folder,
+    ``runs/mini_train_profile``, holds its ``version_N``), or what would have written one."""
+    run_dir = Path(run_dir)
+    runs = sorted({p.parent for name in ("phases.json", "comm.json") for p in run_dir.glob(f"*/{name}")},
+                  key=lambda p: (len(p.name), p.name))  # fmt: skip
+    if runs:
+        shown = ", ".join(str(p) for p in runs[-5:])
+        more = f" (the last 5 of {len(runs)})" if len(runs) > 5 else ""
+        return f"{run_dir} is a folder of runs: give one of {shown}{more}"
+    return f"{run_dir} holds neither phases.json nor comm.json: was PhaseTimer or CommMonitor on?"
 
 
 def load_oom(run_dir: Union[str, os.PathLike]) -> list[OutOfMemory]:

@@ -5,9 +5,12 @@ Lightning words without naming the option.
     torchrun --nproc_per_node 2 -m lit_ddp.fit                             # devices taken from torchrun
 """
 
+import difflib
 import importlib
+import inspect
 import os
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -240,21 +243,51 @@ def names_class(class_path: str, cls: type) -> bool:
     return getattr(importlib.import_module(module), name, None) is cls
 
 
-# jsonargparse's error for --model/--data (subclass mode) tries each member of a Union in turn: the class's own
-# complaint is the one to show.
-_SUBCLASS_ERROR = re.compile(r'Parser key "(\w+)":.*?Problem with given class_path \'([^\']+)\': (.*?)'
-                             r"(?: - Expected a <class 'NoneType'>.*)?$")  # fmt: skip
+# jsonargparse's error for a class in subclass mode (--model, --data, each of trainer.callbacks) tries each member
+# of a Union in turn, about 900 characters: the class's own complaint is the one to show.
+_SUBCLASS_ERROR = re.compile(r'Parser key "([\w.]+)":.*?Problem with given class_path \'([^\']+)\': (.*?)'
+                             r"(?: - (?:Not a valid subclass|Expected a <class 'NoneType'>).*)?$")  # fmt: skip
 _INNER_KEY = re.compile(r'Parser key "([^"]+)": (.*)$')
+_UNRECOGNIZED = re.compile(r"unrecognized arguments: (--[\w.]+)")
+_NOT_ACCEPTED = re.compile(r"Option '(\w+)' is not accepted")
+_GROUP_OPTION = re.compile(r"Group '([\w.]+)' does not accept option '(\w+)'")  # a config file's mistyped key
 
 
-def one_line(err: BaseException) -> str:
-    """A parser's or a class's error as the one line the command prints."""
+def one_line(err: BaseException, options: Iterable[str] = ()) -> str:
+    """A parser's or a class's error as the one line the command prints, with the nearest of ``options`` (the
+    parser's option strings) or of the class's arguments where a name was mistyped."""
     text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    unknown = _UNRECOGNIZED.match(text)
+    if unknown:
+        return text + _did_you_mean(unknown[1], options)
+    in_group = _GROUP_OPTION.match(text)
+    if in_group:
+        prefix = f"--{in_group[1]}."
+        return text + _did_you_mean(in_group[2], [o.removeprefix(prefix) for o in options if o.startswith(prefix)])
     subclass = _SUBCLASS_ERROR.match(text)
     if not subclass:
         return text
     group, class_path, message = subclass.groups()
+    message = message.split(" Given value type: ")[0]  # jsonargparse's repr of what it was given
     inner = _INNER_KEY.match(message)
-    return (
-        f'Parser key "{group}.{inner[1]}": {inner[2]}' if inner else f'Parser key "{group}" ({class_path}): {message}'
-    )
+    if inner:
+        return f'Parser key "{group}.{inner[1]}": {inner[2]}'
+    mistyped = _NOT_ACCEPTED.search(message)
+    hint = _did_you_mean(mistyped[1], _arguments_of(class_path)) if mistyped else ""
+    return f'Parser key "{group}" ({class_path}): {message}{hint}'
+
+
+def _did_you_mean(word: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.7)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def _arguments_of(class_path: str) -> list[str]:
+    """The names ``class_path``'s constructor takes (none where it cannot be imported)."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        parameters = inspect.signature(cls.__init__).parameters.values()
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return []
+    return [p.name for p in parameters if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]

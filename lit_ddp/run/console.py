@@ -28,6 +28,8 @@ LIGHTNING_BANNERS = (
     r"GPU available:|TPU available:|HPU available:|IPU available:|💡 Tip:"
     r"|Initializing distributed:|-{10,}|distributed_backend=|LOCAL_RANK: \d+ - CUDA_VISIBLE_DEVICES"
     r"|`Trainer.fit` stopped: `max_(steps|epochs)=\d+` reached|Seed set to \d+"
+    # The precision the run asked for: the device map's and the Done line's to say.
+    r"|Using (16bit|bfloat16) Automatic Mixed Precision \(AMP\)"
 )
 # Lightning's lines that say nothing about this run that the tool does not say better.
 BANNERS = re.compile(
@@ -50,6 +52,8 @@ LIGHTNING_WARNINGS = (
     # Lightning 2.6 against newer torch's pytree and collectives APIs.
     ".*torch.distributed.nn.functional.all_gather is deprecated.*",
     r".*isinstance\(treespec, LeafSpec\)` is deprecated.*",
+    # A short epoch under Lightning's default of 50: the tool's callbacks log every step they print or measure.
+    ".*The number of training batches .* is smaller than the logging interval.*",
 )
 
 NOISY_WARNINGS = (
@@ -57,7 +61,6 @@ NOISY_WARNINGS = (
     # One fixed batch is the point of the experiment: no workers, no sampler.
     ".*does not have many workers.*",
     ".*Total length of .* across ranks is zero.*",
-    ".*The number of training batches .* is smaller than the logging interval.*",
     ".*Checkpoint directory .* exists and is not empty.*",
     # A resume in mid-epoch (a requeued Slurm job, --ckpt_path last): every batch is the same one.
     ".*You're resuming from a checkpoint that ended before the epoch ended.*",
@@ -100,12 +103,16 @@ LIGHTNING_LOGGERS = (
     "lightning.fabric.utilities.seed",
 )
 QUIET_ENV = "LIT_DDP_QUIET_LIGHTNING"
+KEEP_SUMMARY = "keep_summary"  # QUIET_ENV's value for quiet_lightning(model_summary=True)
+MODEL_SUMMARY_LOGGER = "lightning.pytorch.callbacks.model_summary"  # ModelSummary's table, on rank 0
+_DROP_ALL = logging.Filter("\0")  # passes no record: no logger has this name
 
 
-def quiet_lightning() -> None:
-    """In a script that uses the tool's callbacks, before its ``Trainer`` is made: Lightning's start-up lines and
-    unactionable warnings dropped as the CLI drops them (its model summary, profiler report and every other line
-    still shown). Idempotent; nothing when ``LIT_DDP_QUIET_LIGHTNING=0``.
+def quiet_lightning(model_summary: bool = False) -> None:
+    """In a script that uses the tool's callbacks, before its ``Trainer`` is made: Lightning's start-up lines (the
+    AMP line among them) and unactionable warnings dropped as the CLI drops them, and the model summary that
+    ``Trainer`` prints by default unless ``model_summary``; a profiler report and every other line still shown.
+    Idempotent; nothing when ``LIT_DDP_QUIET_LIGHTNING=0``.
 
     It sets ``LIT_DDP_QUIET_LIGHTNING=1`` for the ranks this process starts: a ``ddp_spawn`` rank is a fresh
     interpreter, and quiets itself when it imports ``lit_ddp.callbacks`` to unpickle them (``quiet_if_asked``);
@@ -113,18 +120,23 @@ def quiet_lightning() -> None:
     """
     if os.environ.get(QUIET_ENV) == "0":
         return
-    os.environ[QUIET_ENV] = "1"
+    os.environ[QUIET_ENV] = KEEP_SUMMARY if model_summary else "1"
     _drop_lightning_noise()
 
 
 def quiet_if_asked() -> None:
     """``quiet_lightning`` where the environment asks for it (``LIT_DDP_QUIET_LIGHTNING=1``: a rank started by a
     script that called it); else nothing, so that importing the tool changes nothing in a process."""
-    if os.environ.get(QUIET_ENV) == "1":
+    if os.environ.get(QUIET_ENV) in ("1", KEEP_SUMMARY):
         _drop_lightning_noise()
 
 
 def _drop_lightning_noise() -> None:
+    summary = logging.getLogger(MODEL_SUMMARY_LOGGER)
+    if os.environ.get(QUIET_ENV) == KEEP_SUMMARY:
+        summary.removeFilter(_DROP_ALL)
+    else:
+        summary.addFilter(_DROP_ALL)
     for name in LIGHTNING_LOGGERS:
         logging.getLogger(name).addFilter(_DROP_LIGHTNING_BANNERS)  # a filter already there is not added twice
     for pattern in LIGHTNING_WARNINGS:

@@ -11,15 +11,17 @@ aborts it) names the divergence that those dumps show.
 Both only add to Lightning's: they launch when and as Lightning does, inside ``trainer.fit``.
 """
 
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Optional
 
 from typing_extensions import override
 
 from lit_ddp import _lightning
 from lit_ddp.errors import ClusterSettingsError
-from lit_ddp.run import hangs, lifecycle
+from lit_ddp.run import hangs, lifecycle, watchdog
 
 
 class ScriptLauncher(_lightning.SubprocessScriptLauncher):
@@ -60,6 +62,11 @@ class MultiProcessingLauncher(_lightning.CarryBackLauncher):
 
     @override
     def why_exited(self) -> Optional[str]:
+        ended = Path(watchdog.ended_file(os.getpid()))  # a rank's watchdog ended the job: its line
+        if ended.is_file():
+            line = ended.read_text()
+            ended.unlink(missing_ok=True)
+            return line
         return hangs.dumps_diagnosis(self.dumps, self.started)
 
 

@@ -23,9 +23,15 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
-from lit_ddp import _lightning
+from lit_ddp import _lightning, _torch
 from lit_ddp.errors import AGREED_ERRORS, EXIT_FAILED, EXIT_USAGE, PROG, Ending, UsageError, prog
+from lit_ddp.run import watchdog
 
+# At exit, how long a rank waits in the store for the others to come there too, before it destroys its process
+# group all the same: longer than the watchdog takes to end a job whose rank waits in a collective nobody else
+# calls (a few seconds), so that its line comes first.
+EXIT_WAIT_S = 30.0
+EXIT_KEY = "lit_ddp/exit"
 TRACEBACK_LINES = 12  # of a failed rank's traceback, shown before the line that names the rank
 # The launcher's pid, in the environment of the ranks it starts (see launcher_pid_for_children).
 LAUNCHER_PID_ENV = "LIT_DDP_LAUNCHER_PID"
@@ -115,13 +121,30 @@ def launcher_forwards_sigterm(strategy) -> Iterator[list[int]]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def teardown_process_group() -> None:
+def teardown_process_group(wait_s: float = EXIT_WAIT_S) -> None:
     """Lightning leaves the process group alive, and gloo's threads then die in interpreter teardown
-    ("terminate called without an active exception", SIGABRT, seen under torchrun). Every rank is past its
-    last collective: destroy the group while everything is still alive (pytorch#75097: barrier first)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    ("terminate called without an active exception", SIGABRT, seen under torchrun). Every rank should be past its
+    last collective: the group is destroyed while everything is still alive (pytorch#75097), once every rank has
+    come here or ``wait_s`` has passed. They meet in the rendezvous store, not in a collective: a barrier waits the
+    whole timeout on a peer that failed or waits in a collective of its own (a rank-0-only ``trainer.log_dir``
+    after fit). Such a peer is named by its watchdog, which this rank's leaving tells (``Watchdog.leave``)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world_size = dist.get_world_size()
+    watch = watchdog.current()
+    if watch is not None:
+        watch.leave()
+    store = _torch.default_store()
+    if store is not None and world_size > 1:
+        with contextlib.suppress(Exception):  # the store's host has gone: nobody left to wait for
+            store.add(EXIT_KEY, 1)
+            deadline = time.monotonic() + wait_s
+            while (store.add(EXIT_KEY, 0) < world_size and not store.check([watchdog.ENDED_KEY])
+                   and time.monotonic() < deadline):  # fmt: skip
+                time.sleep(0.05)
+            if store.check([watchdog.ENDED_KEY]):  # a peer's watchdog ends the job: leave it the last word
+                time.sleep(watchdog.ENDING_S + 1.0)
+    dist.destroy_process_group()
 
 
 def teardown_at_exit() -> None:

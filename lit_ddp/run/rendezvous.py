@@ -1,14 +1,21 @@
-"""The rendezvous of a one-machine run, on loopback only (torch alone: the all-reduce probe's ranks use it too).
+"""The rendezvous of the ranks Lightning's launcher starts: which joined, said every 10 s while some have not, and
+one line naming the missing ranks and nodes at the start's timeout; on one machine, on loopback only (torch
+alone: the all-reduce probe's ranks use it too).
 
 python -m lit_ddp.fit --devices 2        # the rank-0 store listens on 127.0.0.1:<port>, nowhere else
 """
 
+import json
 import socket
+import sys
+import time
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+from lit_ddp.errors import StartTimeoutError, prog
 
 # How long the ranks may take to start and meet, whatever a collective's own timeout: importing torch and Lightning
 # in 16 processes at once on 2 loaded cores took over 11 s here (a 10 s `timeout_s` failed the rendezvous). A rank
@@ -16,6 +23,10 @@ import torch.distributed as dist
 # multiprocessing its processes, torchrun its workers.
 START_TIMEOUT = timedelta(minutes=5)
 ALL_ARRIVED = "lit_ddp/rendezvous/all_arrived"
+JOINED = "lit_ddp/rendezvous/joined"  # how many ranks have joined (a counter)
+STARTED = "lit_ddp/rendezvous/rank/"  # + rank: where and how that rank was started, as JSON
+FAILED = "lit_ddp/rendezvous/failed"  # rank 0's line at the start's timeout: every rank raises it
+PROGRESS_S = 10.0  # rank 0 says who joined this often while some have not
 
 
 def init_loopback_process_group(
@@ -36,15 +47,24 @@ def init_loopback_process_group(
         server.listen()
         listen_fd = server.detach()  # the store owns the descriptor from here on
     op_timeout = timeout or dist.default_pg_timeout
-    # Rank 0's store waits for every client to connect, each client retries until it does: both within the start's
-    # limit. Then every rank waits for rank 0's word that all have, so none begins the backend's own rendezvous
-    # (whose waits have the collectives' timeout) while another is still starting.
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=max(op_timeout, START_TIMEOUT),
-                          master_listen_fd=listen_fd)  # fmt: skip
-    if rank == 0:
-        store.set(ALL_ARRIVED, "1")
-    else:
-        store.wait([ALL_ARRIVED])
+    init_process_group(backend, rank, world_size, "127.0.0.1", port, timeout, device,
+                       max(op_timeout, START_TIMEOUT), {}, world_size, listen_fd)  # fmt: skip
+
+
+def init_process_group(backend: str, rank: int, world_size: int, address: str, port: int,
+                       timeout: Optional[timedelta], device: torch.device, start_timeout: timedelta,
+                       started: dict[str, Any], ranks_per_node: int,
+                       listen_fd: Optional[int] = None) -> None:  # fmt: skip
+    """The process group, after every rank has joined rank 0's store at ``address:port`` (``meet``); ``started``:
+    how this rank was started (its host, node, settings), for the line that names the ranks that never joined."""
+    op_timeout = timeout or dist.default_pg_timeout
+    # Rank 0's store does not wait for its clients in its constructor (``meet`` does, saying who joined); each
+    # client retries until it connects, within the start's limit. Then every rank waits for rank 0's word that all
+    # have, so none begins the backend's own rendezvous (whose waits have the collectives' timeout) while another
+    # is still starting.
+    store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=max(op_timeout, start_timeout),
+                          master_listen_fd=listen_fd, wait_for_workers=False)  # fmt: skip
+    meet(store, rank, world_size, start_timeout.total_seconds(), started, ranks_per_node, f"{address}:{port}")
     store.set_timeout(op_timeout)
     # device_id binds the NCCL communicator to this rank's GPU up front (no "using the device under current
     # context" guess in barrier()); gloo takes none.
@@ -52,3 +72,57 @@ def init_loopback_process_group(
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
     )
+
+
+def meet(store: dist.Store, rank: int, world_size: int, start_timeout_s: float, started: dict[str, Any],
+         ranks_per_node: int, where: str, clock=time.monotonic) -> None:  # fmt: skip
+    """Every rank joins; rank 0 waits for all, says who joined every ``PROGRESS_S`` while some have not, and at
+    ``start_timeout_s`` raises ``StartTimeoutError`` naming the missing ranks and nodes (so does every rank that
+    joined)."""
+    store.set(f"{STARTED}{rank}", json.dumps({"rank": rank, **started}))
+    store.add(JOINED, 1)
+    begun, said = clock(), 0
+    while True:
+        if rank == 0 and store.add(JOINED, 0) >= world_size:
+            store.set(ALL_ARRIVED, "1")
+            return
+        if rank != 0 and store.check([ALL_ARRIVED]):
+            return
+        if store.check([FAILED]):
+            raise StartTimeoutError(store.get(FAILED).decode())
+        waited = clock() - begun
+        if rank == 0 and waited >= start_timeout_s:
+            line = who_joined(store, world_size, ranks_per_node, where, waited, final=True)
+            store.set(FAILED, line)
+            raise StartTimeoutError(line)
+        if rank == 0 and waited >= said + PROGRESS_S:
+            said += PROGRESS_S
+            print(f"{prog()}: {who_joined(store, world_size, ranks_per_node, where, waited)}", file=sys.stderr,
+                  flush=True)  # fmt: skip
+        time.sleep(0.2)
+
+
+def who_joined(store: dist.Store, world_size: int, ranks_per_node: int, where: str, waited: float,
+               final: bool = False) -> str:  # fmt: skip
+    """``ranks 2, 3 (node 1) never joined rank 0's store at 10.0.0.1:29500 in 60 s; joined: ranks 0, 1 (node 0,
+    host a, started with num_nodes 2, devices 2) -> ...``, or while waiting ``waiting 10 s for ranks 2, 3 ...``."""
+    joined = {r: json.loads(store.get(f"{STARTED}{r}")) for r in range(world_size) if store.check([f"{STARTED}{r}"])}
+    missing = [r for r in range(world_size) if r not in joined]
+    nodes = sorted({r // ranks_per_node for r in missing})
+    missing_text = f"{_ranks(missing)} (node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))})"
+    by_node: dict[str, list[int]] = {}
+    for r, info in joined.items():
+        how = ", ".join(f"{k} {v}" for k, v in info.items() if k not in ("rank", "host"))
+        by_node.setdefault(f"node {r // ranks_per_node}, host {info.get('host', '?')}" + (f", {how}" if how else ""),
+                           []).append(r)  # fmt: skip
+    joined_text = "; ".join(f"{_ranks(rs)} ({node})" for node, rs in by_node.items())
+    if not final:
+        return (f"waiting {waited:.0f} s for {missing_text} to join rank 0's store at {where}; joined: "
+                f"{joined_text}")  # fmt: skip
+    return (f"{missing_text} never joined rank 0's store at {where} in {waited:.0f} s; joined: {joined_text} -> a "
+            f"node that never joined: start it with the same MASTER_ADDR and MASTER_PORT and its NODE_RANK, and "
+            f"check that it reaches {where} (a firewall, a partition)")  # fmt: skip
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

@@ -11,6 +11,7 @@ ranks) is ``lit_ddp.run.lifecycle``'s.
 """
 
 import multiprocessing
+import socket
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal, Optional
@@ -28,11 +29,11 @@ from typing_extensions import override
 
 from lit_ddp import _lightning
 from lit_ddp.measure.gradients import check_all_used
-from lit_ddp.run import console, launchers, lifecycle
+from lit_ddp.run import console, launchers, lifecycle, watchdog
 from lit_ddp.run.checkpointing import AtomicCheckpointIO
 from lit_ddp.run.ddp_options import buffer_sync, powersgd
 from lit_ddp.run.hangs import diagnose
-from lit_ddp.run.rendezvous import init_loopback_process_group
+from lit_ddp.run.rendezvous import START_TIMEOUT, init_loopback_process_group, init_process_group
 from lit_ddp.run.roles import ReportsOutOfMemory
 
 # Lightning's default is torch's 30 minutes: a hung rank would stall the job that long (docs/architecture.md).
@@ -199,23 +200,24 @@ class LitDDPStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         lifecycle.follow_launcher(self.cluster_environment)
+        env = self.cluster_environment
+        watchdog.start(env.global_rank(), self.num_nodes * self.num_processes)  # before the rendezvous
         super().setup_environment()
 
     @override
     def setup_distributed(self) -> None:
         env = self.cluster_environment
-        if (
-            not torch.distributed.is_initialized()
-            and self.num_nodes == 1
-            and type(env) is LightningEnvironment
-            and env.main_address in ("127.0.0.1", "localhost")
-        ):
+        if not torch.distributed.is_initialized() and type(env) is LightningEnvironment:
             # Lightning's own init (env://) then sees the group initialized and skips it.
             self.set_world_ranks()
-            init_loopback_process_group(
-                self._get_process_group_backend(), env.global_rank(), env.world_size(), env.main_port, self._timeout,
-                self.root_device,
-            )  # fmt: skip
+            backend, rank, world_size = self._get_process_group_backend(), env.global_rank(), env.world_size()
+            if self.num_nodes == 1 and env.main_address in ("127.0.0.1", "localhost"):
+                init_loopback_process_group(backend, rank, world_size, env.main_port, self._timeout, self.root_device)
+            else:  # several nodes: the start's timeout is the collectives' (60 s by default)
+                started = {"host": socket.gethostname(), "num_nodes": self.num_nodes, "devices": self.num_processes}
+                init_process_group(backend, rank, world_size, env.main_address, env.main_port, self._timeout,
+                                   self.root_device, self._timeout or START_TIMEOUT, started,
+                                   self.num_processes)  # fmt: skip
         super().setup_distributed()
 
     @override
@@ -250,11 +252,17 @@ class LitDDPStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        watchdog.beat(self.lightning_module.trainer.global_step)  # a clock read, at a new step only
         try:
             return super().training_step(*args, **kwargs)
         except torch.OutOfMemoryError as err:
             self._out_of_memory(err)
             raise
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        watchdog.alive()
+        return super().validation_step(*args, **kwargs)
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -9,20 +9,19 @@ The model and what it leaves out: docs/forecast.md; when the verdict quotes them
 """
 
 from dataclasses import replace
-from pathlib import Path
+from typing import Optional
 
-from lit_ddp.analysis import stragglers
-from lit_ddp.errors import ForecastError
+from lit_ddp.derive.stragglers import Arrivals
 from lit_ddp.maths.bus_factors import allreduce_bus_factor
 from lit_ddp.records.schema import CommRecord
 from lit_ddp.scaling.links import BYTES_PER_MS_PER_GBPS, Link, Topology
-from lit_ddp.scaling.model import measured_run, simulate
+from lit_ddp.scaling.model import Measured, simulate
 
 
-def run_link(comm: CommRecord) -> Link | None:
+def run_link(comm: CommRecord, found: Optional[Arrivals]) -> Link | None:
     """The link the run's all-reduces ran at: the buckets' bytes over their transfer (the shortest duration
-    across ranks: no wait for a late rank in it), as nccl-tests' busbw, no latency term; None without one."""
-    found = stragglers.arrivals(comm)
+    across ranks, from the run's ``found`` arrivals: no wait for a late rank in it), as nccl-tests' busbw, no
+    latency term; None without one."""
     if found is None:
         return None
     transfer_ms = sum(sorted(t)[len(t) // 2] for t in found.transfer_per_bucket)
@@ -33,17 +32,14 @@ def run_link(comm: CommRecord) -> Link | None:
     return Link("this run's", busbw, 0.0, source="the run's own all-reduces (CommMonitor's transfer times)")
 
 
-def wire_savings(run_dir: Path | str | None, comm: CommRecord | None) -> dict[str, float]:
+def wire_savings(comm: Optional[CommRecord], run: Optional[Measured], found: Optional[Arrivals]) -> dict[str, float]:
     """``{change: ms saved per step}`` for fp16/bf16 compression of a run without it: the model's step as
-    measured less its step with half the bytes, at the run's rank count over ``run_link``; empty where the run
-    cannot tell (one rank, no record on disk, no bucket of the final layout, or compression on already)."""
-    if run_dir is None or comm is None or comm.compression or comm.meta.world_size < 2:
+    measured (``run``, the forecast's inputs) less its step with half the bytes, at the run's rank count over
+    ``run_link``; empty where the run cannot tell (one rank, no forecast inputs, no bucket of the final layout, or
+    compression on already)."""
+    if comm is None or run is None or comm.compression or comm.meta.world_size < 2:
         return {}
-    link = run_link(comm)
-    try:
-        run = measured_run(Path(run_dir))
-    except ForecastError:
-        return {}
+    link = run_link(comm, found)
     if link is None:
         return {}
     n = comm.meta.world_size

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from lit_ddp.errors import ForecastError
 from lit_ddp.maths.bus_factors import allreduce_bus_factor
+from lit_ddp.records.probe import ProbePoint
 
 BYTES_PER_MS_PER_GBPS = 1e6  # bytes per ms in one GB/s: times are ms, sizes bytes
 
@@ -67,16 +68,6 @@ class Topology:
     intra: Link
     inter: Link
     gpus_per_node: int
-
-
-@dataclass(frozen=True)
-class ProbePoint:
-    """One size of an all-reduce probe (``lit_ddp.allreduce_probe``)."""
-
-    nbytes: int
-    ms: float
-    algbw_gbps: float
-    busbw_gbps: float
 
 
 def ring_ms(nbytes: float, n: int, link: Link) -> float:

@@ -12,11 +12,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
-from lit_ddp.analysis.comm import comm_summary
-from lit_ddp.analysis.phases import micro_batches, phase_summary
+from lit_ddp.derive.summaries import comm_summary, micro_batches, phase_summary
 from lit_ddp.errors import ForecastError, RecordError
 from lit_ddp.formatting import fmt_bytes
-from lit_ddp.records.schema import PHASES, DDPMemory, StepRow
+from lit_ddp.records.schema import PHASES, CommRecord, DDPMemory, PhaseRecord, StepRow
 from lit_ddp.records.schema import load_run as load_record
 from lit_ddp.scaling.links import Topology, allreduce_ms
 
@@ -102,19 +101,25 @@ def rebucket(buckets: Sequence[Bucket], cap_bytes: float) -> tuple[Bucket, ...]:
 
 
 def measured_run(run_dir: Path) -> Measured:
-    """Reads the run's ``phases.json`` and ``comm.json`` (``lit_ddp.records.schema``) into the model's inputs: per rank
-    the steady medians (see the module docstring), then the slowest rank."""
+    """Reads the run's ``phases.json`` and ``comm.json`` (``lit_ddp.records.schema``) into the model's inputs
+    (``measured``): for a run read from disk, as the forecast's tests and benchmarks do."""
     try:
         phases, comm = load_record(run_dir)
     except RecordError as err:
         raise ForecastError(str(err)) from err
+    return measured(phases, comm, str(run_dir))
+
+
+def measured(phases: Optional[PhaseRecord], comm: Optional[CommRecord], where: str = "the run") -> Measured:
+    """A run's records, in memory, as the model's inputs: per rank the steady medians (see the module docstring),
+    then the slowest rank. ``where`` names the run in the errors."""
     for name, found in (("phases.json", phases), ("comm.json", comm)):
         if found is None:
-            raise ForecastError(f"no {name} in {run_dir}: the forecast needs a run with PhaseTimer and CommMonitor")
+            raise ForecastError(f"no {name} in {where}: the forecast needs a run with PhaseTimer and CommMonitor")
     if phases.meta.world_size != comm.meta.world_size:
         raise ForecastError(f"phases.json has world_size {phases.meta.world_size}, comm.json {comm.meta.world_size}")
     if not comm_summary(comm, 0, "total_ms").count:
-        raise ForecastError(f"{run_dir}: no step with DDP's final bucket layout: run more steps")
+        raise ForecastError(f"{where}: no step with DDP's final bucket layout: run more steps")
     per_rank = []
     micro = micro_batches(phases)
     for r in range(comm.meta.world_size):

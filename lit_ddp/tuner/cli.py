@@ -28,6 +28,7 @@ from lit_ddp.callbacks import DeviceMap
 from lit_ddp.errors import Ending, UsageError
 from lit_ddp.fit import LitDDPCLI, build_cli
 from lit_ddp.run import console, lifecycle
+from lit_ddp.run.arguments import LAB_CLASSES, TRAINER_DEFAULTS
 from lit_ddp.run.strategy import LitDDPStrategy
 from lit_ddp.tuner.callback import DDPTuner, knobs_of, takes_optimizer_impl
 from lit_ddp.tuner.knobs import Knobs
@@ -121,10 +122,24 @@ def tuned_config(cli: TuneCLI, knobs: Knobs) -> str:
                      find_unused_parameters=knobs.find_unused_parameters,
                      ddp_comm_hook=HOOK_PATHS.get(knobs.comm_hook), powersgd_rank=powersgd_rank(knobs))  # fmt: skip
     config["trainer"]["strategy"] = {"class_path": STRATEGY, "init_args": init_args}
+    _own_log_name(config)
     if knobs.optimizer != "as_configured" and takes_optimizer_impl(cli.model):
         model_args = config["model"].setdefault("init_args", {})
         model_args["foreach"], model_args["fused"] = knobs.optimizer == "foreach", knobs.optimizer == "fused"
     return yaml.safe_dump(config, sort_keys=False)
+
+
+def _own_log_name(config: dict) -> None:
+    """fit's default log folder is the lab's (``runs/mini_train``): a config for the user's model logs under its
+    class's name (``MyCNN`` -> ``runs/my_cnn``) unless it names a folder of its own."""
+    logger, model = config["trainer"].get("logger"), config["model"].get("class_path", LAB_CLASSES["model"])
+    lab_name = TRAINER_DEFAULTS["logger"]["init_args"]["name"]
+    if (
+        isinstance(logger, dict)
+        and logger.get("init_args", {}).get("name") == lab_name
+        and model != LAB_CLASSES["model"]
+    ):
+        logger["init_args"]["name"] = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", model.rpartition(".")[2]).lower()
 
 
 def powersgd_rank(knobs: Knobs) -> int | None:

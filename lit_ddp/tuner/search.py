@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
-from lit_ddp.analysis import noise
+from lit_ddp.derive import noise
 from lit_ddp.tuner.knobs import Knobs, Model, bucket_caps
 from lit_ddp.tuner.trial import MIN_GAIN, Comparison, Rounds, Trial, compare
 

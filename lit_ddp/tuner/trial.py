@@ -5,7 +5,7 @@ so it is judged on the update phase's own samples, where the rest of the step's 
 
     python -m lit_ddp.tune --devices 2        # every "faster" the tuner prints is a compare() here
 
-Nothing here decides by a rule of its own: intervals and words come from ``lit_ddp.analysis.noise`` (docs/noise.md).
+Nothing here decides by a rule of its own: intervals and words come from ``lit_ddp.derive.noise`` (docs/noise.md).
 """
 
 import dataclasses
@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
-from lit_ddp.analysis import noise
+from lit_ddp.derive import noise
 from lit_ddp.tuner.knobs import Knobs
 
 # A change that may save under 2% of the step is not worth a line of config: "same" unless its whole interval is

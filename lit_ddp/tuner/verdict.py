@@ -10,9 +10,8 @@ import math
 import statistics
 from typing import Optional
 
-from lit_ddp.analysis.noise import Interval
-from lit_ddp.analysis.tables import fmt_ms, table
-from lit_ddp.formatting import fmt_bytes
+from lit_ddp.derive.noise import Interval
+from lit_ddp.formatting import fmt_bytes, fmt_ms, table
 from lit_ddp.tuner.knobs import Knobs
 from lit_ddp.tuner.search import CONFIDENCE, Outcome
 from lit_ddp.tuner.trial import Comparison, Trial, compare
@@ -60,12 +59,16 @@ def report(outcome: Outcome, rows: int) -> str:
 
 def _exposed(trial: Trial, no_comm: Optional[Trial], base: Knobs, level: float) -> str:
     """What the all-reduce adds to the step over the floor, where that is beyond the noise (at the search's level,
-    over every round of both); for the rows whose optimizer is the user's (another one changes the compute too)."""
+    over every round of both); else "can't tell" with the most the noise allows it to be (a step's difference of
+    two noisy medians: CommMonitor's exposed time, measured in each step, may show a few ms that this cannot); for
+    the rows whose optimizer is the user's (another one changes the compute too)."""
     if no_comm is None or trial.knobs.optimizer != base.optimizer:
         return "-"
-    if compare(no_comm, trial, level).word != "slower":
-        return "none seen"
-    return fmt_ms(trial.median - no_comm.median)
+    c = compare(no_comm, trial, level)
+    if c.word == "slower":
+        return fmt_ms(trial.median - no_comm.median)
+    high = c.difference.high
+    return "can't tell" if math.isinf(high) or math.isnan(high) else f"can't tell, <= {fmt_ms(max(high, 0.0))}"
 
 
 def _x(interval: Interval) -> str:

@@ -1,5 +1,5 @@
 """Memory per step and phase from a ``profile_memory=True`` trace: the allocator's ``[memory]`` events of one rank,
-read through ``lit_ddp.analysis.trace``.
+read through ``lit_ddp.derive.trace``.
 
     step_memory(load("rank0.pt.trace.json.gz"))    # a StepMemoryTrace per lit_ddp.step#N
 
@@ -9,7 +9,8 @@ How the figures are anchored and what the profiler cannot see: docs/memory.md.
 from bisect import bisect_right
 from dataclasses import dataclass
 
-from lit_ddp.analysis.trace import CPU_DEVICE, OWN_PHASES, STEP_PREFIX, Trace
+from lit_ddp.derive.trace import CPU_DEVICE, Trace
+from lit_ddp.records.ranges import OWN_PHASES, STEP_PREFIX
 
 
 @dataclass(frozen=True)

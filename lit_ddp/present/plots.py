@@ -14,9 +14,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from lit_ddp.analysis.tables import fmt_ms
-from lit_ddp.analysis.trace import GRADIENT, RankAnalysis, merge
+from lit_ddp.analysis.run_analysis import RunAnalysis
+from lit_ddp.derive.trace import GRADIENT, RankAnalysis, merge
 from lit_ddp.errors import EXIT_NO_PICTURE
+from lit_ddp.formatting import fmt_ms
 from lit_ddp.records.schema import BOUNDARIES, PHASES, CommRecord, PhaseRecord
 
 if TYPE_CHECKING:
@@ -62,11 +63,12 @@ def write(draw: Callable[[], "Figure"], out: Path) -> int:
     return 0
 
 
-def phases_figure(phases: PhaseRecord, comm: Optional[CommRecord]) -> "Figure":
+def phases_figure(analysis: RunAnalysis) -> "Figure":
     """``phases.png``. Left: stacked phase bars per kept step (rank 0), the profiled steps shaded, the axis clipped
     above the steady steps so that the warm-up does not flatten them (its total written on its bar). Right: a
     timeline of one steady step per rank: the phases as segments, each bucket's all-reduce as a segment below
     them, its exposed part (after the last gradient was handed over, a dashed line) hatched."""
+    phases, comm = analysis.phases, analysis.comm
     fig = figure(figsize=(13, 4.5))
     ax_step, ax_line = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 2]})
     _phase_bars(ax_step, phases)

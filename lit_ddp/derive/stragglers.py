@@ -5,7 +5,7 @@ it loses the time, how long each rank waits, and what the all-reduce itself cost
 
 From CommMonitor's record (``comm.json``) alone, with PhaseTimer's (``phases.json``) for the cause. The
 definitions (arrival, lateness, wait, transfer) and the bar a straggler must pass (``STRAGGLER_SHARE``, the
-floor, and the noise model's interval, ``lit_ddp.analysis.noise``): docs/stragglers.md.
+floor, and the noise model's interval, ``lit_ddp.derive.noise``): docs/stragglers.md.
 """
 
 import itertools
@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Optional
 
-from lit_ddp.analysis import noise
+from lit_ddp.derive import noise
 from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, is_steady
 
 STRAGGLER_SHARE = 0.75
@@ -26,7 +26,7 @@ MIN_LATE_MS = 5.0
 # identical CPU ranks sharing two cores were seen one always 12 ms late in a 117 ms step (10%): a fifth of the step
 # is what a straggler worth fixing costs the others.
 STEP_SHARE = 0.2
-CONFIDENCE = 0.95  # for the family of every rank's lateness (lit_ddp.analysis.noise.family_confidence)
+CONFIDENCE = 0.95  # for the family of every rank's lateness (lit_ddp.derive.noise.family_confidence)
 
 
 @dataclass
@@ -115,7 +115,11 @@ def find_straggler(comm: CommRecord, phases: Optional[PhaseRecord] = None) -> Op
     its median lateness is beyond the noise (the whole interval of the median, per all-reduce in time order, so
     that lateness coming and going in spells widens it, lies above the floor the clocks can tell, ``MIN_LATE_MS``
     or 3 clock errors) and the median is above ``threshold_ms`` (``STEP_SHARE`` of the step, or that floor)."""
-    found = arrivals(comm)
+    return straggler_of(arrivals(comm), comm, phases)
+
+
+def straggler_of(found: Optional[Arrivals], comm: CommRecord, phases: Optional[PhaseRecord]) -> Optional[Straggler]:
+    """``find_straggler`` from the run's arrivals, computed once (``lit_ddp.analysis.run_analysis.analyze``)."""
     if found is None:
         return None
     n = len(comm.ranks)

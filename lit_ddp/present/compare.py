@@ -6,8 +6,8 @@ wait, peak memory) A, B, B - A with its interval, and one word: ``slower`` / ``f
     python -m lit_ddp.report A1 A2 A3 --compare B1 B2 B3       # several runs each: the variation between runs too
     python -m lit_ddp.report --trace TRACES_A --compare TRACES_B
 
-The rows' samples are per step (``lit_ddp.analysis.row_samples``); the intervals are the noise model's
-(``lit_ddp.analysis.noise``), at a level that holds for all rows together. How to read it: docs/noise.md.
+The rows' samples are per step (``lit_ddp.derive.row_samples``); the intervals are the noise model's
+(``lit_ddp.derive.noise``), at a level that holds for all rows together. How to read it: docs/noise.md.
 """
 
 import math
@@ -17,13 +17,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
-from lit_ddp.analysis import noise
-from lit_ddp.analysis.row_samples import run_samples, run_spreads, trace_samples
-from lit_ddp.analysis.tables import fmt_ms, table
-from lit_ddp.analysis.trace import RankAnalysis
+from lit_ddp.derive import batch, noise
+from lit_ddp.derive.row_samples import run_samples, run_spreads, trace_samples
+from lit_ddp.derive.trace import RankAnalysis
 from lit_ddp.errors import RecordError
-from lit_ddp.formatting import fmt_bytes
-from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, load_run
+from lit_ddp.formatting import fmt_bytes, fmt_ms, table
+from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, load_run, no_record
 
 CONFIDENCE = 0.95  # for the family of all the rows: the chance that any row is called by noise alone is <= 5%
 # A time row that moves by less than this share of the step (the mean of A's and B's, the same whichever side is
@@ -31,6 +30,11 @@ CONFIDENCE = 0.95  # for the family of all the rows: the chance that any row is 
 # in a 0.5 ms update, 2% of the step; a 10 ms sleep in forward made the update 0.25 ms slower (caches cold after
 # the sleep), 5.5% of A's 4.5 ms step but 1.5% of B's 16.9 ms.
 STEP_SHARE = 0.05
+# A row that moved by more than this share of A's and that the noise cannot call says "can't tell", not "same": a
+# step 52% longer in a run whose whole machine moved is not the same step (docs/noise.md, "What 'same' means").
+CANT_TELL_SHARE = 0.25
+CANT_TELL = "can't tell"
+TIME_UNITS = ("ms", batch.PER_SAMPLE)
 # ``Row.held``: why a row beyond its noise is "same" with one run per side (``one_run_rows``)
 WHOLE_RUN, WAIT = "whole run", "wait"
 
@@ -63,7 +67,7 @@ class Row:
     a: float  # median
     b: float
     difference: noise.Interval  # median(b) - median(a)
-    word: str  # slower / faster / same
+    word: str  # slower / faster / same / can't tell
     steps: tuple[int, int]
     held: str = ""  # WHOLE_RUN or WAIT where a one-run rule, not the noise, made the word "same"
 
@@ -86,12 +90,18 @@ def compare(
         else:
             d = noise.difference_interval(s.a, s.b, confidence=level, between_runs=True, spread=s.spread)
             medians, steps = [statistics.median(s.a), statistics.median(s.b)], (len(s.a), len(s.b))
-        word = noise.call(d, min_effect=floor_ms if s.unit == "ms" else 0.0)
+        if s.unit == batch.THROUGHPUT:  # more is faster; the floor is the step's share of its mean
+            word = noise.call(d, min_effect=STEP_SHARE * statistics.fmean(medians))
+            word = {"slower": "faster", "faster": "slower"}.get(word, word)
+        else:
+            word = noise.call(d, min_effect=floor_ms if s.unit in TIME_UNITS else 0.0)
         rows.append(Row(s.name, s.unit, medians[0], medians[1], d, word, steps))
     return rows
 
 
 def _fmt(value: float, unit: str) -> str:
+    if unit in (batch.THROUGHPUT, batch.PER_SAMPLE):
+        return batch.fmt(value, unit)
     return fmt_ms(value) if unit == "ms" else fmt_bytes(value)
 
 
@@ -106,9 +116,25 @@ def _interval(row: Row) -> str:
     return f"{_signed(d.low, row.unit)} to {_signed(d.high, row.unit)}"
 
 
+def unresolved(rows: Sequence[Row]) -> list[Row]:
+    """The rows with ``can't tell`` for ``same`` where they moved by over ``CANT_TELL_SHARE`` of A's median (a time
+    row also by over ``STEP_SHARE`` of the step: a move that could matter) and the noise (or a one-run rule,
+    ``Row.held``) could not call the move; a move beyond the noise under the step's floor stays ``same*``."""
+    step = next((r for r in rows if r.name == "step"), None)
+    floor = STEP_SHARE * (step.a + step.b) / 2 if step is not None else 0.0
+
+    def unsure(r: Row) -> bool:
+        moved = abs(r.difference.estimate)
+        big = r.a and moved > CANT_TELL_SHARE * abs(r.a) and (r.unit not in TIME_UNITS or moved > floor)
+        return bool(r.word == "same" and big and (r.held or not r.difference.excludes(0.0)))
+
+    return [replace(r, word=CANT_TELL) if unsure(r) else r for r in rows]
+
+
 def summary(rows: Sequence[Row]) -> str:
     """One line: the row that changed most beyond the noise (by its share of A), and how many did."""
-    called = [r for r in rows if r.word != "same"]
+    called = [r for r in rows if r.word in ("slower", "faster")]
+    unsure = [r for r in rows if r.word == CANT_TELL]
     held = {r.held for r in rows}
     if not called and WHOLE_RUN in held:
         return (f"Summary: can't tell: every phase moved with the whole run, so no time row is called ({len(rows)} "
@@ -116,18 +142,28 @@ def summary(rows: Sequence[Row]) -> str:
     if not called and WAIT in held:
         return (f"Summary: can't tell: no row is called, and the ranks' waits moved beyond the noise, which one run "
                 f"per side cannot tell from the machine ({len(rows)} rows); compare several runs of each")  # fmt: skip
+    if unsure and not called:
+        top = max(unsure, key=lambda r: abs(r.difference.estimate) / r.a)
+        return (
+            f"Summary: can't tell: {len(unsure)} row(s) moved by over {CANT_TELL_SHARE:.0%} where the noise "
+            f"cannot call it ({top.name} {top.difference.estimate / top.a:+.0%}); compare several runs of each"
+        )
     if not called:
         return (f"Summary: no row differs beyond the noise ({len(rows)} rows, {CONFIDENCE:.0%} for all of them "
                 "together)")  # fmt: skip
     top = max(called, key=lambda r: abs(r.difference.estimate) / r.a if r.a else math.inf)
     share = f" ({top.difference.estimate / top.a:+.0%})" if top.a else ""
-    return (f"Summary: {top.name} changed most, {_signed(top.difference.estimate, top.unit)}{share}, {top.word} in B; "
-            f"{len(called)} of {len(rows)} rows differ beyond the noise")  # fmt: skip
+    return (
+        f"Summary: {top.name} changed most, {_signed(top.difference.estimate, top.unit)}{share}, {top.word} in B; "
+        f"{len(called)} of {len(rows)} rows differ beyond the noise"
+        + (f", {len(unsure)} moved by over {CANT_TELL_SHARE:.0%} within it (can't tell)" if unsure else "")
+    )
 
 
 def render(title: str, notes: Sequence[str], rows: Sequence[Row]) -> str:
     """The notes (what makes the runs hard to compare) first, then the table and the summary."""
     head = [f"{note}" for note in notes]
+    rows = unresolved(rows)
     level = noise.family_confidence(CONFIDENCE, max(1, len(rows)))
     small = {r.name for r in rows if r.word == "same" and r.difference.excludes(0.0) and not r.held}
     cells = [(r.name, _fmt(r.a, r.unit), _fmt(r.b, r.unit), _signed(r.difference.estimate, r.unit), _interval(r),
@@ -203,16 +239,26 @@ def compare_runs(a: Run, b: Run) -> str:
 def compare_many(a_runs: Sequence[Run], b_runs: Sequence[Run]) -> str:
     """Several runs of A against several of B (one of each: ``run_rows``, and the note that says what one run per
     side cannot tell), as printed by ``python -m lit_ddp.report A1 A2 --compare B1 B2``."""
-    notes = incompatibilities(a_runs[0], b_runs[0])
+    notes = batch.batch_notes(a_runs, b_runs) + incompatibilities(a_runs[0], b_runs[0])
     for side, runs in (("A", a_runs), ("B", b_runs)):
         notes += [f"{side}'s runs differ among themselves: {n.removeprefix('A and B differ in ')}"
                   for n in dict.fromkeys(n for r in runs[1:] for n in incompatibilities(runs[0], r))]  # fmt: skip
     if len(a_runs) == len(b_runs) == 1:
         rows, moved = one_run_rows(a_runs[0], b_runs[0])
-        return render("Run B against run A, per step after warm-up", [*notes, *moved, ONE_RUN], rows)
-    title = (f"{len(b_runs)} run(s) of B against {len(a_runs)} of A (each side the mean of its runs' medians), per "
-             "step after warm-up")  # fmt: skip
+        return render(f"Run B against run A, {_per(a_runs, b_runs)}", [*notes, *moved, ONE_RUN], rows)
+    title = (f"{len(b_runs)} run(s) of B against {len(a_runs)} of A (each side the mean of its runs' medians), "
+             f"{_per(a_runs, b_runs)}")  # fmt: skip
     return render(title, notes, many_rows(a_runs, b_runs))
+
+
+def _per(a_runs: Sequence[Run], b_runs: Sequence[Run]) -> str:
+    return ("per sample after warm-up (each step's time over its samples)" if batch.per_sample(a_runs, b_runs)
+            else "per step after warm-up")  # fmt: skip
+
+
+def _samples(run: Run, each_sample: bool) -> tuple[dict, dict]:
+    """A run's ``run_samples`` and ``run_spreads``, read with its batch (``batch.read``)."""
+    return batch.read(run_samples(*run), run_spreads(*run), run, each_sample)
 
 
 def step_floor(a: Sequence[dict], b: Sequence[dict]) -> float:
@@ -245,17 +291,18 @@ def one_run_rows(a: Run, b: Run) -> tuple[list[Row], list[str]]:
     0.05-0.14 ms on a quiet machine, 0.94-2.1 ms with two busy processes beside them; an A/A pair 0.01 against
     0.98 ms). Whom the others wait for is each run's straggler line's to say; several runs per side compare the
     waits."""
-    sa, sb = run_samples(*a), run_samples(*b)
+    each_sample = batch.per_sample([a], [b])
+    (sa, spread_a), (sb, spread_b) = _samples(a, each_sample), _samples(b, each_sample)
     same_layout = a[1] is None or b[1] is None or a[1].layout == b[1].layout
     names = [n for n in sa if n in sb and (same_layout or not n.startswith("bucket"))]
-    spread_a, spread_b = run_spreads(*a), run_spreads(*b)
     # Every row of a run's run_samples has its entry in that run's run_spreads: the defaults are never read (their
     # mutants are equivalent)
     spread = {n: max(spread_a.get(n, 0.0), spread_b.get(n, 0.0)) for n in names}
     rows = compare(
         [Samples(n, sa[n][0], sa[n][1], sb[n][1], spread[n]) for n in names], floor_ms=step_floor([sa], [sb])
     )
-    shift = _shift(sa, sb) if a[0] is not None and b[0] is not None else None  # whole_run_shift, samples at hand
+    # whole_run_shift, samples at hand; not across batches, where every part's time per sample moves by design
+    shift = _shift(sa, sb) if a[0] is not None and b[0] is not None and not each_sample else None
     if shift is not None:
         why = (f"Every phase of B is {shift} than A's beyond its steps' noise, update and other too: the mark of a "
                f"machine that {'slowed' if shift == 'slower' else 'freed'} one whole run more than of a change, so "
@@ -263,7 +310,7 @@ def one_run_rows(a: Run, b: Run) -> tuple[list[Row], list[str]]:
     else:
         why = unexplained_move(rows)
     if why is not None:
-        return [replace(r, word="same", held=WHOLE_RUN) if r.unit == "ms" else r for r in rows], [why]
+        return [replace(r, word="same", held=WHOLE_RUN) if r.unit != "B" else r for r in rows], [why]
     waits = [r.name for r in rows if r.word != "same" and r.name.startswith("bucket ") and r.name.endswith(" wait")]
     if not waits:
         return rows, []
@@ -292,27 +339,28 @@ def unexplained_move(rows: Sequence[Row]) -> Optional[str]:
     called = [by_name[p] for p in STEP_PARTS if p in by_name and by_name[p].word != "same"]
     if step is None:
         return None
-    moved, explained = step.difference.estimate, sum(r.difference.estimate for r in called)
+    moved, explained, unit = step.difference.estimate, sum(r.difference.estimate for r in called), step.unit
     machine = ("the mark of a machine that slowed or freed one run more than of a change, so no time row is called "
                "(can't tell)")  # fmt: skip
     if not called:
         parts = [by_name[p] for p in STEP_PARTS if p in by_name]
         if step.word == "same" or any(r.difference.excludes(0.0) for r in parts):
             return None  # the step did not move, or a part moved beyond its noise (under the floor): a change
-        return (f"The step moved by {_signed(moved, 'ms')} beyond its noise and no part of it did: the move is "
+        return (f"The step moved by {_signed(moved, unit)} beyond its noise and no part of it did: the move is "
                 f"spread over parts each within its own noise, {machine}")  # fmt: skip
     if moved * explained <= 0 or abs(explained) >= EXPLAINED * abs(moved):
         return None
     names = ", ".join(r.name for r in called)
-    return (f"The step moved by {_signed(moved, 'ms')} and the parts called beyond their noise ({names}) make up "
-            f"{_signed(explained, 'ms')} of it ({explained / moved:.0%}): the rest moved with the whole run, "
+    return (f"The step moved by {_signed(moved, unit)} and the parts called beyond their noise ({names}) make up "
+            f"{_signed(explained, unit)} of it ({explained / moved:.0%}): the rest moved with the whole run, "
             f"{machine}")  # fmt: skip
 
 
 def many_rows(a_runs: Sequence[Run], b_runs: Sequence[Run]) -> list[Row]:
     """The rows every run has (the per-bucket ones only with one bucket layout in all), compared over the runs
     (``noise.runs_difference_interval``: the runs' medians, their spread between runs included)."""
-    sa, sb = [run_samples(*r) for r in a_runs], [run_samples(*r) for r in b_runs]
+    each_sample = batch.per_sample(a_runs, b_runs)
+    sa, sb = [_samples(r, each_sample)[0] for r in a_runs], [_samples(r, each_sample)[0] for r in b_runs]
     layouts = {tuple(c.layout) for _, c in (*a_runs, *b_runs) if c is not None}
     names = [n for n in sa[0] if all(n in s for s in (*sa, *sb)) and (len(layouts) < 2 or not n.startswith("bucket"))]
     floor = step_floor(sa, sb)
@@ -325,7 +373,7 @@ def _load(run_dir: Path) -> Run:
         raise RecordError(f"{run_dir} is not a directory")
     found = load_run(run_dir)
     if found == (None, None):
-        raise RecordError(f"{run_dir} holds neither phases.json nor comm.json: was PhaseTimer or CommMonitor on?")
+        raise RecordError(no_record(run_dir))
     return found
 
 

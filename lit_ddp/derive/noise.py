@@ -1,7 +1,7 @@
 """The noise model every conclusion rests on: an interval for a median, and for the difference or ratio of two
 medians, from per-step samples in time order; and the one word ("slower", "faster", "same") an interval allows.
 
-    from lit_ddp.analysis import noise
+    from lit_ddp.derive import noise
     noise.call(noise.difference_interval(run_a_forward_ms, run_b_forward_ms))   # "slower", "faster" or "same"
 
 A bootstrap of the median whose spread is widened by the samples' correlation time: steps next to each other

@@ -9,7 +9,7 @@ How each figure is measured and what it means: docs/memory.md.
 from typing import Optional
 
 from lit_ddp.formatting import CLI, Advice, fmt_bytes
-from lit_ddp.records.schema import PHASES, DDPMemory, OutOfMemory, PhaseRecord, Sketch, StepMemory
+from lit_ddp.records.schema import PHASES, DDPMemory, PhaseRecord, Sketch, StepMemory
 
 SOURCES = {
     "cuda_allocator": "the CUDA caching allocator: bytes of live tensors, its peak reset at each phase boundary",
@@ -105,28 +105,3 @@ def ddp_memory_lines(memory: DDPMemory, advice: Advice = CLI) -> str:
             f"half-size copy of each bucket while it is all-reduced ({half:,} bytes for the largest)."
         )
     return "\n".join(lines)
-
-
-def holders(held: DDPMemory, allocated: Optional[int]) -> list[tuple[str, int]]:
-    """What held memory, largest first; ``the rest`` (activations, workspace) where the allocator's total is
-    known (CUDA)."""
-    parts = [("parameters", held.parameters), ("gradients", held.own_gradients), ("DDP's buckets", sum(held.buckets)),
-             ("optimizer state", held.optimizer_state)]  # fmt: skip
-    if allocated is not None:
-        parts.append(("the rest (activations, workspace)", max(allocated - held.held, 0)))
-    return sorted((p for p in parts if p[1]), key=lambda p: -p[1])
-
-
-def oom_line(oom: OutOfMemory, path: Optional[str] = None) -> str:
-    """One line: where the rank ran out of memory, where memory peaked, and what held it."""
-    held = ", ".join(f"{name} {fmt_bytes(n)}" for name, n in holders(oom.held, oom.allocated))
-    rest = "" if oom.allocated is not None else " (the rest is not measured on CPU)"
-    peak = ""
-    if oom.peak is not None:
-        peak = f"; memory peaked at {fmt_bytes(oom.peak)} in step {oom.peak_step}, {oom.peak_phase}"
-    saved = f"; record: {path}" if path else ""
-    snapshot = f"; snapshot: {oom.snapshot}" if oom.snapshot else ""
-    return (
-        f"rank {oom.rank} ran out of memory in step {oom.step}, {oom.phase} ({oom.error}){peak}; held then: "
-        f"{held or 'nothing the tool sees'}{rest}{saved}{snapshot}"
-    )

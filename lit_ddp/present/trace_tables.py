@@ -1,10 +1,10 @@
 """Tables of per-rank profiler traces: where each GPU's time went, per phase, the collectives of each step, the
-verdict (beyond the noise: ``lit_ddp.analysis.noise``), every figure as JSON; ``python -m lit_ddp.trace_report``
+verdict (beyond the noise: ``lit_ddp.derive.noise``), every figure as JSON; ``python -m lit_ddp.trace_report``
 prints them.
 
     python -m lit_ddp.trace_report runs/mini_train/version_0
 
-The figures are ``lit_ddp.analysis.trace``'s; how they are defined: docs/traces.md.
+The figures are ``lit_ddp.derive.trace``'s; how they are defined: docs/traces.md.
 """
 
 import statistics
@@ -12,10 +12,11 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any, Optional
 
-from lit_ddp.analysis import noise
-from lit_ddp.analysis.phases import LEAD_SHARE
-from lit_ddp.analysis.tables import fmt_bandwidth, fmt_ms, table
-from lit_ddp.analysis.trace import TRACE_PHASES, Breakdown, RankAnalysis, combine
+from lit_ddp.derive import noise
+from lit_ddp.derive.trace import Breakdown, RankAnalysis, combine
+from lit_ddp.formatting import fmt_bandwidth, fmt_ms, table
+from lit_ddp.present.phases import LEAD_SHARE
+from lit_ddp.records.ranges import TRACE_PHASES
 
 
 def fmt_us(value: float) -> str:
@@ -49,7 +50,7 @@ _HEADER = ("span", "busy", "compute", "communication", "overlap", "idle", "host 
 
 
 def rank_table(analyses: Sequence[RankAnalysis]) -> str:
-    """Per rank: the module docstring's figures of ``lit_ddp.analysis.trace`` over its counted steps."""
+    """Per rank: the module docstring's figures of ``lit_ddp.derive.trace`` over its counted steps."""
     left_out = [s.step for a in analyses for s in a.steps if not s.counted]
     note = f"; the last step ({left_out[0]}) left out, as HTA leaves it out" if left_out else ""
     # _row's label is sliced off here: mutants of the "" it is given are equivalent.
@@ -113,7 +114,7 @@ _PART = {"idle": "idle time", "compute": "compute", "communication": "communicat
 def trace_verdict(analyses: Sequence[RankAnalysis]) -> str:
     """One line: what bounds the GPUs and what would help. The largest of idle time, compute and communication
     that no compute hides is named only when its per-step lead over the next (paired: the same steps, the mean
-    over ranks) is beyond the noise (``lit_ddp.analysis.noise``) and at least ``LEAD_SHARE`` of the span; a
+    over ranks) is beyond the noise (``lit_ddp.derive.noise``) and at least ``LEAD_SHARE`` of the span; a
     profile of fewer than ``noise.MIN_SAMPLES`` counted steps can't tell, and says so."""
     parts = verdict_parts(analyses)
     span = parts.pop("span")
@@ -165,7 +166,7 @@ def trace_report(analyses: Sequence[RankAnalysis]) -> str:
 
 
 def to_json(analyses: Sequence[RankAnalysis]) -> dict[str, Any]:
-    """``{"ranks": [...]}``: per rank its totals (``lit_ddp.analysis.trace.Breakdown``'s fields), counted steps, phases,
+    """``{"ranks": [...]}``: per rank its totals (``lit_ddp.derive.trace.Breakdown``'s fields), counted steps, phases,
     every step's figures and its collectives, times in microseconds."""
 
     def ranks(a: RankAnalysis) -> dict[str, Any]:

@@ -7,7 +7,7 @@ Reads the traces torch.profiler and Lightning's ``PyTorchProfiler`` write (``.js
 ``json`` alone, no torch, so any torch version's trace reads anywhere. The figures (span, busy, idle, compute,
 communication, overlap, the three waits), how each GPU op is given to a step, a phase (``PHASE_PATTERNS``) and a
 bucket, the collectives' bandwidth, and where they differ from HTA's: docs/traces.md. Memory per step and phase
-from a ``profile_memory=True`` trace: ``lit_ddp.analysis.trace_memory``. The interval union and nccl-tests' bus
+from a ``profile_memory=True`` trace: ``lit_ddp.derive.trace_memory``. The interval union and nccl-tests' bus
 factors it uses are ``lit_ddp.maths.intervals`` and ``lit_ddp.maths.bus_factors``.
 """
 
@@ -24,16 +24,18 @@ from typing import Any, NamedTuple, Optional
 from lit_ddp.maths.bus_factors import DIRECT, RING_ONCE, bus_factor
 from lit_ddp.maths.intervals import length, merge, union_length
 
-# Range names the tool's PhaseTimer emits through torch.profiler.record_function.
-STEP_PREFIX = "lit_ddp.step#"  # + the global step: one training step
-FORWARD = "lit_ddp.forward"
-BACKWARD = "lit_ddp.backward"
-UPDATE = "lit_ddp.update"
-DATA = "lit_ddp.data"  # the batch's end to the next step's start (PhaseTimer's data phase)
-OTHER = "lit_ddp.other"
-BUCKET_PREFIX = "lit_ddp.bucket#"  # + the bucket's index: the all-reduce of one DDP gradient bucket
-TRACE_PHASES = ("forward", "backward", "update", "data", "other")
-OWN_PHASES = dict(zip((FORWARD, BACKWARD, UPDATE, DATA, OTHER), TRACE_PHASES, strict=True))  # range -> phase
+# The range names the tool emits are the record's.
+from lit_ddp.records.ranges import (
+    BACKWARD,
+    BUCKET_PREFIX,
+    DATA,
+    FORWARD,
+    OTHER,
+    STEP_PREFIX,
+    TRACE_PHASES,
+    UPDATE,
+)
+
 CPU_DEVICE = 0  # a [memory] event's "Device Type": c10's DeviceType (0 CPU, 1 CUDA)
 
 KERNEL_WAIT_US = 30.0  # HTA's default consecutive_kernel_delay

@@ -7,36 +7,20 @@ How its figures are defined: docs/output.md.
 """
 
 import math
-from typing import Optional
 
-from lit_ddp.analysis import stragglers
-from lit_ddp.analysis.memory import ddp_memory_lines
-from lit_ddp.analysis.phases import DEFAULT_PRECISION, sketch_or
-from lit_ddp.analysis.tables import fmt_bandwidth, fmt_ms, table
-from lit_ddp.formatting import CLI, Advice
+from lit_ddp.analysis.run_analysis import RunAnalysis
+from lit_ddp.derive import stragglers
+from lit_ddp.derive.summaries import comm_summary
+from lit_ddp.formatting import CLI, Advice, fmt_bandwidth, fmt_ms, table
 from lit_ddp.maths.bus_factors import allreduce_bus_factor
-from lit_ddp.records.schema import CommRecord, PhaseRecord, Sketch
+from lit_ddp.present.memory import ddp_memory_lines
+from lit_ddp.present.phases import DEFAULT_PRECISION
+from lit_ddp.records.schema import CommRecord
 
 
-def comm_summary(record: CommRecord, rank: int, name: str) -> Sketch:
-    """``name`` (``bucket<i>.ms``, ``bucket<i>.ready_ms``, ``busy_ms``, ``exposed_ms``, ``total_ms``) on ``rank``
-    over the steady steps with the final layout."""
-    rows = [r for r in record.ranks[rank].rows if r.bytes == record.layout]
-
-    def kept() -> list[float]:
-        if name == "total_ms":
-            return [sum(r.ms) for r in rows]
-        if name.startswith("bucket"):
-            b, _, field_name = name[len("bucket") :].partition(".")  # rpartition alike: "bucket0.ms", one dot
-            return [getattr(r, field_name)[int(b)] for r in rows]
-        return [getattr(r, name) for r in rows]
-
-    return sketch_or(record.ranks[rank].summaries, name, kept)
-
-
-def comm_table(record: CommRecord, phases: Optional[PhaseRecord] = None, advice: Advice = CLI) -> str:
+def comm_table(analysis: RunAnalysis, advice: Advice = CLI) -> str:
     """Per bucket: bytes, all-reduce time, algbw and busbw (nccl-tests definitions); per step: totals; on
-    several ranks, the straggler verdict (``lit_ddp.analysis.stragglers``), with ``phases`` naming its slow phase;
+    several ranks, the straggler verdict (``lit_ddp.derive.stragglers``), with the phase record naming its slow phase;
     the knobs phrased for where the table is read (``advice``).
 
     Buckets are those of the final layout (DDP rebuilds its buckets after the first step), timed over the
@@ -44,11 +28,9 @@ def comm_table(record: CommRecord, phases: Optional[PhaseRecord] = None, advice:
     ranks: the last rank to arrive waits for no one), shown beside the longest wait for the last arrival, so
     that a straggler does not pass for a slow link.
     """
+    record, phases, found = analysis.comm, analysis.phases, analysis.straggler
     n = record.meta.world_size
     ring = allreduce_bus_factor(n)
-    # Without phases alike: they only name the straggler's slow phase, which this table says only when it was
-    # given none (the phase table says it otherwise).
-    found = stragglers.find_straggler(record, phases)
     rows = []
     for b, nbytes in enumerate(record.layout):
         t = found.transfer_per_bucket_ms[b] if found else comm_summary(record, 0, f"bucket{b}.ms").median

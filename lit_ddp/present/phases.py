@@ -8,13 +8,15 @@ in no command line, so collection (the callbacks) may import it; ``lit_ddp.repor
 
 import math
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Optional
 
-from lit_ddp.analysis import noise, stragglers
-from lit_ddp.analysis.memory import has_memory, memory_cells, memory_line
-from lit_ddp.analysis.tables import fmt_bandwidth, fmt_ms, fmt_si, table
-from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, Sketch, StepPhases, StepRow
+from lit_ddp.analysis.run_analysis import RunAnalysis
+from lit_ddp.derive import noise, stragglers
+from lit_ddp.derive.summaries import micro_batches, phase_summary
+from lit_ddp.formatting import fmt_bandwidth, fmt_ms, fmt_si, table
+from lit_ddp.present.memory import has_memory, memory_cells, memory_line
+from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, Sketch, StepRow
 
 CLOCKS = {  # what each clock's times mean
     "perf_counter": ": host time",
@@ -44,34 +46,14 @@ BUSY_BOUND = 0.8
 MEASURE = "python -m lit_ddp.tune measures what DDP's knobs and the optimizer's fused step change on this model"
 
 
-def format_step(step: int, phases: StepPhases) -> str:
-    """The notes' per-step format (``mini_train_profile.py``), times in ms."""
-    return (f"Step {step}\n forward : {phases.forward:.2f} ms\n backward: {phases.backward:.2f} ms\n"
-            f" update  : {phases.update:.2f} ms")  # fmt: skip
-
-
-def sketch_or(summaries: dict[str, Sketch], name: str, fallback: Callable[[], Sequence[float]]) -> Sketch:
-    """The record's summary of ``name`` over the steady steps; a run too short to have one (a 1-step run)
-    falls back to the steps it kept."""
-    found = summaries.get(name)
-    return found if found is not None and found.count else Sketch.of(fallback())
-
-
-def phase_summary(record: PhaseRecord, rank: int, phase: str) -> Sketch:
-    """``phase`` on ``rank`` over the steady steps."""
-    rows = record.steady_rows(rank) or record.ranks[rank].rows
-    return sketch_or(record.ranks[rank].summaries, phase, lambda: [getattr(r.ms, phase) for r in rows])
-
-
 def _busy_median(rows: list[StepRow], phase: str) -> float:
     return statistics.median(getattr(r.ms, phase) for r in rows)
 
 
-def phase_table(
-    record: PhaseRecord, comm: Optional[CommRecord] = None, savings: Optional[Mapping[str, float]] = None
-) -> str:
+def phase_table(analysis: RunAnalysis) -> str:
     """Per phase: warm-up (the fit's first step, rank 0), median/min/max over steady steps of all ranks, the slowest
-    rank. A fit resumed from a checkpoint warms up at its resume point (``first_step``)."""
+    rank. A fit resumed from a checkpoint warms up at its resume point (``first_step``). Then the verdict."""
+    record = analysis.phases
     n_ranks = len(record.ranks)
     first = record.ranks[0].row(record.first_step)
     rows = []
@@ -88,7 +70,7 @@ def phase_table(
         header.append("GPU busy (rank 0)")
         rows = [(*row, fmt_ms(_busy_median(busy, phase))) for row, phase in zip(rows, PHASES, strict=True)]
     memory = has_memory(record)
-    if memory:  # the bytes of the rank whose step peaks highest (lit_ddp.analysis.memory)
+    if memory:  # the bytes of the rank whose step peaks highest (lit_ddp.present.memory)
         header += ["peak memory", "retained"]
         rows = [(*row, *cells) for row, cells in zip(rows, memory_cells(record), strict=True)]
     n_steady = phase_summary(record, 0, "step").count
@@ -106,18 +88,12 @@ def phase_table(
     text += _outside_lines(record) + _skipped_line(record)
     if record.roofline:
         text += "\n" + roofline_table(record)
-    return text + "\n" + verdict(record, comm, savings)
+    return text + "\n" + verdict(analysis)
 
 
 def _warmup(record: PhaseRecord) -> str:
     resumed = " (the fit resumed there)" if record.first_step else ""
     return f"step {record.first_step} = warm-up{resumed}"
-
-
-def micro_batches(record: PhaseRecord) -> int:
-    """Batches per optimizer step (gradient accumulation), as rank 0's steady steps ran them (most of them)."""
-    counts = [r.micro_batches for r in record.steady_rows(0) or record.ranks[0].rows]
-    return max(set(counts), key=counts.count) if counts else 1
 
 
 def _micro_note(record: PhaseRecord) -> str:
@@ -145,23 +121,20 @@ def _skipped_line(record: PhaseRecord) -> str:
             f"gradients, no update; the scale was lowered): step(s) {steps}; left out of the medians")  # fmt: skip
 
 
-def verdict(
-    record: PhaseRecord, comm: Optional[CommRecord] = None, savings: Optional[Mapping[str, float]] = None
-) -> str:
-    """One line: what bounds the step, and what would help. A straggler (``comm`` of several ranks) comes
-    first: the others' time then goes to waiting for it, and no bucket size helps. ``savings``: the forecast's
-    saving per step for each change that cuts the bytes on the wire (``lit_ddp.scaling.advice.wire_savings``)."""
-    found = stragglers.find_straggler(comm, record) if comm is not None else None
-    if found is not None and found.rank is not None:
-        return f"Verdict: {stragglers.verdict_line(found)}"
-    step_ms = phase_summary(record, 0, "step").median
+def verdict(analysis: RunAnalysis) -> str:
+    """One line: what bounds the step, and what would help. A straggler (a run of several ranks) comes first: the
+    others' time then goes to waiting for it, and no bucket size helps. The savings quoted are the analysis's
+    (``lit_ddp.scaling.advice.wire_savings``)."""
+    if analysis.named_straggler is not None:
+        return f"Verdict: {stragglers.verdict_line(analysis.named_straggler)}"
+    record, step_ms = analysis.phases, analysis.step_ms
     busy = record.ranks[0].busy_ms
     if busy:
         return "Verdict: " + _gpu_verdict(busy, step_ms)
     if record.meta.clock == "cuda_event":
         why = "no profiled step completed" if record.profiled_steps else "PhaseTimer(kernel_steps=0)"
         return f"Verdict: unknown: GPU-busy time was not measured ({why})"
-    return "Verdict: a CPU run (no device to idle): " + _cpu_verdict(record, comm, step_ms, savings or {})
+    return "Verdict: a CPU run (no device to idle): " + _cpu_verdict(analysis)
 
 
 def _gpu_verdict(busy: list[StepRow], step_ms: float) -> str:
@@ -181,12 +154,12 @@ def _gpu_verdict(busy: list[StepRow], step_ms: float) -> str:
             f"across the {BUSY_BOUND:.0%} line; PhaseTimer(kernel_steps=N) profiles more steps")  # fmt: skip
 
 
-def _cpu_verdict(record: PhaseRecord, comm: Optional[CommRecord], step_ms: float, savings: Mapping[str, float]) -> str:
+def _cpu_verdict(analysis: RunAnalysis) -> str:
     """What takes most of rank 0's step, named only when it leads the next beyond the noise (their per-step
-    difference's interval, ``lit_ddp.analysis.noise``, excludes 0) and by ``LEAD_SHARE`` of the step at least;
+    difference's interval, ``lit_ddp.derive.noise``, excludes 0) and by ``LEAD_SHARE`` of the step at least;
     else "can't tell", and why. With CommMonitor's
     record, backward is split: its compute, the all-reduce's exposed transfer, and the wait for a later rank."""
-    parts = step_parts(record, comm)
+    record, comm, parts, step_ms = analysis.phases, analysis.comm, analysis.parts, analysis.step_ms
     n = len(next(iter(parts.values())))
     if n < noise.MIN_SAMPLES:
         return f"can't tell what bounds the step, because only {n} steady step(s) were kept; {MEASURE}"
@@ -205,7 +178,7 @@ def _cpu_verdict(record: PhaseRecord, comm: Optional[CommRecord], step_ms: float
                 f"{share[first]:.0%}) and {PART_NAMES[second]} ({fmt_ms(medians[second])}, {share[second]:.0%}), "
                 f"the largest parts, differ by {by}: {why}; {MEASURE}")  # fmt: skip
     if first == "exposed":
-        advice = _wire_advice(comm, step_ms, savings)
+        advice = _wire_advice(comm, step_ms, analysis.savings)
         return (f"communication-bound: the gradient all-reduce's exposed transfer is {fmt_ms(medians[first])} of the "
                 f"{fmt_ms(step_ms)} step ({share[first]:.0%}), {level}; {advice}")  # fmt: skip
     if first == "wait":
@@ -221,29 +194,6 @@ def _cpu_verdict(record: PhaseRecord, comm: Optional[CommRecord], step_ms: float
     what = "the model's compute" if first == "backward" and split else WHAT_IT_IS[first]
     return (f"{PART_NAMES[first]} bounds the step, {fmt_ms(medians[first])} ({share[first]:.0%}): {what}, "
             f"{level}; {MEASURE}")  # fmt: skip
-
-
-def step_parts(record: PhaseRecord, comm: Optional[CommRecord]) -> dict[str, list[float]]:
-    """Rank 0's steady steps as the parts of its step, one sample per step in step order: the phases, with
-    backward split where CommMonitor's record has the step (its compute, the exposed transfer, the wait for the
-    last rank's arrival at the all-reduce)."""
-    rows = record.steady_rows(0) or record.ranks[0].rows
-    names = [p for p in PHASES if p != "step"]
-    if comm is None or record.meta.world_size < 2:
-        return {p: [getattr(r.ms, p) for r in rows] for p in names}
-    buckets = {r.step: r for r in comm.ranks[0].rows if r.bytes == comm.layout}
-    found = stragglers.arrivals(comm)
-    waits = dict(zip(found.steps, found.waits[0], strict=True)) if found else {}
-    rows = [r for r in rows if r.step in buckets]
-    # zip's strict=... mutants are equivalent here and above: exposed and wait are made from rows, and arrivals
-    # gives each rank one wait per step.
-    parts = {p: [getattr(r.ms, p) for r in rows] for p in names if p != "backward"}
-    exposed = [buckets[r.step].exposed_ms for r in rows]
-    wait = [min(waits.get(r.step, 0.0), e) for r, e in zip(rows, exposed, strict=True)]
-    parts["backward"] = [r.ms.backward - e for r, e in zip(rows, exposed, strict=True)]
-    parts["exposed"] = [e - w for e, w in zip(exposed, wait, strict=True)]
-    parts["wait"] = wait
-    return parts
 
 
 def _wire_advice(comm: Optional[CommRecord], step_ms: float, savings: Mapping[str, float]) -> str:

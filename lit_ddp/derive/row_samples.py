@@ -1,4 +1,4 @@
-"""What each row of a comparison is made of (``lit_ddp.analysis.compare``): a run's samples per steady step and
+"""What each row of a comparison is made of (``lit_ddp.present.compare``): a run's samples per steady step and
 row, how far apart the run's ranks were in each row, and a profile's samples per counted step.
 
     python -m lit_ddp.report RUN_A --compare RUN_B     # the rows: docs/noise.md, "Comparing two runs"
@@ -8,8 +8,9 @@ import statistics
 from collections.abc import Sequence
 from typing import Optional
 
-from lit_ddp.analysis import noise, stragglers
-from lit_ddp.analysis.trace import TRACE_PHASES, RankAnalysis
+from lit_ddp.derive import noise, stragglers
+from lit_ddp.derive.trace import RankAnalysis
+from lit_ddp.records.ranges import TRACE_PHASES
 from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, RankPhases, StepMemory, is_steady
 
 

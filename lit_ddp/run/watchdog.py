@@ -1,0 +1,441 @@
+"""A watchdog thread in every rank: when the job stops moving, where each rank is, said while it happens.
+
+    python tests/hang_scripts.py sleep --timeout-s 600     # rank 1 sleeps in its step: named in ~12 s, not 600
+
+From lit_ddp's first code in a rank until it exits; one clock read a step (``beat``). Stopped ``COMPARE_AFTER_S``,
+a rank puts its state (stack, user's line, the collective it waits in, the DataLoader worker it waits on) in the
+rendezvous store, not the process group; what is certain (``certain``) ends the job at once. Past ``max(hang_after_s,
+steps_k x the median step)`` the lowest rank prints where every rank is, again as the wait doubles; a wait is never
+ended for its length. How and why: docs/failures.md#the-watchdog-a-hang-named-as-it-happens.
+
+What a case reads (stderr, lines starting ``lit_ddp: ``): ``waiting N s: rank R has been at <line> for N s (step S,
+<phase>), outside any collective; rank Q waits in <op> #<seq> ... -> <fix>``, ``moved on after N s``, and the
+ending ``<the diverged line> -> <fix>`` (exit 1 on every rank, their DataLoader workers killed; a ddp_fork/ddp_spawn
+parent ends with it in its ProcessExitedException).
+"""
+
+import contextlib
+import faulthandler
+import itertools
+import json
+import multiprocessing
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Optional
+
+from lit_ddp import _torch
+from lit_ddp.analysis.divergence import RankReport, divergences
+from lit_ddp.analysis.flight_recorder import LIBRARIES, Frame, user_frame
+from lit_ddp.errors import EXIT_FAILED, prog
+from lit_ddp.measure.collectives import CollectiveRecord
+from lit_ddp.run import hangs
+
+# At least this long without progress before a rank is said to wait: above a slow first step's usual share on 2
+# loaded CPU cores (3-6 s for the notes' model, docs/failures.md) and short enough that the line comes within 15 s.
+HANG_AFTER_S = 10.0
+# ... and at least this many median steps: a step's tail on a shared machine stays within 3x its median
+# (docs/stragglers.md), so 5x is no straggler, and a 30 s step waits 150 s before its line.
+STEPS_K = 5.0
+POLL_S = 0.5  # how often the thread looks at its rank's clock
+# Stopped this long, a rank publishes its state and compares: a certain divergence is known without waiting for
+# the line (well above a healthy step's wait in a collective on 2 CPU ranks: a few ms, docs/stragglers.md).
+COMPARE_AFTER_S = 3.0
+PUBLISH_EVERY_S = 2.0  # while stopped: the state (a Flight Recorder read, a stack) at most this often
+GRACE_S = 2.0  # after publishing, for the other ranks' states (they stopped within a step of each other)
+KEY = "lit_ddp/watch/"  # + rank: that rank's state, as JSON
+ENDED_KEY = "lit_ddp/watch/ended"  # the line a rank ended the job with: the ranks at exit stop waiting
+ENDING_S = 0.3  # from that key to the exit: the ranks at exit see it (they poll every 50 ms)
+SPEAKER_WAIT_S = 3.0  # a rank that found the ending waits this long for the lowest rank to say it
+STACK_FRAMES = 8  # of the main thread's stack, innermost last, in a rank's state
+WORKER_SIGNAL = signal.SIGUSR2  # a DataLoader worker writes its stack on it (faulthandler, inherited at fork)
+FIX_SOME_RANKS = ("a collective called by some ranks only: rank_zero_only for work, never for collectives; "
+                  "the same sync_dist keys on every rank")  # fmt: skip
+
+
+class Watchdog:
+    """One per process (``start``); the thread is a daemon, and does nothing until its rank stops moving.
+
+    Args:
+        rank, world_size: this process's place in the job.
+        hang_after_s: the least time without progress before the rank's state is published.
+        steps_k: ... and at least this many median steps.
+        clock: ``time.monotonic``; tests give a fake.
+    """
+
+    def __init__(self, rank: int, world_size: int, hang_after_s: float = HANG_AFTER_S, steps_k: float = STEPS_K,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        if not hang_after_s > 0 or not steps_k > 0:
+            raise ValueError(f"`Watchdog(hang_after_s={hang_after_s!r}, steps_k={steps_k!r})` must be > 0")
+        self.rank, self.world_size = rank, world_size
+        self.hang_after_s, self.steps_k, self._clock = hang_after_s, steps_k, clock
+        self.record: Optional[CollectiveRecord] = None  # the CollectiveRecorder's, for the step and phase
+        self._step: Optional[int] = None
+        self._times: deque[float] = deque(maxlen=64)  # step boundaries
+        self.alive_at = clock()  # the last progress that is not a step boundary
+        self.left = False  # this process is past its script (at exit)
+        self.store: Optional[Any] = None  # the rendezvous store, once there is one
+        self._since: Optional[float] = None  # the stop being reported: its last progress
+        self._published_at = self._first_published_at = 0.0
+        self._next_line = 0.0  # the wait's length at which the next line is due
+        self._printed = False
+        self.lines: list[str] = []  # what this rank printed (tests read it)
+        self.ended: Optional[str] = None  # the line the job ended with
+        self._thread: Optional[threading.Thread] = None
+        self._worker_file: Optional[Any] = None
+
+    # -- on the training thread: one clock read per step, nothing else --
+    def beat(self, step: int) -> None:
+        """A step boundary (called at several hooks of a step; the first of each step counts)."""
+        if step != self._step:
+            self._step = step
+            self._times.append(self._clock())
+
+    def alive(self) -> None:
+        """Progress that is no step boundary: a validation batch, the start of training."""
+        self.alive_at = self._clock()
+
+    # -- the timing logic --
+    def last_progress(self) -> float:
+        return max(self._times[-1], self.alive_at) if self._times else self.alive_at
+
+    def limit_s(self) -> float:
+        """``max(hang_after_s, steps_k x the median step)``; the median of the steps this rank timed (the first
+        left out: it holds the start's one-off work)."""
+        steps = [b - a for a, b in itertools.pairwise(list(self._times)[1:])]
+        return max(self.hang_after_s, self.steps_k * statistics.median(steps)) if steps else self.hang_after_s
+
+    def due(self, now: float) -> str:
+        """What the thread does at ``now``: ``""`` (nothing), ``"moved"`` (a published stop ended), ``"publish"``
+        (stopped ``COMPARE_AFTER_S``: publish and compare, at most every ``PUBLISH_EVERY_S``), ``"line"``
+        (stopped past ``limit_s``: publish, compare and print the waiting line; then each time the wait doubled)."""
+        last = self.last_progress()
+        stopped = now - last
+        if stopped < COMPARE_AFTER_S or (self._since is not None and self._since != last):
+            return "moved" if self._since is not None else ""
+        if self._since is None:  # a new stop
+            self._since, self._published_at, self._next_line, self._printed = last, -PUBLISH_EVERY_S, 0.0, False
+            self._first_published_at = now
+        if stopped >= max(self.limit_s(), self._next_line) and now - self._first_published_at >= GRACE_S:
+            self._next_line = 2 * stopped  # growing intervals: 10, 20, 40, 80 s ...
+            self._published_at = now
+            return "line"
+        if now - self._published_at >= PUBLISH_EVERY_S:
+            self._published_at = now
+            return "publish"
+        return ""
+
+    # -- the thread --
+    def start(self) -> None:
+        if self._thread is None:
+            self._prepare_workers()
+            self._thread = threading.Thread(target=self._run, name="lit_ddp-watchdog", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(POLL_S)
+            try:
+                self.tick(self._clock())
+            except Exception:  # the store is gone (a peer ended the job), or the interpreter is exiting
+                if self.store is not None and self._since is not None:
+                    return
+
+    def tick(self, now: float) -> None:
+        if self.store is None:
+            self.store = _torch.default_store()
+            if self.store is None:
+                return
+        action = self.due(now) if not self.left else ""  # a rank that left published once, in leave()
+        if action == "moved":
+            stopped = now - self._since if self._since is not None else 0.0
+            self._since = None
+            self.store.delete_key(f"{KEY}{self.rank}")
+            if self._printed:
+                self._say(f"moved on after {stopped:.0f} s")
+            return
+        if not action and self._since is None and not self.left:
+            return
+        if action:
+            self.publish(now - (self._since if self._since is not None else now))
+        states = self.states()  # every tick while stopped: a peer's new state is compared as soon as it is there
+        ending = certain(states)
+        if ending is not None:
+            return self.end(ending, speak=min(states) == self.rank)
+        if action == "line" and min(states) == self.rank:
+            self._printed = True
+            self._say(waiting_line(states, self.world_size))
+
+    def publish(self, stopped_s: float) -> None:
+        self.store.set(f"{KEY}{self.rank}", json.dumps(self.state(stopped_s)))
+
+    def leave(self) -> None:
+        """At exit: this rank is past its script; said at once, so that a peer waiting in a collective it will
+        never call learns it."""
+        if self._printed and self._since is not None and self.last_progress() != self._since:
+            self._say(f"moved on after {self.last_progress() - self._since:.0f} s")  # before the next tick came
+        self._since = None
+        self.left = True
+        self.store = self.store or _torch.default_store()
+        if self.store is not None and self.world_size > 1:
+            with contextlib.suppress(Exception):  # the store's host has gone
+                self.publish(0.0)
+
+    def states(self) -> dict[int, dict[str, Any]]:
+        keys = {r: f"{KEY}{r}" for r in range(self.world_size)}
+        return {r: json.loads(self.store.get(k)) for r, k in keys.items() if self.store.check([k])}
+
+    def state(self, stopped_s: float) -> dict[str, Any]:
+        """This rank's state, now: the main thread's stack, its user's line, the collective it waits in."""
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        stack = traceback.extract_stack(frame) if frame is not None else traceback.StackSummary()
+        frames = [Frame(f.filename, f.lineno or 0, f.name, f.line or "") for f in stack]
+        where = user_frame(frames)
+        record = self.record or CollectiveRecord()
+        kind = "left" if self.left else "collective" if in_collective(frames) else "busy"
+        report = record.report(self.rank, kind, "", where)
+        if kind == "collective" and report.collectives and report.collectives[-1].bucket is None and where:
+            report.collectives[-1].where = where  # the live stack's line: it waits there now
+        return {
+            "rank": self.rank,
+            "stopped_s": stopped_s,
+            "report": report.as_json(),
+            "worker": self.worker(frame),
+            "stack": [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames[-STACK_FRAMES:]],
+        }
+
+    def _say(self, text: str) -> None:
+        line = f"{prog()}: {text}"
+        self.lines.append(line)
+        print(line, file=sys.stderr, flush=True)
+
+    def end(self, line: str, speak: bool = True) -> None:
+        """Ends this rank at once with ``line`` (a certain divergence): said (``speak``: the lowest rank that
+        published; the others wait until it has, or say it themselves after ``SPEAKER_WAIT_S``), left for a
+        launching parent, the rank's own child processes (its DataLoader workers) ended first."""
+        self.ended = line
+        hangs.FAILING.set()  # a SIGTERM from here on finds a rank that is ending, not hung
+        if not speak:
+            deadline = time.monotonic() + SPEAKER_WAIT_S
+            with contextlib.suppress(Exception):  # the speaker's store is gone: it has said it and ended
+                while not self.store.check([ENDED_KEY]) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                if self.store.check([ENDED_KEY]):
+                    return _exit()
+        self._say(line)
+        with contextlib.suppress(Exception):  # the ranks at exit stop waiting for this one before its store goes
+            self.store.set(ENDED_KEY, line)
+            time.sleep(ENDING_S)
+        launcher = os.environ.get("LIT_DDP_LAUNCHER_PID")
+        if launcher and int(launcher) != os.getpid():
+            with open(ended_file(int(launcher)), "w") as file:
+                file.write(line)
+        _exit()
+
+    # -- DataLoader workers --
+    def _prepare_workers(self) -> None:
+        """A worker forked from this rank inherits faulthandler's handler: on ``WORKER_SIGNAL`` it writes its
+        stack into this rank's file, whatever it is stuck in; and it dies with this rank (Linux)."""
+        if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
+            return
+        self._worker_file = tempfile.TemporaryFile("w+")
+        faulthandler.register(WORKER_SIGNAL, file=self._worker_file, all_threads=False)
+        os.register_at_fork(after_in_child=_die_with_parent)
+
+    def worker(self, frame) -> str:
+        """``DataLoader worker 0 (pid 123) at data.py:20 __getitem__: time.sleep(3600)``, where the main thread
+        waits for a batch from a worker process; ``""`` otherwise."""
+        while frame is not None:
+            waits = _torch.loader_waits_for(frame.f_locals.get("self"))
+            if waits is not None:
+                worker_id, pid = waits
+                return f"DataLoader worker {worker_id} (pid {pid}){self._worker_line(pid)}"
+            frame = frame.f_back
+        return ""
+
+    def _worker_line(self, pid: int) -> str:
+        if self._worker_file is None:
+            return ""
+        self._worker_file.seek(0)
+        self._worker_file.truncate()
+        os.kill(pid, WORKER_SIGNAL)
+        time.sleep(0.2)
+        self._worker_file.seek(0)
+        frames = [Frame(path, int(line), name) for path, line, name in _faulthandler_frames(self._worker_file.read())]
+        where = user_frame(frames[::-1])  # faulthandler lists the innermost first
+        return f" at {where}" if where else ""
+
+
+def _faulthandler_frames(text: str) -> list[tuple[str, str, str]]:
+    """``  File "x.py", line 20 in __getitem__`` lines, as (path, line, name)."""
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith('File "') and " line " in line and " in " in line:
+            path, _, rest = line[6:].partition('", line ')
+            number, _, name = rest.partition(" in ")
+            out.append((path, number.strip(), name.strip()))
+    return out
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _exit() -> None:
+    for child in multiprocessing.active_children():  # its DataLoader workers, which may be stuck themselves
+        child.kill()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_FAILED)
+
+
+def ended_file(launcher_pid: int) -> str:
+    """Where a rank that ended the job leaves its line for the launcher that started it."""
+    return os.path.join(tempfile.gettempdir(), f"lit_ddp-ended-{launcher_pid}")
+
+
+def in_collective(frames: list[Frame]) -> bool:
+    """The main thread waits in a collective: its innermost frames are torch.distributed's, or DDP's backward
+    (its gradient all-reduce), or a ``.wait()`` on a collective's work."""
+    for frame in reversed(frames):
+        path = frame.filename.replace(os.sep, "/")
+        if "/torch/distributed/" in path or path.endswith("/torch/autograd/graph.py"):
+            return True
+        if ".wait()" in (frame.line or ""):
+            return True
+        if not os.path.abspath(frame.filename).startswith(LIBRARIES):
+            return False  # the user's own frame: whatever it calls below is not torch.distributed's
+    return False
+
+
+def _report(state: dict[str, Any]) -> RankReport:
+    return RankReport.from_json(state["report"])
+
+
+def certain(states: dict[int, dict[str, Any]]) -> Optional[str]:
+    """The line that ends the job, where the states show that waiting cannot help: two ranks' N-th collectives
+    differ (``lit_ddp.analysis.divergence``), or a rank waits in a collective and another has left; else None."""
+    reports = {r: _report(s) for r, s in states.items()}
+    found = divergences(reports, max(reports, default=0) + 1)
+    if found and " diverged: " in found[0]:
+        return f"{found[0]}{_out_of_step(reports, found[0])} -> {FIX_SOME_RANKS}"
+    left = sorted(r for r, rep in reports.items() if rep.kind == "left")
+    waiting = sorted(r for r, rep in reports.items() if rep.kind == "collective")
+    # A rank that left had called only up to its last collective: one waiting in a later one waits for nothing.
+    last_call = {r: max((c.seq for c in reports[r].collectives), default=0) for r in left}
+    waiting = [
+        r
+        for r in waiting
+        if reports[r].collectives and reports[r].collectives[-1].seq > min(last_call.values(), default=0)
+    ]
+    if left and waiting:
+        return (f"{'; '.join(_doing(states[r]) for r in waiting)}; {_ranks(left)} left (past the end of the "
+                f"script) and will never call it -> {FIX_SOME_RANKS}")  # fmt: skip
+    return None
+
+
+def _out_of_step(reports: dict[int, RankReport], line: str) -> str:
+    """Where the ranks went out of step before the divergence ``line`` names: the last earlier collective that
+    every rank called alike but from different lines (a user's barrier on rank 0 meets Lightning's on rank 1, and
+    the next one differs), as ``; out of step since #4, barrier: rank 0 called it at ..., rank 1 at ...``."""
+    seq = int(line.split("#", 1)[1].split(" ", 1)[0])
+    calls = [{c.seq: c for c in rep.collectives} for rep in reports.values()]
+    for earlier in range(seq - 1, 0, -1):
+        same = [by_seq.get(earlier) for by_seq in calls]
+        if any(c is None for c in same):
+            return ""
+        if len({c.where for c in same}) > 1 and all(c.same_call(same[0]) for c in same):
+            places = ", ".join(f"rank {r} at {c.where or 'a line of Lightning or torch'}"
+                               for r, c in zip(reports, same, strict=True))  # fmt: skip
+            return f"; out of step since #{earlier}, {same[0].call()}: {places}"
+    return ""
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _doing(state: dict[str, Any]) -> str:
+    """What one rank is doing: ``rank 1 waits in all_reduce #24 Float[9] (DDP gradient bucket 0) at step 3,
+    backward`` or ``rank 0 has been at script.py:35 training_step: time.sleep(60) for 12 s, outside any
+    collective``."""
+    rep = _report(state)
+    at = f" (step {rep.step}, {rep.phase})" if rep.step is not None else ""
+    if rep.kind == "left":
+        return f"rank {rep.rank} has left (past the end of its script)"
+    if rep.kind == "collective" and rep.collectives:
+        last = rep.collectives[-1]
+        where = last.where or (rep.where if last.bucket is None else "")
+        step = f" at step {last.step}, {last.phase}" if last.step is not None else f" {last.phase}".rstrip()
+        call = f"{last.op} #{last.seq} {last.call().removeprefix(last.op).strip()}".rstrip()
+        return f"rank {rep.rank} waits in {call}{step}" + (f" ({where})" if where else "")
+    if state.get("worker"):
+        return f"rank {rep.rank} waits for its {state['worker']}, {state['stopped_s']:.0f} s{at}"
+    where = f"at {rep.where}" if rep.where else "in " + (state["stack"][-1] if state["stack"] else "no frame")
+    return f"rank {rep.rank} has been {where} for {state['stopped_s']:.0f} s{at}, outside any collective"
+
+
+def waiting_line(states: dict[int, dict[str, Any]], world_size: int) -> str:
+    """``waiting 12 s: rank 0 has been at ...; rank 1 waits in all_reduce #24 ...; rank 2 sent no state``."""
+    stopped = max((s["stopped_s"] for s in states.values()), default=0.0)
+    # The ranks outside any collective first: the others wait for them.
+    order = sorted(states, key=lambda r: (_report(states[r]).kind == "collective", r))
+    parts = [_doing(states[r]) for r in order]
+    silent = [r for r in range(world_size) if r not in states]
+    if silent:
+        parts.append(f"{_ranks(silent)} sent no state (still moving, dead, or stuck holding the GIL)")
+    return f"waiting {stopped:.0f} s: " + "; ".join(parts) + _fix(states, silent)
+
+
+def _fix(states: dict[int, dict[str, Any]], silent: list[int]) -> str:
+    """The likely cause's fix, in one line, from what the ranks do."""
+    kinds = {_report(s).kind for s in states.values()}
+    if any(s.get("worker") for s in states.values()):
+        return (" -> a DataLoader worker that does not return (its line above): the job ends at the process "
+                "group's timeout, the workers with it")  # fmt: skip
+    if "busy" in kinds and "collective" in kinds:
+        return (" -> the others wait for it: work (a checkpoint, an evaluation) ends and the job goes on; work "
+                "longer than the process group's timeout: raise timeout_s; a hang ends at that timeout")  # fmt: skip
+    if silent and kinds == {"collective"}:
+        return (f" -> {_ranks(silent)} sent nothing: a dead rank, one stuck in C code holding the GIL, or one "
+                "cut off from rank 0's node (a partition): its log and its node")  # fmt: skip
+    return ""
+
+
+_WATCHDOG: Optional[Watchdog] = None
+
+
+def start(rank: int, world_size: int) -> Watchdog:
+    """This process's watchdog, started on the first call (later calls return it, ``world_size`` updated)."""
+    global _WATCHDOG
+    if _WATCHDOG is None:
+        _WATCHDOG = Watchdog(rank, world_size)
+    _WATCHDOG.rank, _WATCHDOG.world_size = rank, world_size
+    if world_size > 1:
+        _WATCHDOG.start()
+    return _WATCHDOG
+
+
+def current() -> Optional[Watchdog]:
+    return _WATCHDOG
+
+
+def beat(step: int) -> None:
+    """``Watchdog.beat`` of this process's watchdog, if it has one."""
+    if _WATCHDOG is not None:
+        _WATCHDOG.beat(step)
+
+
+def alive() -> None:
+    if _WATCHDOG is not None:
+        _WATCHDOG.alive()

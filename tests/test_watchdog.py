@@ -1,0 +1,206 @@
+"""The watchdog's timing, on a patched clock, and what it says from the ranks' states (``lit_ddp.run.watchdog``);
+the real 2-rank runs are in tests/test_hangs.py (``hung_runs``)."""
+
+import itertools
+import json
+
+import pytest
+
+from lit_ddp.analysis.divergence import Collective, RankReport
+from lit_ddp.run import watchdog
+from lit_ddp.run.watchdog import COMPARE_AFTER_S, GRACE_S, Watchdog, certain, in_collective, waiting_line
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def stepped(times: list[float], **kwargs) -> tuple[Watchdog, Clock]:
+    clock = Clock()
+    dog = Watchdog(0, 2, clock=clock, **kwargs)
+    for step, t in enumerate(times):
+        clock.now = t
+        dog.beat(step)
+    return dog, clock
+
+
+def test_a_step_counts_once_however_many_hooks_beat_it():
+    dog, clock = stepped([0.0, 1.0, 2.0])
+    clock.now = 2.5
+    dog.beat(2)  # the same step again (the strategy's and the recorder's beats): not a boundary
+    assert dog.last_progress() == 2.0
+    dog.alive()  # a validation batch: progress, no step
+    assert dog.last_progress() == 2.5
+
+
+def test_it_waits_the_longer_of_hang_after_s_and_k_median_steps():
+    assert stepped([0.0, 1.0, 2.0, 3.0])[0].limit_s() == 10.0  # 1 s steps: hang_after_s
+    slow, _ = stepped([0.0, 100.0, 130.0, 160.0, 190.0])  # the first step (100 s: the start's work) is left out
+    assert slow.limit_s() == 150.0
+    assert stepped([0.0, 1.0], hang_after_s=4.0)[0].limit_s() == 4.0  # no step timed yet
+    with pytest.raises(ValueError, match=r"Watchdog\(hang_after_s=0"):
+        Watchdog(0, 2, hang_after_s=0)
+
+
+def test_it_compares_soon_prints_after_the_limit_and_again_when_the_wait_doubled():
+    dog, clock = stepped([0.0, 1.0, 2.0, 3.0])  # last progress at 3
+    seen = {}
+    for tenth in range(31, 260):
+        clock.now = tenth / 10
+        action = dog.due(clock.now)
+        if action:
+            seen[round(clock.now - 3.0, 1)] = action
+    assert min(seen) == COMPARE_AFTER_S and seen[COMPARE_AFTER_S] == "publish"  # a divergence is known this soon
+    assert [t for t, a in seen.items() if a == "line"] == [10.0, 20.0]  # then 40, 80, ...: growing intervals
+    publishes = sorted(t for t, a in seen.items() if a == "publish")
+    assert all(b - a >= 2.0 - 1e-9 for a, b in itertools.pairwise(publishes))  # the state at most every 2 s
+    clock.now = 30.0
+    dog.beat(4)  # it moves
+    assert dog.due(30.5) == "moved"
+    dog._since = None  # (tick clears it)
+    assert dog.due(31.0) == ""
+
+
+def test_the_first_line_waits_for_the_others_states():
+    dog, clock = stepped([0.0], hang_after_s=COMPARE_AFTER_S)  # the limit is when it first publishes
+    assert dog.due(COMPARE_AFTER_S) == "publish"
+    assert dog.due(COMPARE_AFTER_S + GRACE_S - 0.1) == ""
+    assert dog.due(COMPARE_AFTER_S + GRACE_S) == "line"
+
+
+def state(rank: int, kind: str, collectives: list[Collective], where: str = "", stopped_s: float = 12.0,
+          worker: str = "", step: int = 3, phase: str = "training_step") -> dict:  # fmt: skip
+    report = RankReport(rank, 0.0, kind, "", where, step, phase, collectives)
+    return {"rank": rank, "stopped_s": stopped_s, "report": report.as_json(), "worker": worker, "stack": ["x.py:1 f"]}
+
+
+def bucket(seq: int) -> Collective:
+    return Collective(seq, "all_reduce", [[9]], "Float", 3, "backward", 0)
+
+
+def test_a_rank_outside_any_collective_is_named_first_with_its_line_and_the_others_collective():
+    states = {0: state(0, "collective", [bucket(23), bucket(24)]),
+              1: state(1, "busy", [bucket(23)], "script.py:35 training_step: time.sleep(60)")}  # fmt: skip
+    assert certain(states) is None  # rank 1 may still come
+    line = waiting_line(states, 3)
+    assert line.startswith(
+        "waiting 12 s: rank 1 has been at script.py:35 training_step: time.sleep(60) for 12 s (step 3, training_step), "
+        "outside any collective; rank 0 waits in all_reduce #24 Float[9] (DDP gradient bucket 0) at step 3, backward; "
+        "rank 2 sent no state"
+    ), line
+    assert "raise timeout_s" in line and "hung" not in line
+
+
+def test_a_rank_waiting_on_its_data_worker_names_the_worker():
+    worker = "DataLoader worker 1 (pid 42) at data.py:20 __getitem__: time.sleep(3600)"
+    states = {1: state(1, "busy", [], "script.py:50 <module>: trainer.fit(model)", worker=worker)}
+    assert waiting_line(states, 2) == (
+        f"waiting 12 s: rank 1 waits for its {worker}, 12 s (step 3, training_step); rank 0 sent no state (still "
+        "moving, dead, or stuck holding the GIL) -> a DataLoader worker that does not return (its line above): the "
+        "job ends at the process group's timeout, the workers with it"
+    )
+
+
+def test_two_ranks_nth_collectives_that_differ_end_the_job():
+    barrier = Collective(24, "barrier", [[]], "", 3, "training_step", None, "s.py:9 training_step: self.log(...)")
+    states = {0: state(0, "collective", [bucket(23), bucket(24)]), 1: state(1, "collective", [bucket(23), barrier])}
+    line = certain(states)
+    assert line.startswith("collective #24 diverged: rank 0 called all_reduce Float[9]") and "rank_zero_only" in line
+    late = {0: state(0, "collective", [bucket(23), bucket(24)]), 1: state(1, "busy", [bucket(23)])}
+    assert certain(late) is None  # behind is not diverged
+
+
+def test_a_divergence_names_where_the_ranks_went_out_of_step_before_it():
+    """Rank 0's own barrier in setup met Lightning's on rank 1 (#4, alike); the next differs (#5)."""
+    mine = Collective(4, "barrier", [[]], "", None, "before training", None, "s.py:7 setup: dist.barrier()")
+    lightnings = Collective(4, "barrier", [[]], "", None, "before training")
+    gather = Collective(5, "all_gather", [[1]], "Long", None, "before training")
+    states = {0: state(0, "collective", [mine, Collective(5, "barrier", [[]], "", None, "before training")]),
+              1: state(1, "collective", [lightnings, gather])}  # fmt: skip
+    line = certain(states)
+    assert "collective #5 diverged: " in line
+    assert "; out of step since #4, barrier: rank 0 at s.py:7 setup: dist.barrier(), rank 1 at a line of " in line
+    alike = {0: state(0, "collective", [lightnings, bucket(5)]), 1: state(1, "collective", [lightnings, gather])}
+    assert "out of step" not in certain(alike)
+
+
+def test_a_collective_that_a_rank_which_left_never_called_ends_the_job_and_one_it_called_does_not():
+    broadcast = Collective(31, "broadcast", [[1]], "Long", 4, "the end of training", None, "s.py:13 <module>: x")
+    left = state(1, "left", [bucket(30)], stopped_s=0.0)
+    line = certain({0: state(0, "collective", [bucket(30), broadcast]), 1: left})
+    assert line.startswith("rank 0 waits in broadcast #31 Long[1] at step 4, the end of training (s.py:13 <module>: "
+                           "x); rank 1 left (past the end of the script) and will never call it -> ")  # fmt: skip
+    assert certain({0: state(0, "collective", [bucket(30)]), 1: left}) is None  # #30: rank 1 called it; it completes
+
+
+class Store:
+    """The rendezvous store's calls the watchdog makes, in a dict."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, str] = {}
+
+    def set(self, key, value):
+        self.data[key] = value
+
+    def get(self, key):
+        return self.data[key].encode()
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def delete_key(self, key):
+        return self.data.pop(key, None) is not None
+
+
+def test_the_lowest_rank_that_published_speaks_and_a_certain_divergence_ends_every_rank(monkeypatch, capsys):
+    store, ended = Store(), []
+    monkeypatch.setattr(watchdog, "_exit", lambda: ended.append(True))
+    monkeypatch.setattr(watchdog.time, "sleep", lambda s: None)
+    dogs = []
+    for rank, collectives in ((0, [bucket(23), bucket(24)]), (1, [bucket(23)])):
+        dog, clock = stepped([0.0, 1.0])
+        dog.rank, dog.store = rank, store
+        dog.state = lambda s, rank=rank, collectives=collectives: state(
+            rank, "collective" if rank == 0 else "busy", collectives, "u.py:3 f: g()", stopped_s=s
+        )
+        dogs.append((dog, clock))
+    for t in (1.0 + COMPARE_AFTER_S, 1.0 + 10.0, 1.0 + 20.0):
+        for dog, clock in reversed(dogs):  # rank 1 first: rank 0 still speaks
+            clock.now = t
+            dog.tick(t)
+    said = capsys.readouterr().err.splitlines()
+    assert [line[:22] for line in said] == ["lit_ddp: waiting 10 s:", "lit_ddp: waiting 20 s:"]
+    assert dogs[0][0].lines == said and dogs[1][0].lines == [] and not ended
+    barrier = Collective(24, "barrier", [[]], "", 3, "training_step")
+    dogs[1][0].state = lambda s: state(1, "collective", [bucket(23), barrier], stopped_s=s)
+    monkeypatch.setattr(watchdog, "SPEAKER_WAIT_S", 0.2)
+    dogs[1][0].tick(23.0)  # rank 1 finds it first: rank 0 has not said it, so rank 1 does, after waiting
+    assert ended == [True] and dogs[1][0].ended.startswith("collective #24 diverged")
+    assert capsys.readouterr().err == f"lit_ddp: {dogs[1][0].ended}\n"
+    del store.data[watchdog.ENDED_KEY]
+    dogs[0][1].now = 23.0
+    dogs[0][0].tick(23.0)  # rank 0, the lowest, says it and leaves the word for the others
+    assert ended == [True, True] and capsys.readouterr().err == f"lit_ddp: {dogs[1][0].ended}\n"
+    assert store.data[watchdog.ENDED_KEY] == dogs[1][0].ended  # the ranks at exit stop waiting
+    dogs[1][0].tick(23.5)
+    assert ended == [True, True, True] and capsys.readouterr().err == ""  # said already: rank 1 ends without a word
+    dog, clock = dogs[0]
+    dog.beat(2)
+    dog.tick(24.0)
+    assert json.loads(store.data[f"{watchdog.KEY}1"])["rank"] == 1 and f"{watchdog.KEY}0" not in store.data
+    assert capsys.readouterr().err == "lit_ddp: moved on after 23 s\n"  # (ended is mocked: it went on)
+
+
+def test_in_a_collective_is_read_from_the_main_threads_stack():
+    from lit_ddp.analysis.flight_recorder import Frame
+
+    torch_dist = "/x/site-packages/torch/distributed/distributed_c10d.py"
+    user = Frame("/home/u/train.py", 9, "training_step", "dist.barrier()")
+    assert in_collective([user, Frame(torch_dist, 1, "barrier", "work.wait()")])
+    assert not in_collective([user])
+    assert not in_collective([Frame(torch_dist, 1, "barrier"), user])  # the user's frame is innermost
+    assert in_collective([user, Frame("/x/site-packages/torch/autograd/graph.py", 9, "_engine_run_backward")])

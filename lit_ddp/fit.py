@@ -26,6 +26,7 @@ import lit_ddp
 from lit_ddp.callbacks import DeviceMap, LossMonitor, RunSummary, StepSync, SyncCheck
 from lit_ddp.errors import Ending, UsageError
 from lit_ddp.lab.data import FixedBatchDataModule
+from lit_ddp.present.end_of_fit import DETAIL_ENV
 from lit_ddp.run import arguments, console, lifecycle
 from lit_ddp.run.arguments import TRAINER_DEFAULTS, names_class, one_line
 from lit_ddp.run.checkpointing import LastCheckpoint, checkpoint_dir, resume_path
@@ -60,6 +61,13 @@ class LitDDPCLI(LightningCLI):
         parser.add_lightning_class_args(StepSync, "step_sync")
         parser.add_lightning_class_args(LastCheckpoint, "checkpoint")
         parser.add_lightning_class_args(RunSummary, "run_summary")
+        parser.add_argument(
+            "--detail",
+            action="store_true",
+            help="The end of fit prints every line, those that do not change the answer too (the ring formula, the "
+            "bucket_cap note, the memory legend, the roofline's empty peak column); python -m lit_ddp.report RUN "
+            "--detail does the same later.",
+        )
         parser.add_argument(
             "--ckpt_path",
             type=Optional[str],
@@ -135,6 +143,8 @@ def cli_main(args: Optional[list[str]] = None) -> Ending:
     if os.getcwd() not in sys.path and "" not in sys.path:  # the console script: --model my_module.MyModel from here
         sys.path.insert(0, os.getcwd())
     cli = build_cli(sys.argv[1:] if args is None else list(args), claim_log_version=True)
+    if cli.config.detail:  # for rank 0's EndOfFit, in this process or the ranks it starts
+        os.environ[DETAIL_ENV] = "1"
     hparams = {**cli.model.hparams, **cli.datamodule.hparams}
     for callback in cli.trainer.callbacks:
         if isinstance(callback, RunSummary):

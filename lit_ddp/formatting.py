@@ -31,6 +31,16 @@ def fmt_ms(value: float) -> str:
     return f"{value:.2f} ms" if round(value, 2) < 1000 else f"{value / 1000:.2f} s"
 
 
+def fmt_rate(per_s: float) -> str:
+    """A rate per second (samples/s): ``3,368/s``, ``12.5/s``."""
+    return f"{per_s:,.0f}/s" if per_s >= 100 else f"{per_s:.1f}/s"
+
+
+def fmt_us(us: float) -> str:
+    """Microseconds (a time per sample), or as ``fmt_ms`` from 1000 µs on: ``296.88 µs``, ``1.20 ms``."""
+    return f"{us:.2f} µs" if round(us, 2) < 1000 else fmt_ms(us / 1e3)
+
+
 def fmt_bandwidth(gb_per_s: float) -> str:
     """A bandwidth given in GB/s (1e9 bytes/s), with the prefix its magnitude calls for as ``fmt_si`` chooses it,
     to three significant figures: ``82.0 kB/s``, ``25.3 MB/s``, ``514 MB/s``, ``1.23 GB/s``; ``-`` when it is not

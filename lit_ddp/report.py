@@ -25,9 +25,8 @@ from lit_ddp.analysis.run_analysis import RunAnalysis, analyze
 from lit_ddp.errors import ForecastError, RecordError, UsageParser
 from lit_ddp.formatting import oom_line
 from lit_ddp.present import plots
-from lit_ddp.present.comm import comm_table
 from lit_ddp.present.compare import compare_dirs
-from lit_ddp.present.phases import phase_table
+from lit_ddp.present.end_of_fit import tables
 from lit_ddp.records.schema import load_oom, load_run, no_record
 from lit_ddp.scaling.model import Measured
 
@@ -38,6 +37,8 @@ def parser() -> UsageParser:
     parser.add_argument("run_dirs", type=Path, nargs="*", metavar="run_dir",
                         help="a run's log directory (phases.json / comm.json); several with --compare")  # fmt: skip
     parser.add_argument("--no-plot", action="store_true", help="tables only")
+    parser.add_argument("--detail", action="store_true", help="every line of the tables, those that do not change "
+                        "the answer too (the ring formula, the bucket_cap note, the memory legend, ...)")  # fmt: skip
     parser.add_argument("--compare", type=Path, nargs="+", metavar="RUN_B", help="this run (or --trace) against "
                         "another's, row by row, beyond the noise; several runs of each side allow for the variation "
                         "between runs")  # fmt: skip
@@ -126,10 +127,8 @@ def _run(command: UsageParser, args: argparse.Namespace) -> int:
     analysis = analyze(phases, comm)
     code = 0
     if not args.forecast:  # the forecast prints its own lines only: the tables are a plain report's
-        if phases is not None:
-            print(phase_table(analysis))
-        if comm is not None:
-            print(comm_table(analysis))
+        for text in tables(analysis, detail=args.detail):
+            print(text)
         if phases is not None and not args.no_plot:
             code = plots.write(lambda: plots.phases_figure(analysis), args.run_dir / "phases.png")
     if args.forecast:

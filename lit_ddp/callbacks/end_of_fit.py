@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from lit_ddp._lightning import LeanCallback
 from lit_ddp.callbacks.shared import say
-from lit_ddp.present.end_of_fit import render
+from lit_ddp.present.end_of_fit import detail_asked, render
 from lit_ddp.records.schema import CommRecord, PhaseRecord
 from lit_ddp.run import console
 
@@ -50,7 +50,7 @@ class EndOfFit(LeanCallback):
         phases = next((k.record for k in keepers if isinstance(k.record, PhaseRecord)), None)
         comm = next((k.record for k in keepers if isinstance(k.record, CommRecord)), None)
         written = [(Path(k.log_dir) / k.filename, k.record) for k in keepers if k.log_dir is not None]
-        for text in render(phases, comm, written, console.advice(trainer)):
+        for text in render(phases, comm, written, console.advice(trainer), detail_asked()):
             say(trainer, text)
 
 

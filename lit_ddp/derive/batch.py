@@ -12,7 +12,6 @@ import statistics
 from collections.abc import Sequence
 from typing import Optional
 
-from lit_ddp.formatting import fmt_ms
 from lit_ddp.records.schema import CommRecord, PhaseRecord
 
 Run = tuple[Optional[PhaseRecord], Optional[CommRecord]]
@@ -72,10 +71,3 @@ def read(
         else:
             out[name] = (unit, values)
     return out, spread
-
-
-def fmt(value: float, unit: str) -> str:
-    """A samples/s or per-sample figure as the comparison prints it: ``3,368/s``, ``296.88 µs``."""
-    if unit == THROUGHPUT:
-        return f"{value:,.0f}/s" if value >= 100 else f"{value:.1f}/s"
-    return f"{value:.2f} µs" if round(value, 2) < 1000 else fmt_ms(value / 1e3)

@@ -13,12 +13,13 @@ from lit_ddp.derive import stragglers
 from lit_ddp.derive.summaries import comm_summary
 from lit_ddp.formatting import CLI, Advice, fmt_bandwidth, fmt_ms, table
 from lit_ddp.maths.bus_factors import allreduce_bus_factor
+from lit_ddp.present.bound import cpu_bound
 from lit_ddp.present.memory import ddp_memory_lines
 from lit_ddp.present.phases import DEFAULT_PRECISION
 from lit_ddp.records.schema import CommRecord
 
 
-def comm_table(analysis: RunAnalysis, advice: Advice = CLI) -> str:
+def comm_table(analysis: RunAnalysis, advice: Advice = CLI, detail: bool = True) -> str:
     """Per bucket: bytes, all-reduce time, algbw and busbw (nccl-tests definitions); per step: totals; on
     several ranks, the straggler verdict (``lit_ddp.derive.stragglers``), with the phase record naming its slow phase;
     the knobs phrased for where the table is read (``advice``).
@@ -27,6 +28,9 @@ def comm_table(analysis: RunAnalysis, advice: Advice = CLI) -> str:
     steady steps that used it. With several ranks, a bucket's time is its transfer (the shortest duration across
     ranks: the last rank to arrive waits for no one), shown beside the longest wait for the last arrival, so
     that a straggler does not pass for a slow link.
+
+    Without ``detail``, only the lines that change the answer: no ring formula and no bucket_cap note, and the
+    compression what-if only where the all-reduce bounds the step (``lit_ddp.present.bound``).
     """
     record, phases, found = analysis.comm, analysis.phases, analysis.straggler
     n = record.meta.world_size
@@ -50,16 +54,27 @@ def comm_table(analysis: RunAnalysis, advice: Advice = CLI) -> str:
         f"{'all ranks' if found else 'rank 0'}, steady median):\n"
         + table(header, rows)
         + f"\n{len(record.layout)} bucket(s){rebuilt}, {total:,} bytes reduced per step "
-        f"({record.param_bytes:,} bytes of gradients); each rank sends 2(n-1)/n x S = {ring * total:,.0f} bytes "
-        f"in a ring all-reduce.\ncommunication {fmt_ms(busy)} per step, of which {fmt_ms(exposed)} exposed "
+        f"({record.param_bytes:,} bytes of gradients)"
+        + (f"; each rank sends 2(n-1)/n x S = {ring * total:,.0f} bytes in a ring all-reduce" if detail else "")
+        + f".\ncommunication {fmt_ms(busy)} per step, of which {fmt_ms(exposed)} exposed "
         f"(not hidden under backward compute)"
         + _precision_line(record)
         + _accumulation_line(record)
         + _unused_line(record)
-        + (f"\n{ddp_memory_lines(record.ddp_memory, advice)}" if record.ddp_memory else "")
+        + (
+            f"\n{ddp_memory_lines(record.ddp_memory, advice, detail, _comm_bound(analysis))}"
+            if record.ddp_memory
+            else ""
+        )
         # A straggler is the phase table's verdict when there is one; otherwise it is said here.
         + (f"\n{stragglers.verdict_line(found)}" if found and (phases is None or found.rank is None) else "")
     )
+
+
+def _comm_bound(analysis: RunAnalysis) -> bool:
+    """Whether the all-reduce's exposed transfer bounds the step (the verdict's rule)."""
+    bound = cpu_bound(analysis) if analysis.phases is not None and analysis.parts else None
+    return bound is not None and bound.called and bound.first == "exposed"
 
 
 def _precision_line(record: CommRecord) -> str:

@@ -21,7 +21,7 @@ from lit_ddp.derive import batch, noise
 from lit_ddp.derive.row_samples import run_samples, run_spreads, trace_samples
 from lit_ddp.derive.trace import RankAnalysis
 from lit_ddp.errors import RecordError
-from lit_ddp.formatting import fmt_bytes, fmt_ms, table
+from lit_ddp.formatting import fmt_bytes, fmt_ms, fmt_rate, fmt_us, table
 from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, load_run, no_record
 
 CONFIDENCE = 0.95  # for the family of all the rows: the chance that any row is called by noise alone is <= 5%
@@ -101,7 +101,7 @@ def compare(
 
 def _fmt(value: float, unit: str) -> str:
     if unit in (batch.THROUGHPUT, batch.PER_SAMPLE):
-        return batch.fmt(value, unit)
+        return fmt_rate(value) if unit == batch.THROUGHPUT else fmt_us(value)
     return fmt_ms(value) if unit == "ms" else fmt_bytes(value)
 
 

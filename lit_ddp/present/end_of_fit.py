@@ -11,11 +11,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional, Union
 
-from lit_ddp.analysis.run_analysis import analyze
+from lit_ddp.analysis.run_analysis import RunAnalysis, analyze
 from lit_ddp.formatting import CLI, Advice
 from lit_ddp.present.comm import comm_table
+from lit_ddp.present.headline import headline
 from lit_ddp.present.phases import phase_table
 from lit_ddp.records.schema import CommRecord, PhaseRecord, as_json, save
+
+DETAIL_ENV = "LIT_DDP_DETAIL"  # "1": the end of fit prints every line (fit's --detail sets it for its ranks)
 
 
 def render(
@@ -23,25 +26,39 @@ def render(
     comm: Optional[CommRecord],
     written: Sequence[tuple[Path, Union[PhaseRecord, CommRecord]]],
     advice: Advice = CLI,
+    detail: bool = False,
 ) -> list[str]:
     """Analyzes the records once, saves each of ``written`` (its path, its record; ``comm.json`` holds the
-    straggler verdict) and returns the texts to print, the phase table first."""
+    straggler verdict) and returns the texts to print: the headline first, then the tables (every line with
+    ``detail``, else those that apply to the run)."""
     analysis = analyze(phases, comm)
     if comm is not None:
         comm.straggler = as_json(analysis.straggler) if analysis.straggler else None
     for path, record in written:
         save(record, path)
-    texts = []
-    if phases is not None:
-        texts.append(phase_table(analysis))
-    if comm is not None:
-        texts.append(comm_table(analysis, advice))
+    texts = tables(analysis, advice, detail)
     if written:  # where it went, and the command that reads it, ready to paste (a script prints no other path)
         run_dir = shown_path(str(written[0][0].parent))
         files = ", ".join(path.name for path, _ in written)
         command = f"python -m lit_ddp.report {shlex.quote(run_dir)}"
         texts.append(f"Record in {run_dir} ({files}); the tables again: {command}")
     return texts
+
+
+def tables(analysis: RunAnalysis, advice: Advice = CLI, detail: bool = False) -> list[str]:
+    """The headline, the phase table and the all-reduce table, as the end of fit and ``report`` print them."""
+    texts = [line for line in (headline(analysis),) if line is not None]
+    if analysis.phases is not None:
+        texts.append(phase_table(analysis, detail))
+    if analysis.comm is not None:
+        texts.append(comm_table(analysis, advice, detail))
+    return texts
+
+
+def detail_asked() -> bool:
+    """Whether this run asked for every line: ``python -m lit_ddp.fit --detail``, or ``LIT_DDP_DETAIL=1`` in a
+    script's environment."""
+    return os.environ.get(DETAIL_ENV) == "1"
 
 
 def shown_path(path: str) -> str:

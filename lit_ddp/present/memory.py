@@ -69,9 +69,10 @@ def memory_line(record: PhaseRecord) -> str:
     )
 
 
-def ddp_memory_lines(memory: DDPMemory, advice: Advice = CLI) -> str:
+def ddp_memory_lines(memory: DDPMemory, advice: Advice = CLI, detail: bool = True, comm_bound: bool = True) -> str:
     """DDP's own memory on each rank, exactly, and what each knob would change (``advice``: phrased for where it is
-    read)."""
+    read); without ``detail``, the bucket_cap note left out and the compression what-if where the all-reduce does
+    not bound the step (``comm_bound``)."""
     total = sum(memory.buckets)
     sizes = ", ".join(f"{b:,}" for b in memory.buckets[:8]) + (", ..." if len(memory.buckets) > 8 else "")
     view = memory.gradient_as_bucket_view
@@ -92,14 +93,15 @@ def ddp_memory_lines(memory: DDPMemory, advice: Advice = CLI) -> str:
                      f"({fmt_bytes(total)}) per rank.")  # fmt: skip
     largest = max(memory.buckets)
     cap = f"{memory.bucket_cap / 2**20:g} MiB" if memory.bucket_cap else "its cap"
-    lines.append(f"bucket_cap_mb ({cap} now) changes how the {total:,} bytes split (largest bucket {largest:,}), not "
-                 "their sum.")  # fmt: skip
+    if detail:
+        lines.append(f"bucket_cap_mb ({cap} now) changes how the {total:,} bytes split (largest bucket {largest:,}), "
+                     "not their sum.")  # fmt: skip
     half = largest // 2
     if memory.compression:
         lines.append(f"{memory.compression} compression halves the bytes on the wire, not in memory: the buckets "
                      f"stay in the parameters' dtype and each all-reduce casts a copy ({half:,} bytes for the largest "
                      "bucket) for its time on the wire.")  # fmt: skip
-    else:
+    elif detail or comm_bound:
         lines.append(
             f"fp16/bf16 compression (CommMonitor(compression)) would halve the bytes on the wire but add a "
             f"half-size copy of each bucket while it is all-reduced ({half:,} bytes for the largest)."

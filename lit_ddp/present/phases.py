@@ -12,9 +12,10 @@ from collections.abc import Mapping
 from typing import Optional
 
 from lit_ddp.analysis.run_analysis import RunAnalysis
-from lit_ddp.derive import noise, stragglers
+from lit_ddp.derive import stragglers
 from lit_ddp.derive.summaries import micro_batches, phase_summary
 from lit_ddp.formatting import fmt_bandwidth, fmt_ms, fmt_si, table
+from lit_ddp.present.bound import LEAD_SHARE, cpu_bound, steady_count
 from lit_ddp.present.memory import has_memory, memory_cells, memory_line
 from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, Sketch, StepRow
 
@@ -34,25 +35,20 @@ WHAT_IT_IS = {
     "data": "the input pipeline, outside DDP",
     "other": "Python between the phases (Lightning's loop, callbacks, logging)",
 }
-# The parts of a step the verdict weighs (step_parts): the phases, backward split by CommMonitor's record.
-PART_NAMES = {"forward": "forward", "backward": "backward", "update": "update", "data": "data", "other": "other",
-              "exposed": "the all-reduce's exposed transfer", "wait": "the wait for a later rank"}  # fmt: skip
-# A part bounds the step when it leads the next by this share of the step at least, beyond the noise (the lead's
-# interval above it): a lead of a few percent bounds nothing (a 1024-wide linear on 2 CPU ranks: the all-reduce
-# led forward by 4% of the step in one of five runs, and by 11% (4% to 17%) in one of five on a quiet machine).
-LEAD_SHARE = 0.1
 # The GPU bounds the step when it is busy this share of it at least, in every profiled step (_gpu_verdict).
 BUSY_BOUND = 0.8
 MEASURE = "python -m lit_ddp.tune measures what DDP's knobs and the optimizer's fused step change on this model"
+# What each part's bound asks for, said where no figure backs a change (the headline's, lit_ddp.present.headline)
 
 
 def _busy_median(rows: list[StepRow], phase: str) -> float:
     return statistics.median(getattr(r.ms, phase) for r in rows)
 
 
-def phase_table(analysis: RunAnalysis) -> str:
+def phase_table(analysis: RunAnalysis, detail: bool = True) -> str:
     """Per phase: warm-up (the fit's first step, rank 0), median/min/max over steady steps of all ranks, the slowest
-    rank. A fit resumed from a checkpoint warms up at its resume point (``first_step``). Then the verdict."""
+    rank. A fit resumed from a checkpoint warms up at its resume point (``first_step``). Then the verdict. Without
+    ``detail``, only what applies: no memory legend, no roofline column of peak without a peak."""
     record = analysis.phases
     n_ranks = len(record.ranks)
     first = record.ranks[0].row(record.first_step)
@@ -84,10 +80,10 @@ def phase_table(analysis: RunAnalysis) -> str:
         why = ("for the GPU-busy column" if busy else "for the memory columns" if record.memory_source == "cpu_profiler"
                else "without completing a GPU-busy measurement")  # fmt: skip
         title += f" ({which} ran under the profiler {why}, left out of the others)"
-    text = title + ":\n" + table(tuple(header), rows) + ("\n" + memory_line(record) if memory else "")
+    text = title + ":\n" + table(tuple(header), rows) + ("\n" + memory_line(record) if memory and detail else "")
     text += _outside_lines(record) + _skipped_line(record)
     if record.roofline:
-        text += "\n" + roofline_table(record)
+        text += "\n" + roofline_table(record, detail)
     return text + "\n" + verdict(analysis)
 
 
@@ -155,45 +151,39 @@ def _gpu_verdict(busy: list[StepRow], step_ms: float) -> str:
 
 
 def _cpu_verdict(analysis: RunAnalysis) -> str:
-    """What takes most of rank 0's step, named only when it leads the next beyond the noise (their per-step
-    difference's interval, ``lit_ddp.derive.noise``, excludes 0) and by ``LEAD_SHARE`` of the step at least;
-    else "can't tell", and why. With CommMonitor's
-    record, backward is split: its compute, the all-reduce's exposed transfer, and the wait for a later rank."""
-    record, comm, parts, step_ms = analysis.phases, analysis.comm, analysis.parts, analysis.step_ms
-    n = len(next(iter(parts.values())))
-    if n < noise.MIN_SAMPLES:
+    """What takes most of rank 0's step, named only when it leads the next beyond the noise and by ``LEAD_SHARE``
+    of the step at least (``lit_ddp.present.bound``); else "can't tell", and why. With CommMonitor's record,
+    backward is split: its compute, the all-reduce's exposed transfer, and the wait for a later rank; each figure
+    says which of them it is."""
+    b = cpu_bound(analysis)
+    if b is None:
+        n = steady_count(analysis)
         return f"can't tell what bounds the step, because only {n} steady step(s) were kept; {MEASURE}"
-    medians = {p: statistics.median(v) for p, v in parts.items()}
-    first, second = sorted(parts, key=medians.get, reverse=True)[:2]
-    # zip's strict=... mutants are equivalent: step_parts makes every part from the same rows.
-    gap = noise.median_interval([a - b for a, b in zip(parts[first], parts[second], strict=True)])
-    share = {p: medians[p] / step_ms if step_ms else 0.0 for p in parts}
-    by = f"{fmt_ms(gap.estimate)} per step ({fmt_ms(gap.low)} to {fmt_ms(gap.high)}, 95%, {n} steps)"
-    level = f"{by} over {PART_NAMES[second]} ({fmt_ms(medians[second])}), the next"
-    if noise.call(gap, null=LEAD_SHARE * step_ms) != "slower":  # the lead beyond the noise above the floor
+    first, step_ms = b.first, analysis.step_ms
+    if not b.called:
         why = (
-            "within the noise" if not gap.excludes(0.0) else f"not beyond the noise above {LEAD_SHARE:.0%} of the step"
+            "within the noise"
+            if not b.gap.excludes(0.0)
+            else f"not beyond the noise above {LEAD_SHARE:.0%} of the step"
         )
-        return (f"can't tell what bounds the step, because {PART_NAMES[first]} ({fmt_ms(medians[first])}, "
-                f"{share[first]:.0%}) and {PART_NAMES[second]} ({fmt_ms(medians[second])}, {share[second]:.0%}), "
-                f"the largest parts, differ by {by}: {why}; {MEASURE}")  # fmt: skip
+        return (f"can't tell what bounds the step, because {b.name(first)}, {b.share[first]:.0%} of the step, takes "
+                f"{b.lead}: {why}; {MEASURE}")  # fmt: skip
     if first == "exposed":
-        advice = _wire_advice(comm, step_ms, analysis.savings)
-        return (f"communication-bound: the gradient all-reduce's exposed transfer is {fmt_ms(medians[first])} of the "
-                f"{fmt_ms(step_ms)} step ({share[first]:.0%}), {level}; {advice}")  # fmt: skip
+        advice = _wire_advice(analysis.comm, step_ms, analysis.savings)
+        return (f"communication-bound: the gradient all-reduce's exposed transfer is {fmt_ms(b.medians[first])} of the "
+                f"{fmt_ms(step_ms)} step ({b.share[first]:.0%}), {b.lead}; {advice}")  # fmt: skip
     if first == "wait":
         # Not a bound of its own: with no rank late often and steadily (a straggler comes first, above), the wait
         # is the other ranks' step-to-step variation seen through the all-reduce, which another run of the same
         # job does not repeat (one run of five here, under a burst of load; the four others: can't tell).
         return (f"can't tell what bounds the step, because its largest part is rank 0's wait for a later rank's "
-                f"gradients, {fmt_ms(medians[first])} per step ({share[first]:.0%}), {level}, and no rank is late "
-                "often and steadily enough to be named a straggler (the all-reduce table's last line): the wait "
+                f"gradients, {fmt_ms(b.medians[first])} per step ({b.share[first]:.0%}), {b.lead}, and no rank is "
+                "late often and steadily enough to be named a straggler (the all-reduce table's last line): the wait "
                 f"follows the ranks' own variation from step to step, not one rank; run again to see whether it "
                 f"repeats; {MEASURE}")  # fmt: skip
-    split = "exposed" in parts or record.meta.world_size == 1  # backward is compute only
+    split = "exposed" in b.medians or analysis.phases.meta.world_size == 1  # backward is compute only
     what = "the model's compute" if first == "backward" and split else WHAT_IT_IS[first]
-    return (f"{PART_NAMES[first]} bounds the step, {fmt_ms(medians[first])} ({share[first]:.0%}): {what}, "
-            f"{level}; {MEASURE}")  # fmt: skip
+    return f"{b.name(first)} bounds the step, {b.share[first]:.0%} of it: {what}, {b.lead}; {MEASURE}"
 
 
 def _wire_advice(comm: Optional[CommRecord], step_ms: float, savings: Mapping[str, float]) -> str:
@@ -210,8 +200,9 @@ def _wire_advice(comm: Optional[CommRecord], step_ms: float, savings: Mapping[st
     return f"python -m lit_ddp.forecast RUN --forecast {comm.meta.world_size if comm else 2} forecasts fp16 compression"
 
 
-def roofline_table(record: PhaseRecord) -> str:
-    """Achieved FLOP/s of forward and backward, achieved bytes/s of the update, and fractions of peak."""
+def roofline_table(record: PhaseRecord, detail: bool = True) -> str:
+    """Achieved FLOP/s of forward and backward, achieved bytes/s of the update, and fractions of peak (without
+    ``detail``, only where a peak is known)."""
     r = record.roofline
     rows = []
     # Mutants of the unit constants (1e12, 1e9, and fmt_bandwidth's 1e9 below) into 1e12 + 1 and 1e9 + 1 are
@@ -239,4 +230,6 @@ def roofline_table(record: PhaseRecord) -> str:
     if r.peak_label:
         what.append(f"peak {r.peak_label}")
     title = "Roofline (rank 0, steady median" + "".join(f"; {w}" for w in what) + "):\n"
+    if not (detail or r.peak_tflops or r.peak_gbps):  # no peak: its column would be dashes
+        return title + table(("phase", "work", "time", "achieved"), [row[:-1] for row in rows])
     return title + table(("phase", "work", "time", "achieved", "of peak"), rows)

@@ -15,7 +15,7 @@ from typing import Any, Optional
 from lit_ddp.derive import noise
 from lit_ddp.derive.trace import Breakdown, RankAnalysis, combine
 from lit_ddp.formatting import fmt_bandwidth, fmt_ms, table
-from lit_ddp.present.phases import LEAD_SHARE
+from lit_ddp.present.bound import LEAD_SHARE
 from lit_ddp.records.ranges import TRACE_PHASES
 
 

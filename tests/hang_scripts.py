@@ -62,6 +62,8 @@ class Case(LightningModule):
         super().__init__()
         self.case, self.fault_step = case, fault_step
         self.layer = torch.nn.Linear(DIM, 1)
+        if case == "head_rank1":
+            self.b = torch.nn.Linear(DIM, 1)  # a head only rank 1 uses, after step 3 (a data-dependent branch)
         self.trained: dict[int, int] = {}
 
     def setup(self, stage: str) -> None:
@@ -88,6 +90,8 @@ class Case(LightningModule):
                 raise RuntimeError("injected failure on rank 1 between two collectives")
         elif self.case == "sleep" and at_fault:
             time.sleep(3600)
+        elif self.case == "head_rank1" and self.global_step > self.fault_step and self.global_rank == 1:
+            loss = loss + self.b(x).mean()
         elif self.case == "rank0_work" and self.global_step == self.fault_step and self.global_rank == 0:
             time.sleep(14)  # rank 0's own work (an evaluation, an upload), longer than the watchdog's 10 s: healthy
         elif self.case == "sleep_rank0" and self.global_step == self.fault_step and self.global_rank == 0:
@@ -116,7 +120,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("case", choices=["logkeys", "log_dict", "gather_rank0", "raise", "sleep", "sleep_rank0",
                                          "uneven_shards", "uneven_sized", "even", "log_dir_after_fit", "rank0_work",
-                                         "setup_barrier", "stuck_worker"])  # fmt: skip
+                                         "head_rank1", "setup_barrier", "stuck_worker"])  # fmt: skip
     parser.add_argument("--uneven", default="stop", choices=["stop", "error"])
     parser.add_argument("--timeout-s", type=float, default=20)
     parser.add_argument("--epochs", type=int, default=2)

@@ -242,6 +242,7 @@ WATCHDOG_RUNS = {
     "logkeys_ddp": ("tests.hang_scripts", "logkeys", "--strategy", "ddp"),
     "log_dir_after_fit": ("tests.hang_scripts", "log_dir_after_fit", "--strategy", "ddp"),
     "rank0_work": ("tests.hang_scripts", "rank0_work", "--timeout-s", "40", "--epochs", "1"),
+    "head_rank1": ("tests.hang_scripts", "head_rank1", "--strategy", "ddp"),
 }
 
 
@@ -387,6 +388,16 @@ def test_the_watchdog_names_the_rank_its_line_and_what_the_others_wait_in_long_b
     assert code == 1  # at the timeout: a wait is never ended for its length
     assert re.search(pattern, stderr, re.M), stderr[-3000:]
     assert "hung" not in stderr.partition("lit_ddp: waiting")[2].splitlines()[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_parameters_unused_on_a_rank_are_named_with_the_rank_under_lightnings_own_strategy(watchdog_runs):
+    """A head (``b``) that only rank 1 uses, from step 4: after the first backward the callbacks name it."""
+    code, _, stderr = watchdog_runs["head_rank1"]
+    assert code == 1
+    assert "got no gradient in step 0 on rank 0: b.weight, b.bias; " in stderr, stderr[-3000:]
+    assert "DDPStrategy(find_unused_parameters=True)" in stderr
 
 
 @pytest.mark.slow

@@ -2,8 +2,9 @@
 
     python tests/hang_scripts.py logkeys      # rank 1 logs a key rank 0 does not: one line names it
 
-A few marks per step (``lit_ddp.measure.collectives``), and nothing else until an exception: then the rank's
-report goes to the others and the diagnosis is made (``lit_ddp.run.hangs``). StepSync adds it (every tool
+A few marks per step (``lit_ddp.measure.collectives``) and the watchdog's beat (``lit_ddp.run.watchdog``), and
+nothing else until the rank stops moving (the watchdog) or an exception: then the rank's report goes to the others
+and the diagnosis is made (``lit_ddp.run.hangs``). StepSync adds it (every tool
 callback brings a StepSync), just before itself: its mark at a step's end comes before StepSync's gather.
 docs/failures.md#why-did-it-hang.
 """
@@ -11,11 +12,13 @@ docs/failures.md#why-did-it-hang.
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lit_ddp._lightning import LeanCallback
 from lit_ddp.measure.collectives import CollectiveRecord
-from lit_ddp.run import hangs, watchdog
+from lit_ddp.measure.gradients import check_all_used
+from lit_ddp.run import console, hangs, watchdog
 
 
 class CollectiveRecorder(LeanCallback):
@@ -56,6 +59,16 @@ class CollectiveRecorder(LeanCallback):
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Any) -> None:
         self.collective_record.mark(self._step, "backward")
+
+    @override
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Once, after the first backward, under a strategy that does not check it itself (LitDDPStrategy does): DDP
+        # would fail at the next forward with indices, or Lightning with no name; this rank's unused ones, by name.
+        self.on_after_backward = None  # a per-step hook no more (LeanCallback's dispatch passes over None)
+        model = trainer.strategy.model
+        if trainer.world_size > 1 and isinstance(model, DistributedDataParallel) and not model.find_unused_parameters:
+            if not hasattr(trainer.strategy, "timeout_s"):  # LitDDPStrategy checks in its post_backward
+                check_all_used(pl_module, trainer.global_step, console.advice(trainer), trainer.global_rank)
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:

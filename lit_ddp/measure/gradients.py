@@ -10,6 +10,8 @@ same model and graph everywhere; a rank whose graph differs raises DDP's own err
 needs no collective, so no rank is left waiting).
 """
 
+from typing import Optional
+
 from torch import nn
 
 from lit_ddp.errors import UnusedParametersError
@@ -23,16 +25,18 @@ def without_grad(module: nn.Module) -> list[tuple[str, int]]:
             if p.requires_grad and p.grad is None]  # fmt: skip
 
 
-def check_all_used(module: nn.Module, step: int, advice: Advice = CLI) -> None:
-    """Raises ``UnusedParametersError`` naming the parameters that got no gradient in ``step``'s backward, and the
-    setting that lets DDP search for them (phrased for where it is read: ``advice``)."""
+def check_all_used(module: nn.Module, step: int, advice: Advice = CLI, rank: Optional[int] = None) -> None:
+    """Raises ``UnusedParametersError`` naming the parameters that got no gradient in ``step``'s backward (on
+    ``rank``, where given: a branch some ranks take), and the setting that lets DDP search for them (phrased for
+    where it is read: ``advice``)."""
     missing = without_grad(module)
     if not missing:
         return
     names = ", ".join(name for name, _ in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
     raise UnusedParametersError(  # opening with Lightning's words for DDP's error, which users and tests look for
         "It looks like your LightningModule has parameters that were not used in producing the loss returned by "
-        f"training_step: {len(missing)} parameter(s) got no gradient in step {step}: {names}; DDP would wait for them "
+        f"training_step: {len(missing)} parameter(s) got no gradient in step {step}"
+        f"{f' on rank {rank}' if rank is not None else ''}: {names}; DDP would wait for them "
         "and fail at the next step. Use them in the loss, freeze them (requires_grad=False), or let DDP search for "
         f"them every step: {advice.strategy_settings(find_unused_parameters=True)} (static_graph=True too when the "
         "same ones are unused every step)"

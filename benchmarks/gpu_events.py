@@ -19,9 +19,10 @@ from lit_ddp import LinearRegression
 from lit_ddp.callbacks.phase_timer import FIRST_PROFILED_STEP
 from lit_ddp.formatting import table
 from lit_ddp.lab.data import shard
-from lit_ddp.records.schema import PHASES, PhaseRecord, StepRow
+from lit_ddp.records.phases import names
+from lit_ddp.records.schema import PhaseRecord, StepRow
 
-TIMED = PHASES[:3]  # forward, backward, update: what the synchronized loop times as well
+TIMED = names()[:3]  # forward, backward, update: what the synchronized loop times as well
 
 
 def phase_medians(rows: list[StepRow]) -> list[float]:

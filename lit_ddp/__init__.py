@@ -5,6 +5,7 @@
 In a script of your own (docs/callbacks.md)::
 
     from lit_ddp import PhaseTimer, CommMonitor, SyncCheck, DeviceMap, LossMonitor, LitDDPStrategy, DDPTuner, load_run
+    from lit_ddp import write_timeline  # a run's record as a timeline: docs/traces.md#the-timeline
 
 Importing lit_ddp changes nothing in your process; ``lit_ddp.quiet_lightning()`` hides Lightning's start-up lines
 and unactionable warnings, as ``python -m lit_ddp.fit`` does for itself.
@@ -27,6 +28,7 @@ _PUBLIC = {
     "DDPTuner": "lit_ddp.tuner",
     "LitDDPStrategy": "lit_ddp.run.strategy",
     "load_run": "lit_ddp.records.schema",
+    "write_timeline": "lit_ddp.present.timeline",
     "quiet_lightning": "lit_ddp.run.console",
     "FixedBatchDataModule": "lit_ddp.lab.data",
     "LinearRegression": "lit_ddp.lab.module",

@@ -213,3 +213,22 @@ def profile_run(tmp_path_factory) -> FitRun:
         return run_fit(*PROFILE_RUN, cwd=cwd, timeout=200)
 
     return _session_run(tmp_path_factory, "profile_run", make)
+
+
+SLOW_RANK, SLOW_MS = 2, 25.0  # straggler_run's slow rank and its delay
+
+
+@pytest.fixture(scope="session")
+def straggler_run(tmp_path_factory) -> FitRun:
+    """Issue 50's case: the profiled config on 4 CPU ranks (dim 256, 16 steps, steps 2-4 under torch.profiler), rank
+    ``SLOW_RANK`` ``SLOW_MS`` slow inside its backward (``tests.slow_ranks.SleepInHook``); for the timeline's
+    tests, which read its record, its traces and the timeline drawn from them."""
+
+    def make(cwd: Path) -> subprocess.CompletedProcess:
+        shutil.copytree(ROOT / "configs", cwd / "configs")
+        return run_fit(*PROFILE_RUN[:2], "--devices", "4", "--model.dim", "256", "--trainer.max_steps", "16",
+                       "--loss_monitor.every_n_steps", "0", "--trainer.callbacks+=tests.slow_ranks.SleepInHook",
+                       f"--trainer.callbacks.rank={SLOW_RANK}", "--trainer.callbacks.hook=on_before_backward",
+                       f"--trainer.callbacks.delay_ms={SLOW_MS:g}", cwd=cwd, timeout=240)  # fmt: skip
+
+    return _session_run(tmp_path_factory, "straggler_run", make)

@@ -5,8 +5,8 @@ bucket layout) as PhaseTimer and CommMonitor make them."""
 from collections.abc import Iterable, Sequence
 from typing import Optional
 
+from lit_ddp.records import phases
 from lit_ddp.records.schema import (
-    PHASES,
     CommRecord,
     PhaseRecord,
     RankComm,
@@ -17,8 +17,8 @@ from lit_ddp.records.schema import (
     StepBuckets,
     StepPhases,
     StepRow,
-    is_steady,
 )
+from lit_ddp.records.steps import is_steady
 
 
 def meta(world_size: int = 1, clock: str = "perf_counter") -> RunMeta:
@@ -30,7 +30,8 @@ def step_row(step: int, forward: float, backward: float, update: float, other: f
     """One step whose phases follow each other from its start, ``other`` after them; ``step`` is their sum."""
     total = forward + backward + update + other
     ends = [0.0, forward, forward, forward + backward, forward + backward, forward + backward + update, total]
-    return StepRow(step, StepPhases(forward, backward, update, other, total), ends)
+    marks = dict(zip(phases.boundaries(), ends, strict=False))
+    return StepRow(step, StepPhases(forward=forward, backward=backward, update=update, other=other, step=total), marks)
 
 
 def phase_record(
@@ -47,10 +48,10 @@ def phase_record(
     for r, steps in enumerate(per_rank):
         rows = [step_row(i, *phases) for i, phases in enumerate(steps)]
         steady = [row.ms for row in rows if is_steady(row.step, profiled)]
-        summaries = {p: Sketch.of(getattr(ms, p) for ms in steady) for p in PHASES}
+        summaries = {p: Sketch.of(ms[p] for ms in steady) for p in phases.with_step()}
         busy_rows = [step_row(s, *phases) for s, phases in zip(profiled, busy, strict=False)] if r == 0 else []
         for row in busy_rows:
-            row.offsets_ms = []  # PhaseTimer records no boundaries for the busy rows
+            row.offsets_ms = {}  # PhaseTimer records no boundaries for the busy rows
         ranks.append(RankPhases(r, rows, summaries, busy_rows))
     return PhaseRecord(meta(len(per_rank), clock), ranks, profiled, roofline)
 

@@ -150,7 +150,10 @@ def _record(rows: list[StepRow], busy: list[StepRow], profiled: list[int]) -> Ph
 
 
 def _row(step: int, forward: float, backward: float = 2.0, update: float = 3.0) -> StepRow:
-    return StepRow(step, StepPhases(forward, backward, update, 0.5, forward + backward + update + 0.5), [])
+    ms = StepPhases(
+        forward=forward, backward=backward, update=update, other=0.5, step=forward + backward + update + 0.5
+    )
+    return StepRow(step, ms, {})
 
 
 def test_the_gpu_sections_read_the_record_by_field():

@@ -10,9 +10,11 @@ import sys
 
 import pytest
 
-from lit_ddp import forecast, report
+from lit_ddp import report
 from lit_ddp.errors import ForecastError
+from lit_ddp.present import forecast
 from lit_ddp.records import schema as record
+from lit_ddp.records.phases import StepPhases
 from lit_ddp.records.schema import Sketch, StepBuckets
 from lit_ddp.scaling import links, model
 from lit_ddp.scaling.links import Link, ProbePoint, Topology
@@ -345,7 +347,7 @@ def test_without_matplotlib_the_commands_print_their_text_say_how_to_get_the_pic
     run_dir = write_run(tmp_path)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails as if matplotlib were missing
     missing = "matplotlib is missing (pip install 'lit_ddp[plot]'); the text above is complete"
-    assert forecast.main([str(run_dir), "--forecast", "8"]) == 0
+    assert report.forecast_alias([str(run_dir), "--forecast", "8"]) == 0
     out, err = capsys.readouterr()
     assert "Forecast from" in out and err.splitlines() == [f"no forecast.png: {missing}"]
     assert report.main([str(run_dir), "--forecast", "8"]) == 0
@@ -375,7 +377,7 @@ def test_without_matplotlib_the_commands_print_their_text_say_how_to_get_the_pic
 )
 def test_cli_errors(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
-        forecast.main([str(write_run(tmp_path)), "--no-plot", *argv])
+        report.forecast_alias([str(write_run(tmp_path)), "--no-plot", *argv])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and err.startswith("python -m lit_ddp.forecast: error: ") and err.count("\n") == 1, err
@@ -383,7 +385,7 @@ def test_cli_errors(tmp_path, capsys, argv, message):
 
 def test_a_run_directory_that_is_not_there_is_named_so(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        forecast.main([str(tmp_path / "nope")])
+        report.forecast_alias([str(tmp_path / "nope")])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == f"python -m lit_ddp.forecast: error: {tmp_path / 'nope'} is not a directory\n"
 
@@ -559,11 +561,13 @@ def accumulating_run(run_dir, ranks=2, comm_steps=range(4), layout=(250, 750)):
     phase_ranks, comm_ranks = [], []
     for r in range(ranks):
         forward, backward, last, update, data, other = ACCUMULATING[r]
-        steady = record.StepPhases(forward, backward, update, other, forward + backward + update + data + other,
-                                   data, last)  # fmt: skip
-        rows = [record.StepRow(0, record.StepPhases(100.0, 100.0, 100.0, 100.0, 500.0, 100.0, 50.0), [], 2)]
-        rows += [record.StepRow(s, steady, [], 2) for s in (1, 2, 3)]
-        summaries = {p: Sketch.of([getattr(steady, p)] * 3) for p in (*record.PHASES, "backward_last")}
+        steady = StepPhases(forward=forward, backward=backward, update=update, other=other, data=data,
+                            step=forward + backward + update + data + other, backward_last=last)  # fmt: skip
+        warmup = StepPhases(forward=100.0, backward=100.0, update=100.0, other=100.0, step=500.0, data=100.0,
+                            backward_last=50.0)  # fmt: skip
+        rows = [record.StepRow(0, warmup, {}, 2)]
+        rows += [record.StepRow(s, steady, {}, 2) for s in (1, 2, 3)]
+        summaries = {p: Sketch.of([steady[p]] * 3) for p in steady}
         phase_ranks.append(record.RankPhases(r, rows, summaries))
         ms, ready = ACCUMULATING_BUCKETS[r]
         buckets = [StepBuckets(s, [250, 750], ms, ready, 3.0, 0.5, micro_batches=2, synced=[1]) for s in comm_steps]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks.gpu_busy import gpu_activity
-from lit_ddp.derive.trace import STEP_PREFIX
+from lit_ddp.records.ranges import STEP_PREFIX
 from tests.runner import ROOT, pythonpath
 
 

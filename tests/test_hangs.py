@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from lit_ddp import _lightning, _torch
+from lit_ddp import _torch
 from lit_ddp.analysis.divergence import Collective, RankReport, divergences, first_cause, never_arrived
 from lit_ddp.measure.collectives import MARKS_KEPT, REPORTED, CollectiveRecord, frame_of, user_frame
-from lit_ddp.run import hangs
+from lit_ddp.run import hangs, spawn_launcher
 from tests.runner import start_module
 
 LOG_LINE = "logkeys.py:21 training_step: self.log('rare_metric', loss, sync_dist=True)"
@@ -202,10 +202,10 @@ def test_the_first_cause_is_the_earliest_own_error_not_the_first_report(tmp_path
         path = tmp_path / f"rank{rank}.json"
         path.write_text(json.dumps({"pid": 100 + rank, "failed_at": failed_at, "message": "Traceback: ...",
                                     "consequence": consequence}))  # fmt: skip
-    first = _lightning.first_failure(tmp_path)
+    first = spawn_launcher.first_failure(tmp_path)
     assert (first.rank, first.pid) == (1, 101)
     (tmp_path / "rank1.json").unlink()
-    assert _lightning.first_failure(tmp_path).rank == 0  # only consequences: the earliest
+    assert spawn_launcher.first_failure(tmp_path).rank == 0  # only consequences: the earliest
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ def test_a_profiled_fit_opens_its_end_of_fit_block_with_the_headline_in_at_most_
     assert re.match(r"(Bound by .+ \(\d+%\): |Can't tell what bounds the step: )", block[0]), block[0]
     assert len(block) <= 25, "\n".join(block)
     assert not any(text in out for text in DETAIL_ONLY), out  # no peak known on CPU, no ring formula, no cap note
+    assert "CPUAllocator" not in profile_run.result.stderr  # torch's line per rank for a block freed while profiled
 
 
 def test_a_communication_bound_step_heads_with_the_all_reduce_and_the_forecast_change():
@@ -86,3 +87,10 @@ def test_fit_s_detail_reaches_the_ranks_through_the_environment(monkeypatch):
     assert not end_of_fit.detail_asked()
     monkeypatch.setenv(end_of_fit.DETAIL_ENV, "1")
     assert end_of_fit.detail_asked()
+
+
+def test_fit_takes_detail_on_its_command_line():
+    from lit_ddp.fit import build_cli
+
+    cpu = ["--trainer.accelerator", "cpu", "--devices", "1"]
+    assert build_cli([*cpu, "--detail"]).config.detail and not build_cli(cpu).config.detail

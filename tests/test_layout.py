@@ -99,6 +99,16 @@ def test_at_most_twelve_modules_at_the_top():
     assert len(top) <= 12, top
 
 
+def test_no_module_of_the_package_is_over_400_lines():
+    """One job per file: a module past 400 lines holds two (the house's floor, issue 49)."""
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in (ROOT / "lit_ddp").rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 400
+    }
+    assert not long, f"modules over 400 lines: {long}"
+
+
 def test_module_docstrings_are_short():
     """A module docstring says what the module is and the command that runs it (about 12 lines at most); the
     derivations live in docs/, and "a step" is defined once, in docs/architecture.md."""

@@ -25,6 +25,7 @@ from lit_ddp.formatting import oom_line
 from lit_ddp.measure import memory
 from lit_ddp.present.comm import comm_table
 from lit_ddp.present.phases import phase_table
+from lit_ddp.records import phases as step_phases
 from lit_ddp.records import schema as record
 from lit_ddp.run.strategy import LitDDPStrategy
 from tests.recorders import RecordDDPBuckets
@@ -123,7 +124,7 @@ def test_forward_peak_holds_the_known_activations(runs):
                 assert 2 * ACTIVATION <= forward <= 2 * ACTIVATION + 64 * 1024, (m.step, forward)
                 kept = m.retained["forward"] - m.start  # relu's output, saved for backward
                 assert ACTIVATION <= kept <= ACTIVATION + 64 * 1024, (m.step, kept)
-                assert m.peak["step"] == max(m.peak[p] for p in record.PHASES if p != "step")
+                assert m.peak["step"] == max(m.peak[p] for p in step_phases.names())
 
 
 @pytest.mark.timeout(240)
@@ -133,7 +134,7 @@ def test_memory_reaches_the_table_every_logger_and_the_report(runs, capsys):
     assert re.search(r"phase .* peak memory +retained\n", table)
     assert "Memory (rank " in table and "profile_memory=True" in table
     header = (run.dir / "metrics.csv").read_text().splitlines()[0].split(",")
-    assert {f"memory/{p}_peak_bytes" for p in record.PHASES} <= set(header)
+    assert {f"memory/{p}_peak_bytes" for p in step_phases.with_step()} <= set(header)
     assert report.main([str(run.dir), "--no-plot"]) == 0
     out = capsys.readouterr().out
     assert "peak memory" in out and "Memory per rank (exact, from the live objects)" in out
@@ -149,8 +150,8 @@ def test_trace_memory_per_phase_from_allocator_events(tmp_path):
         return {"ph": "i", "cat": "cpu_instant_event", "name": "[memory]", "ts": ts,
                 "args": {"Bytes": nbytes, "Total Allocated": 0, "Device Type": 0}}  # fmt: skip
 
-    events = [rng("lit_ddp.step#3", 0, 100), rng(trace.OTHER, 0, 10), rng(trace.FORWARD, 10, 30),
-              rng(trace.OTHER, 40, 10), rng(trace.BACKWARD, 50, 50), mem(-5, 7), mem(12, 100), mem(15, 50),
+    events = [rng("lit_ddp.step#3", 0, 100), rng("lit_ddp.other", 0, 10), rng("lit_ddp.forward", 10, 30),
+              rng("lit_ddp.other", 40, 10), rng("lit_ddp.backward", 50, 50), mem(-5, 7), mem(12, 100), mem(15, 50),
               mem(20, -50), mem(45, -10), mem(60, 30), mem(70, -100), mem(71, 1 << 20)]  # fmt: skip
     events[-1]["args"]["Device Type"] = 1  # a CUDA event: not the CPU's
     path = tmp_path / "rank0.pt.trace.json.gz"
@@ -446,9 +447,11 @@ def test_trace_memory_takes_steps_by_start_a_phase_from_the_steps_start_and_ever
     it): step 9 (0-100 us) accumulates two micro-batches, its first forward starting with the step, and frees all
     by its update (which allocates nothing); step 10's forward starts where step 9 ends, and is step 10's alone."""
     R = trace.Range
-    ranges = (R("lit_ddp.step#10", 100.0, 200.0), R("lit_ddp.step#9", 0.0, 100.0), R(trace.BACKWARD, 150.0, 200.0),
-              R(trace.FORWARD, 60.0, 70.0), R(trace.UPDATE, 90.0, 100.0), R(trace.FORWARD, 0.0, 30.0),
-              R(trace.BACKWARD, 30.0, 60.0), R(trace.BACKWARD, 70.0, 90.0), R(trace.FORWARD, 100.0, 150.0))  # fmt: skip
+    ranges = (R("lit_ddp.step#10", 100.0, 200.0), R("lit_ddp.step#9", 0.0, 100.0),
+              R("lit_ddp.backward", 150.0, 200.0),
+              R("lit_ddp.forward", 60.0, 70.0), R("lit_ddp.update", 90.0, 100.0), R("lit_ddp.forward", 0.0, 30.0),
+              R("lit_ddp.backward", 30.0, 60.0), R("lit_ddp.backward", 70.0, 90.0),
+              R("lit_ddp.forward", 100.0, 150.0))  # fmt: skip
     allocations = [(10.0, 100), (40.0, -60), (65.0, 20), (80.0, -60), (120.0, 50), (160.0, -50)]
     events = tuple(trace.MemoryEvent(t, n, trace.CPU_DEVICE) for t, n in allocations)
     nine, ten = trace_memory.step_memory(trace.Trace(ROOT / "hand-made", 0, 1, (), ranges, events))

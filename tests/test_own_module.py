@@ -44,6 +44,7 @@ def test_callbacks_print_once_in_a_plain_script(tmp_path):
         # Where the record went, the command ready to paste (the default logger's folder, under the cwd).
         "Record in lightning_logs/version_0 (phases.json, comm.json); the tables again: python -m lit_ddp.report "
         "lightning_logs/version_0",
+        "timeline: python -m lit_ddp.report lightning_logs/version_0 --timeline run.json, open in Perfetto's UI",
     ):
         assert out.count(line) == 1, (line, out[-3000:])
     assert (tmp_path / "lightning_logs" / "version_0" / "comm.json").is_file()

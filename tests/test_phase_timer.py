@@ -7,7 +7,6 @@ import json
 import re
 import shutil
 import statistics
-from dataclasses import astuple
 from types import SimpleNamespace
 
 import pytest
@@ -21,15 +20,23 @@ from lit_ddp.analysis.run_analysis import analyze
 from lit_ddp.callbacks import LossMonitor, PhaseTimer
 from lit_ddp.callbacks.comm_monitor import CommMonitor
 from lit_ddp.callbacks.end_of_fit import EndOfFit
-from lit_ddp.derive.trace import BACKWARD, FORWARD, STEP_PREFIX, UPDATE
 from lit_ddp.measure.clock import HostClock
 from lit_ddp.measure.profiling import Ranges
 from lit_ddp.present.phases import phase_table, roofline_table
 from lit_ddp.records import schema as record
-from lit_ddp.records.schema import HEAD_STEPS, PHASES, TAIL_STEPS, Roofline, Sketch, is_steady
+from lit_ddp.records.phases import range_of, with_step
+from lit_ddp.records.ranges import STEP_PREFIX
+from lit_ddp.records.schema import Roofline, Sketch
+from lit_ddp.records.steps import HEAD_STEPS, TAIL_STEPS, is_steady
 from lit_ddp.run.roles import NamesPendingCollective, ReportsOutOfMemory
 from tests.records import phase_record
 from tests.runner import PROFILE_RUN, ROOT, run_fit
+
+PHASES = with_step()
+
+BACKWARD = range_of("backward")
+FORWARD = range_of("forward")
+UPDATE = range_of("update")
 
 
 class FakeTrainer(SimpleNamespace):
@@ -41,7 +48,7 @@ class FakeTrainer(SimpleNamespace):
         super().__init__(strategy=strategy, is_global_zero=True, global_rank=0, world_size=1, loggers=[],
                          global_step=0, log_dir=str(log_dir), callbacks=[], progress_bar_callback=None,
                          precision="32-true", optimizers=[torch.optim.Adam(model.parameters())],
-                         profiler=None, log_every_n_steps=50)  # fmt: skip
+                         profiler=None, log_every_n_steps=50, node_rank=0)  # fmt: skip
 
     def train_end(self, model, *callbacks):
         """Lightning's ``on_train_end``: ``callbacks``' first, then the ``EndOfFit`` they added (it saves)."""
@@ -92,7 +99,9 @@ def test_every_boundary_with_a_patched_clock(monkeypatch, tmp_path, caplog):
         assert row.ms.data == pytest.approx(60.0, abs=1e-6)  # batch end -> next step's start
         assert row.ms.step == pytest.approx(100.0, abs=1e-6)
         # where each of record.BOUNDARIES fell, from the step's start
-        assert row.offsets_ms == pytest.approx([0.0, 10.0, 11.0, 31.0, 33.0, 38.0, 40.0, 100.0], abs=1e-6)
+        assert list(row.offsets_ms.values()) == pytest.approx(
+            [0.0, 10.0, 11.0, 31.0, 33.0, 38.0, 40.0, 100.0], abs=1e-6
+        )
     # each step's start on the host clock (the timeline's): one step ends where the next one starts
     assert [row.start_s for row in phases.ranks[0].rows] == pytest.approx([100.0, 100.1, 100.2], abs=1e-9)
     assert phases.ended_by is None
@@ -263,7 +272,9 @@ def test_update_ends_at_batch_end_without_the_post_hook(monkeypatch, tmp_path):
     timer._fit._close_step(timer._fit.clock.mark())
     timer._resolve(trainer, block=True)
     (step_0,) = [row for step, row in timer._fit.window.items() if step == 0]
-    forward, backward, update, other, step, data, _ = astuple(step_0.ms)  # and backward_last
+    forward, backward, update, other, step, data = (
+        step_0.ms[p] for p in ("forward", "backward", "update", "other", "step", "data")
+    )
     assert update == pytest.approx(7.0)  # update_start -> batch end
     assert forward + backward + update + data + other == pytest.approx(step)
 
@@ -328,7 +339,8 @@ def test_real_run_phases_add_up_and_are_logged(make_trainer, tmp_path):
             assert min(ms.forward, ms.backward, ms.update, ms.step) > 0
             assert ms.forward + ms.backward + ms.update + ms.data + ms.other == pytest.approx(ms.step, abs=1e-6)
             assert ms.other >= -1e-6 and ms.data > 0
-            assert row.offsets_ms == sorted(row.offsets_ms) and row.offsets_ms[-1] == pytest.approx(ms.step)
+            marks = list(row.offsets_ms.values())
+            assert marks == sorted(marks) and row.offsets_ms["end"] == pytest.approx(ms.step)
     metrics = (log_dir / "metrics.csv").read_text().splitlines()[0].split(",")
     assert {"time/forward_ms", "time/backward_ms", "time/update_ms", "time/step_ms"} <= set(metrics)
 
@@ -468,7 +480,7 @@ class RaiseAfterStep(Callback):
 def test_a_failed_fit_logs_its_windows_finished_steps(make_trainer, tmp_path, callback, column, ranks):
     """Lightning's cadence holds the rows for 50 steps; a fit that fails in step 29's batch end still logs steps
     0-28, whose marks ended (a step ends at the next one's start). Forked ranks' callbacks hear of the exception
-    from the tool's launcher (``lit_ddp._lightning.CarryBackLauncher``), as Lightning tells ``ddp``'s and
+    from the tool's launcher (``lit_ddp.run.spawn_launcher.CarryBackLauncher``), as Lightning tells ``ddp``'s and
     torchrun's; the launching process, which never set them up, hears of it too."""
     trainer = make_trainer(max_steps=100, callbacks=[callback(), RaiseAfterStep(29)],
                            logger=CSVLogger(tmp_path, name="run", version=0), **ranks)  # fmt: skip

@@ -16,6 +16,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 
 from lit_ddp import _lightning, _torch
+from lit_ddp.run.lean import LeanCallback
 
 
 def has_name(owner, name: str) -> bool:
@@ -89,7 +90,7 @@ def test_lightning_passes_over_the_batch_hooks_a_lean_callback_does_not_override
         def start(self, action_name):
             calls.append(action_name.rpartition("<locals>.")[2])  # the hook's callback, by its state key
 
-    class Lean(_lightning.LeanCallback):
+    class Lean(LeanCallback):
         def on_train_batch_end(self, trainer, pl_module, *args):
             calls.append("Lean.on_train_batch_end")
 

@@ -14,10 +14,17 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp.callbacks import PhaseTimer
-from lit_ddp.derive.trace import BACKWARD, DATA, FORWARD, OTHER, STEP_PREFIX, UPDATE
 from lit_ddp.records import schema as record
+from lit_ddp.records.phases import range_of
+from lit_ddp.records.ranges import STEP_PREFIX
 from tests.recorders import RecordLogs
 from tests.runner import ROOT, pythonpath
+
+BACKWARD = range_of("backward")
+DATA = range_of("data")
+FORWARD = range_of("forward")
+OTHER = range_of("other")
+UPDATE = range_of("update")
 
 ONE_STEP = [OTHER, FORWARD, OTHER, BACKWARD, OTHER, UPDATE, OTHER, DATA]  # each step's phase ranges, in order
 NO_GPU = "CPU activity only: the traces hold no GPU events, so there is no GPU-busy column"
@@ -94,7 +101,7 @@ def test_with_lightnings_pytorch_profiler_phase_timer_starts_none_and_reads_its_
 @pytest.mark.timeout(120)
 def test_each_buckets_all_reduce_is_a_range_inside_backward(make_trainer, tmp_path):
     from lit_ddp.callbacks import CommMonitor
-    from lit_ddp.derive.trace import BUCKET_PREFIX
+    from lit_ddp.records.ranges import BUCKET_PREFIX
 
     trainer = make_trainer(max_steps=4, callbacks=[PhaseTimer(print_steps=0, kernel_steps=1), CommMonitor()],
                            logger=CSVLogger(tmp_path, name="run", version=0), bucket_cap_mb=0.01)  # fmt: skip

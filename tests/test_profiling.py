@@ -18,8 +18,8 @@ pytestmark = pytest.mark.timeout(60)
 BOUNDARIES = ("forward_start", "forward_end", "backward_start", "backward_end", "update_start", "update_end",
               "data_start")  # fmt: skip
 # The phase ranges of one step, in order: "other" between the phases.
-ONE_STEP = [trace.OTHER, trace.FORWARD, trace.OTHER, trace.BACKWARD, trace.OTHER, trace.UPDATE, trace.OTHER,
-            trace.DATA]  # fmt: skip
+ONE_STEP = ["lit_ddp.other", "lit_ddp.forward", "lit_ddp.other", "lit_ddp.backward", "lit_ddp.other", "lit_ddp.update",
+            "lit_ddp.other", "lit_ddp.data"]  # fmt: skip
 
 
 class Log:
@@ -51,7 +51,7 @@ def test_ranges_keep_one_phase_open_inside_each_step_and_close_in_nesting_order(
     ranges.close()
     ranges.close()  # twice is harmless
     opened = [name for what, name in log.log if what == "open"]
-    assert opened == [f"{trace.STEP_PREFIX}2", *ONE_STEP, f"{trace.STEP_PREFIX}3", trace.OTHER]
+    assert opened == [f"{trace.STEP_PREFIX}2", *ONE_STEP, f"{trace.STEP_PREFIX}3", "lit_ddp.other"]
     depth = []  # every close is of the innermost open range
     for what, name in log.log:
         if what == "open":
@@ -99,8 +99,8 @@ def write_trace(path: Path, rank: int, ranges=(), kernels=()) -> Path:
 def step_ranges(step, t0):
     """Step ``step`` over [t0, t0 + 100): forward [t0, t0+20), backward [t0+20, t0+50), update [t0+50, t0+60), other
     [t0+60, t0+70), data [t0+70, t0+100)."""
-    return [(f"{trace.STEP_PREFIX}{step}", t0, 100), (trace.FORWARD, t0, 20), (trace.BACKWARD, t0 + 20, 30),
-            (trace.UPDATE, t0 + 50, 10), (trace.OTHER, t0 + 60, 10), (trace.DATA, t0 + 70, 30)]  # fmt: skip
+    return [(f"{trace.STEP_PREFIX}{step}", t0, 100), ("lit_ddp.forward", t0, 20), ("lit_ddp.backward", t0 + 20, 30),
+            ("lit_ddp.update", t0 + 50, 10), ("lit_ddp.other", t0 + 60, 10), ("lit_ddp.data", t0 + 70, 30)]  # fmt: skip
 
 
 def test_busy_rows_give_each_op_to_the_phase_that_queued_it(tmp_path):

@@ -13,8 +13,11 @@ import pytest
 
 from lit_ddp import report
 from lit_ddp.errors import RecordError
+from lit_ddp.records import phases
 from lit_ddp.records import schema as record
-from lit_ddp.records.schema import HEAD_STEPS, TAIL_STEPS, Roofline, Sketch, StepBuckets, Window
+from lit_ddp.records.phases import StepPhases
+from lit_ddp.records.schema import Roofline, Sketch, StepBuckets
+from lit_ddp.records.steps import HEAD_STEPS, TAIL_STEPS, Window
 from tests.records import comm_record, phase_record
 from tests.runner import ROOT
 
@@ -92,6 +95,8 @@ def plain(value):
         return "Sketch", value.to_json()
     if dataclasses.is_dataclass(value):
         return type(value).__name__, {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, StepPhases):
+        return "StepPhases", dict(value)
     if isinstance(value, dict):
         return {k: plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -164,6 +169,10 @@ class Filler:
             return Sketch.of([float(self.next()), float(self.next())])
         if dataclasses.is_dataclass(kind):
             return self.build(kind)
+        if kind is StepPhases:  # keyed by the phase table's names, and a name it lacks (an added phase's)
+            return StepPhases(
+                {name: self.next() + 0.25 for name in (*phases.with_step(), phases.BACKWARD_LAST, "zero_grad")}
+            )
         if origin in (typing.Union, types.UnionType):
             return self.value(next(a for a in args if a is not type(None)), f)
         if origin is list:
@@ -178,7 +187,7 @@ def leaves(value, path="record"):
     if dataclasses.is_dataclass(value):
         for f in dataclasses.fields(value):
             yield from leaves(getattr(value, f.name), f"{path}.{f.name}")
-    elif isinstance(value, dict):
+    elif isinstance(value, (dict, StepPhases)):
         for key, item in value.items():
             yield from leaves(item, f"{path}[{key!r}]")
     elif isinstance(value, list):
@@ -210,12 +219,12 @@ def test_every_field_set_and_distinct_survives_a_round_trip(cls, tmp_path):
 def test_a_missing_field_is_named_and_an_added_one_takes_its_default(tmp_path):
     phases, _ = records()
     written = json.loads(record.save(phases, tmp_path / "phases.json").read_text())
-    del written["ranks"][1]["rows"][2]["ms"]["backward"]
+    del written["ranks"][1]["rows"][2]["step"]
     (tmp_path / "phases.json").write_text(json.dumps(written))
     with pytest.raises(RecordError) as refused:
         record.load(tmp_path / "phases.json")
-    assert str(refused.value) == (f"{tmp_path / 'phases.json'}: a damaged run record (PhaseRecord.ranks[1].rows[2].ms:"
-                                  " no 'backward', a required field of StepPhases)")  # fmt: skip
+    assert str(refused.value) == (f"{tmp_path / 'phases.json'}: a damaged run record (PhaseRecord.ranks[1].rows[2]:"
+                                  " no 'step', a required field of StepRow)")  # fmt: skip
     written = record.as_json(phases)
     for old in ("skipped_count", "memory_source"):  # as a record written before these fields existed
         del written[old]
@@ -229,7 +238,7 @@ def schema_1_run(run_dir):
     """What PhaseTimer and CommMonitor wrote before the record had a schema: untyped lists, no "schema" key."""
     run_dir.mkdir()
     (run_dir / "phases.json").write_text(json.dumps({
-        "clock": "perf_counter", "world_size": 2, "steps": [0, 1], "phases": list(record.PHASES),
+        "clock": "perf_counter", "world_size": 2, "steps": [0, 1], "phases": list(phases.with_step()),
         "ms": [[[1.0, 2.0, 0.5, 0.5, 4.0]] * 2] * 2}))  # fmt: skip
     (run_dir / "comm.json").write_text(json.dumps({
         "world_size": 2, "steps": [0, 1], "bucket_bytes": [400], "ms": [[[1.0]] * 2] * 2}))  # fmt: skip

@@ -4,20 +4,23 @@ the summaries' growth (their sketches add a bin per new magnitude, not per step)
 import json
 import random
 
-from lit_ddp.records.schema import PHASES, RankPhases, Sketch, StepPhases, StepRow, Window, as_json, is_steady
+from lit_ddp.records import phases as phase_table
+from lit_ddp.records.phases import StepPhases
+from lit_ddp.records.schema import RankPhases, Sketch, StepRow, as_json
+from lit_ddp.records.steps import Window, is_steady
 
 
 def collect(steps: int, seed: int = 0) -> RankPhases:
     """What PhaseTimer keeps on one rank for ``steps`` steps of lognormal phase times."""
     rng = random.Random(seed)
-    window, summaries = Window(profiled=range(2, 5)), {phase: Sketch() for phase in PHASES}
+    window, summaries = Window(profiled=range(2, 5)), {phase: Sketch() for phase in phase_table.with_step()}
     for step in range(steps):
         parts = [rng.lognormvariate(0, 0.3) for _ in range(4)]
-        phases = StepPhases(*parts, sum(parts))
-        window.add(step, StepRow(step, phases, [0.0] * 7))
+        phases = StepPhases(zip(("forward", "backward", "update", "other"), parts, strict=True), step=sum(parts))
+        window.add(step, StepRow(step, phases, dict.fromkeys(phase_table.boundaries()[:7], 0.0)))
         if is_steady(step, window.profiled):
-            for name in PHASES:
-                summaries[name].add(getattr(phases, name))
+            for name in phase_table.with_step():
+                summaries[name].add(phases[name])
     return RankPhases(0, [row for _, row in window.items()], summaries)
 
 

@@ -8,7 +8,9 @@ from matplotlib.collections import LineCollection
 from lit_ddp import report
 from lit_ddp.analysis.run_analysis import analyze
 from lit_ddp.present import plots
-from lit_ddp.records.schema import BOUNDARIES, PHASES, PhaseRecord, StepPhases, StepRow, load_run, save
+from lit_ddp.records import phases as step_phases
+from lit_ddp.records.phases import StepPhases
+from lit_ddp.records.schema import PhaseRecord, StepRow, load_run, save
 from tests.records import phase_record
 from tests.trainers import profile
 
@@ -26,16 +28,22 @@ def test_report_reprints_the_tables_and_draws_the_picture(make_trainer, tmp_path
     lines = [c for c in timeline.collections if isinstance(c, LineCollection)]
     assert len(lines) == 2 and [line.get_label() for line in lines[:1]] == ["last gradient ready"]
     legend = [t.get_text() for t in timeline.get_legend().get_texts()]
-    assert legend == ["other", *PHASES[:4], "all-reduce (one per bucket)", "exposed", "last gradient ready"], legend
+    assert legend == [
+        "other",
+        *step_phases.names()[:4],
+        "all-reduce (one per bucket)",
+        "exposed",
+        "last gradient ready",
+    ], legend
     # The dashed line is where the last bucket was handed over (the exposed part starts there), not the backward
     # phase's end, which comes after DDP's wait for that bucket's all-reduce.
     step = int(timeline.get_title().split()[3])
     for rank, line in enumerate(lines):
         marks = phases.ranks[rank].row(step).offsets_ms
         buckets = next(b for b in comm.ranks[rank].rows if b.step == step)
-        backward_start = marks[BOUNDARIES.index("backward_start")]
+        backward_start = marks["backward_start"]
         assert line.get_segments()[0][0, 0] == pytest.approx(backward_start + max(buckets.ready_ms))
-        assert line.get_segments()[0][0, 0] < marks[BOUNDARIES.index("backward_end")]
+        assert line.get_segments()[0][0, 0] < marks["backward_end"]
 
 
 def test_report_refuses_a_directory_without_timings(tmp_path, capsys):
@@ -65,7 +73,9 @@ def steps_with_boundaries(per_step: list[tuple[float, float, float, float]]) -> 
         total = forward + backward + update + other
         ends = [0.0, forward, forward, forward + backward, forward + backward, forward + backward + update,
                 forward + backward + update, total]  # fmt: skip
-        rows.append(StepRow(step, StepPhases(forward, backward, update, other, total), ends))
+        marks = dict(zip(step_phases.boundaries(), ends, strict=True))
+        rows.append(StepRow(step, StepPhases(forward=forward, backward=backward, update=update, other=other,
+                                             step=total), marks))  # fmt: skip
     return rows
 
 
@@ -84,7 +94,7 @@ def test_the_picture_keeps_the_steady_steps_readable_and_marks_the_profiled_ones
     assert [t.get_text() for t in bars.texts] == ["2.00 s ↑"] and "clipped" in bars.get_title()
     assert "0: warm-up" in bars.get_xlabel()
     legend = [t.get_text() for t in bars.get_legend().get_texts()]
-    assert legend == ["profiled: steps 2-4", *PHASES[:-1]], legend
+    assert legend == ["profiled: steps 2-4", *step_phases.with_step()[:-1]], legend
     assert "other" in [t.get_text() for t in timeline.get_legend().get_texts()]
 
 

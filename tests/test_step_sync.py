@@ -99,7 +99,7 @@ def test_bad_argument_is_refused():
 
 def test_a_step_sync_listed_first_still_serves_the_callbacks_after_it(make_trainer, caplog):
     """Its batch end must come after theirs (they put there): attach moves it right after its caller."""
-    sync, monitor = StepSync(), LossMonitor()
+    sync, monitor = StepSync(), LossMonitor(every_n_steps=1)
     trainer = make_trainer(devices=1, max_steps=3, callbacks=[sync, monitor], spawn=False)
     with caplog.at_level("INFO"):
         trainer.fit(LinearRegression(dim=16), FixedBatchDataModule(dim=16, batch_size=4))
@@ -118,8 +118,8 @@ def test_a_launching_parent_learns_how_rank_0s_training_ended(start_method):
 
     from lightning.pytorch import Trainer
 
-    from lit_ddp._lightning import CarryBackLauncher
     from lit_ddp.errors import Ending
+    from lit_ddp.run.spawn_launcher import CarryBackLauncher
     from lit_ddp.run.strategy import LitDDPStrategy
 
     strategy = LitDDPStrategy(start_method=start_method)

@@ -14,6 +14,7 @@ import pytest
 
 from lit_ddp.derive import trace as T
 from lit_ddp.maths.bus_factors import bus_factor
+from lit_ddp.records.phases import range_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -104,7 +105,7 @@ def gpu(name: str, start: float, dur: float, launch: float, stream: int = 7, cat
 
 gpu.correlation = 0
 NAMES = {  # forward, backward, update (the update holds the others, as Lightning's optimizer_step does)
-    "tool": (T.FORWARD, T.BACKWARD, T.UPDATE),
+    "tool": tuple(range_of(p) for p in ("forward", "backward", "update")),
     "user": ("## forward ##", "## backward ##", "## optimizer ##"),
     "lightning": ("[pl][profile][Strategy]LitDDPStrategy.training_step",
                   "[pl][profile][Strategy]LitDDPStrategy.backward",

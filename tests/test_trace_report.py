@@ -10,7 +10,7 @@ from typing import Optional
 
 import pytest
 
-from lit_ddp import trace_report
+from lit_ddp import report
 from lit_ddp.derive.trace import (
     GRADIENT,
     Breakdown,
@@ -22,6 +22,7 @@ from lit_ddp.derive.trace import (
     load,
 )
 from lit_ddp.present import trace_tables
+from lit_ddp.present import traces as trace_command
 from tests.runner import run_module
 from tests.test_trace import A100, event, gpu, synthetic
 
@@ -32,7 +33,7 @@ COLLECTIVE_KEYS = {"step", "name", "bytes", "duration_us", "algbw_gbps", "busbw_
 
 
 def report_main(capsys, *args: str) -> tuple[int, str, str]:
-    code = trace_report.main([str(a) for a in args])
+    code = report.trace_alias([str(a) for a in args])
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
@@ -51,7 +52,7 @@ def test_the_command_reports_the_a100_trace_and_writes_the_json(tmp_path):
         done.stdout.count("gradient all-reduce  ") == 15
         and "Verdict: can't tell what bounds the GPUs: the profile holds 2 counted step(s)" in done.stdout
     )
-    assert not (traces / trace_report.PICTURE).exists()
+    assert not (traces / trace_command.PICTURE).exists()
     data = json.loads((tmp_path / "out.json").read_text())
     assert set(data) == {"ranks"} and len(data["ranks"]) == 1
     rank = data["ranks"][0]
@@ -66,7 +67,7 @@ def test_the_command_reports_the_a100_trace_and_writes_the_json(tmp_path):
 def test_the_picture_and_its_absence(tmp_path, capsys, monkeypatch):
     shutil.copy(A100, tmp_path)
     code, out, _ = report_main(capsys, tmp_path)
-    png = tmp_path / trace_report.PICTURE
+    png = tmp_path / trace_command.PICTURE
     assert code == 0 and f"wrote {png}" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     png.unlink()
@@ -93,7 +94,7 @@ def test_several_ranks_in_rank_order(tmp_path, capsys):
 
 def one_line(err: str) -> str:
     assert err.endswith("\n") and err.count("\n") == 1, err
-    assert err.startswith(f"{trace_report.TRACE_REPORT_PROG}: ")
+    assert err.startswith("python -m lit_ddp.trace_report: ")
     return err
 
 

@@ -7,8 +7,9 @@ import json
 import pytest
 
 from lit_ddp.analysis.divergence import Collective, RankReport
+from lit_ddp.analysis.stopped import certain, in_collective, waiting_line
 from lit_ddp.run import watchdog
-from lit_ddp.run.watchdog import COMPARE_AFTER_S, GRACE_S, Watchdog, certain, in_collective, waiting_line
+from lit_ddp.run.watchdog import COMPARE_AFTER_S, GRACE_S, Watchdog
 
 
 class Clock:
@@ -204,3 +205,31 @@ def test_in_a_collective_is_read_from_the_main_threads_stack():
     assert not in_collective([user])
     assert not in_collective([Frame(torch_dist, 1, "barrier"), user])  # the user's frame is innermost
     assert in_collective([user, Frame("/x/site-packages/torch/autograd/graph.py", 9, "_engine_run_backward")])
+
+
+def test_a_watchdog_carried_over_by_a_fork_or_left_by_an_ended_fit_is_not_used(monkeypatch):
+    """A rank forked from a process whose own watchdog ran (a test worker that was rank 0 of an earlier fit) got
+    that object, its dead thread and its store, whose lock the parent's thread may hold: the rank's teardown waited
+    on that lock for ever (tests/test_loggers.py under the full suite). Each process and each fit gets its own."""
+    monkeypatch.setattr(watchdog, "_WATCHDOG", None)
+    monkeypatch.setattr(Watchdog, "start", lambda self: None)  # no thread: only which object is used
+    first = watchdog.start(0, 2)
+    assert watchdog.start(1, 2) is first and watchdog.current() is first and first.rank == 1
+    first.leave()  # its fit ended
+    second = watchdog.start(0, 2)
+    assert second is not first and first._stopped.is_set()
+    second.pid = -1  # as a forked child sees it: another process's
+    assert watchdog.current() is None
+    third = watchdog.start(0, 2)
+    assert third is not second and not second._stopped.is_set()  # the parent's: not this process's to stop
+    assert watchdog.current() is third
+
+
+def test_its_thread_ends_when_stopped(monkeypatch):
+    dog = Watchdog(0, 2)
+    monkeypatch.setattr(dog, "_prepare_workers", lambda: None)  # no handler left in the test's process
+    dog.start()
+    assert dog._thread.is_alive()
+    dog.stop()
+    dog._thread.join(timeout=5 * watchdog.POLL_S)
+    assert not dog._thread.is_alive()

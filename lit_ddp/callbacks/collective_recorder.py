@@ -9,16 +9,21 @@ callback brings a StepSync), just before itself: its mark at a step's end comes 
 docs/failures.md#why-did-it-hang.
 """
 
+import time
+from collections.abc import Collection
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lit_ddp._lightning import LeanCallback
+from lit_ddp import _torch
+from lit_ddp.measure import clock
 from lit_ddp.measure.collectives import CollectiveRecord
 from lit_ddp.measure.gradients import check_all_used
+from lit_ddp.records.schema import CollectiveCall
 from lit_ddp.run import console, hangs, watchdog
+from lit_ddp.run.lean import LeanCallback
 
 
 class CollectiveRecorder(LeanCallback):
@@ -42,6 +47,15 @@ class CollectiveRecorder(LeanCallback):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         watchdog.start(trainer.global_rank, trainer.world_size).alive()
+
+    @staticmethod
+    def calls_of(trainer: Trainer, steps: Collection[int]) -> list[CollectiveCall]:
+        """This rank's collectives in ``steps``, from torch's Flight Recorder (read once, at the end of training),
+        for the record; none without a CollectiveRecorder or a Flight Recorder."""
+        found = next((c for c in trainer.callbacks if isinstance(c, CollectiveRecorder)), None)
+        if found is None:
+            return []
+        return found.collective_record.calls(_torch.flight_recorder_entries(), steps, *_clocks_together())
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -98,3 +112,15 @@ class CollectiveRecorder(LeanCallback):
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         hangs.diagnose(trainer, exception)
+
+
+def _clocks_together(tries: int = 5) -> tuple[float, int]:
+    """The host clock (``host_now``) and the system clock (Flight Recorder's) at one moment: of a few tries, the one
+    whose two host reads around the system read are closest (a rank descheduled between two reads on a loaded
+    machine was seen to put its collectives 32 ms off)."""
+    best = None
+    for _ in range(tries):
+        before, wall, after = clock.host_now(), time.time_ns(), clock.host_now()
+        if best is None or after - before < best[0]:
+            best = (after - before, (before + after) / 2, wall)
+    return best[1], best[2]

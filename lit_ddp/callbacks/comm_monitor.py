@@ -27,7 +27,6 @@ from torch.profiler import record_function
 from typing_extensions import override
 
 from lit_ddp import _lightning
-from lit_ddp._lightning import LeanCallback
 from lit_ddp.callbacks import end_of_fit
 from lit_ddp.callbacks.shared import gather_to_zero, log_metrics, meta, profiled_steps
 from lit_ddp.callbacks.step_sync import StepSync
@@ -37,8 +36,10 @@ from lit_ddp.measure.clock import ClockOffset, CudaClock, HostClock, clock_for
 from lit_ddp.measure.gradients import check_all_used, without_grad
 from lit_ddp.measure.memory import ddp_memory
 from lit_ddp.records.ranges import BUCKET_PREFIX
-from lit_ddp.records.schema import CommRecord, RankComm, Sketch, StepBuckets, Window, is_steady
+from lit_ddp.records.schema import CommRecord, RankComm, Sketch, StepBuckets
+from lit_ddp.records.steps import Window, is_steady
 from lit_ddp.run import console
+from lit_ddp.run.lean import LeanCallback
 
 COMPRESSION_WRAPPERS = {
     "fp16": default_hooks.fp16_compress_wrapper,

@@ -10,9 +10,9 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_ddp._lightning import LeanCallback
 from lit_ddp.callbacks.shared import exit_cleanly, gather_to_zero, say
 from lit_ddp.measure import placement
+from lit_ddp.run.lean import LeanCallback
 
 
 class DeviceMap(LeanCallback):

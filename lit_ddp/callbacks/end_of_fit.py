@@ -14,11 +14,11 @@ from typing import Optional, Protocol, Union
 from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
-from lit_ddp._lightning import LeanCallback
 from lit_ddp.callbacks.shared import say
 from lit_ddp.present.end_of_fit import detail_asked, render
 from lit_ddp.records.schema import CommRecord, PhaseRecord
 from lit_ddp.run import console
+from lit_ddp.run.lean import LeanCallback
 
 
 class RecordKeeper(Protocol):

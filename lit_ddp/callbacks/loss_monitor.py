@@ -20,11 +20,11 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
-from lit_ddp._lightning import LeanCallback
 from lit_ddp.callbacks.shared import grad_scaler, is_last_step, line_printer, log_metrics
 from lit_ddp.callbacks.step_sync import StepSync
 from lit_ddp.errors import NonFiniteLossError
 from lit_ddp.measure.step_marks import OptimizerSteps, Updates
+from lit_ddp.run.lean import LeanCallback
 
 
 class LossMonitor(LeanCallback):

@@ -15,6 +15,7 @@ and ends: docs/output.md; a step: docs/architecture.md. Memory per phase (``lit_
 where a rank ran out of it (``on_out_of_memory``): docs/memory.md.
 """
 
+import socket
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -27,8 +28,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit_ddp import _torch
-from lit_ddp._lightning import LeanCallback
 from lit_ddp.callbacks import end_of_fit
+from lit_ddp.callbacks.collective_recorder import CollectiveRecorder
 from lit_ddp.callbacks.shared import (
     device_name,
     exit_cleanly,
@@ -45,10 +46,12 @@ from lit_ddp.measure import memory, roofline
 from lit_ddp.measure.clock import CudaClock, clock_for
 from lit_ddp.measure.fit_phases import FIRST_PROFILED_STEP, FitPhases
 from lit_ddp.measure.profiling import LightningProfilerTraces, TraceRecorder
-from lit_ddp.records.schema import PHASES, PhaseRecord, Roofline, StepPhases, save
+from lit_ddp.records import phases as phase_table
+from lit_ddp.records.phases import StepPhases
+from lit_ddp.records.schema import PhaseRecord, Roofline, save
+from lit_ddp.run.lean import LeanCallback
 
 __all__ = ["FIRST_PROFILED_STEP", "PhaseTimer"]
-METRICS = tuple(f"time/{phase}_ms" for phase in PHASES)
 
 
 class PhaseTimer(LeanCallback):
@@ -105,6 +108,7 @@ class PhaseTimer(LeanCallback):
         self._handles: list[Any] = []
         self._run_dir: Optional[str] = None  # trainer.log_dir, asked once while every rank is there
         self.record: Optional[PhaseRecord] = None  # rank 0's, once training ended
+        self._metrics = _metrics()
         self.log_dir: Optional[str] = None
 
     @property
@@ -116,6 +120,7 @@ class PhaseTimer(LeanCallback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         exit_cleanly(trainer)
         end_of_fit.owner(trainer).expect(self)
+        self._metrics = _metrics()
         clock = clock_for(trainer.strategy.root_device)
         if isinstance(clock, CudaClock):
             clock.anchor()  # events to host time, for each step's start: one synchronize, before the first step
@@ -199,7 +204,10 @@ class PhaseTimer(LeanCallback):
         self._remove_hooks()
         self._resolve(trainer, block=True)
         self.log_dir = trainer.log_dir  # a broadcast: every rank asks
-        ranks = gather_to_zero(trainer, fit.rank_phases(trainer.global_rank))
+        mine = fit.rank_phases(trainer.global_rank)
+        mine.node, mine.host, mine.device = trainer.node_rank, socket.gethostname(), str(trainer.strategy.root_device)
+        mine.collectives = CollectiveRecorder.calls_of(trainer, {row.step for row in mine.rows})
+        ranks = gather_to_zero(trainer, mine)
         if ranks is not None and ranks[0].rows:
             source = fit.memory.source or (memory.CPU_SOURCE if ranks[0].memory else None)
             self.record = PhaseRecord(meta(trainer, fit.clock.name), ranks, list(fit.profiled_steps),
@@ -253,14 +261,13 @@ class PhaseTimer(LeanCallback):
         done = fit.resolve(block)
         for row in fit.new_memory:
             metrics = {f"memory/{p}_{kind}_bytes": float(getattr(row, kind)[p]) for kind in ("peak", "retained")
-                       for p in PHASES if p in getattr(row, kind)}  # fmt: skip
+                       for p in phase_table.with_step() if p in getattr(row, kind)}  # fmt: skip
             log_metrics(trainer, metrics, step=row.step)
         fit.new_memory = []
         for step, phases in done:
             if step - fit.first_step < self.print_steps:
                 say(trainer, format_step(step, phases))
-            log_metrics(trainer, {metric: getattr(phases, p) for metric, p in zip(METRICS, PHASES, strict=True)},
-                        step=step)  # fmt: skip
+            log_metrics(trainer, {metric: phases[p] for metric, p in self._metrics}, step=step)
 
     def _roofline(self, trainer: Trainer, pl_module: LightningModule) -> Roofline:
         fit = self._fit
@@ -304,3 +311,8 @@ def format_step(step: int, phases: StepPhases) -> str:
     """The notes' per-step format (``mini_train_profile.py``), times in ms."""
     return (f"Step {step}\n forward : {phases.forward:.2f} ms\n backward: {phases.backward:.2f} ms\n"
             f" update  : {phases.update:.2f} ms")  # fmt: skip
+
+
+def _metrics() -> tuple[tuple[str, str], ...]:
+    """(logged name, phase) of each per-step time, read from the phase table once a fit."""
+    return tuple((f"time/{phase}_ms", phase) for phase in phase_table.with_step())

@@ -20,9 +20,9 @@ from typing import Optional, Protocol, runtime_checkable
 from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
-from lit_ddp._lightning import LeanCallback
 from lit_ddp.callbacks.shared import say
 from lit_ddp.run import console
+from lit_ddp.run.lean import LeanCallback
 
 
 @runtime_checkable

@@ -17,9 +17,9 @@ from torch import Tensor
 from tqdm import tqdm
 from typing_extensions import override
 
-from lit_ddp._lightning import LeanCallback
 from lit_ddp.records.schema import RunMeta
 from lit_ddp.run import console, lifecycle
+from lit_ddp.run.lean import LeanCallback
 
 T = TypeVar("T")
 

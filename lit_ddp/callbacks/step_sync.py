@@ -29,13 +29,13 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_ddp import _lightning, _torch
-from lit_ddp._lightning import LeanCallback
 from lit_ddp.callbacks.collective_recorder import CollectiveRecorder
 from lit_ddp.callbacks.shared import exit_cleanly, is_last_step, profiling_callback, say
 from lit_ddp.errors import Ending, prog
 from lit_ddp.measure.step_marks import OptimizerSteps
 from lit_ddp.run import hangs
 from lit_ddp.run.even_epochs import EvenEpochs, Uneven
+from lit_ddp.run.lean import LeanCallback
 
 
 @dataclass
@@ -126,7 +126,7 @@ class StepSync(LeanCallback):
     """
 
     # Rank 0's, sent back to a launching parent (ddp_fork/ddp_spawn): a SIGTERM that reached a rank but not the
-    # parent ends the run there too (``lit_ddp._lightning.CarryBackLauncher``).
+    # parent ends the run there too (``lit_ddp.run.spawn_launcher.CarryBackLauncher``).
     carried_back = ("ending",)
 
     def __init__(self, sigterm_every_n_steps: PositiveInt = 10, uneven: Uneven = "stop") -> None:

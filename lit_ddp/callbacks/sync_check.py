@@ -19,11 +19,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lit_ddp._lightning import LeanCallback
 from lit_ddp.callbacks.shared import all_gather, is_last_step, say
 from lit_ddp.callbacks.step_sync import StepSync
 from lit_ddp.errors import SyncError
 from lit_ddp.measure.step_marks import OptimizerSteps
+from lit_ddp.run.lean import LeanCallback
 
 MAX_REPORTED = 5  # offending tensors gathered and named in one report
 

@@ -54,7 +54,6 @@ def _medians(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """``RESAMPLES`` bootstrap medians of ``x``, spread about the median by the square root of the samples'
     correlation time: as many as ``n / tau`` independent samples would spread them."""
     estimate = float(np.median(x))
-    # rng.integers(len(x), ...) draws as rng.integers(0, len(x), ...): that mutant is equivalent
     replicates = np.median(x[rng.integers(0, len(x), size=(RESAMPLES, len(x)))], axis=1)
     return estimate + math.sqrt(correlation_time(x)) * (replicates - estimate)
 
@@ -159,9 +158,7 @@ def runs_difference_interval(
     _check(confidence)
     sides = [[x for x in map(_clean, runs) if len(x) >= MIN_SAMPLES] for runs in (a_runs, b_runs)]
     if not sides[0] or not sides[1]:
-        # A side's first run is shorter than MIN_SAMPLES (or there is none: np.array(None) would clean to as empty
-        # an array), so difference_interval can't tell before it reads seed, between_runs or spread: mutants of
-        # those, and of leaving out confidence (checked above), are equivalent here.
+        # A side's first run is shorter than MIN_SAMPLES (or there is none): difference_interval can't tell.
         firsts = [_clean(runs[0]) if len(runs) else np.array([]) for runs in (a_runs, b_runs)]
         return difference_interval(*firsts, confidence=confidence, seed=seed, between_runs=True, spread=spread)
     if len(sides[0]) == len(sides[1]) == 1:
@@ -195,11 +192,10 @@ def t_quantile(confidence: float, df: int) -> float:
             total += term
         if df % 2 == 0:
             return math.sin(theta) * total
-        # An odd df only: df > 2 would be the same test (an equivalent mutant)
+        # An odd df only.
         return 2 / math.pi * (theta + (math.sin(theta) * math.cos(theta) * total if df > 1 else 0.0))
 
-    # The bracket only has to hold t: a start of 2, a step of 3, a tie sent the other way (<=) or one halving more
-    # find the same t to the last digits (equivalent mutants; the tests compare to the tables' 4 figures).
+    # The bracket only has to hold t.
     low, high = 0.0, 1.0
     while inside(high) < confidence:
         high *= 2

@@ -10,8 +10,9 @@ from typing import Optional
 
 from lit_ddp.derive import noise, stragglers
 from lit_ddp.derive.trace import RankAnalysis
-from lit_ddp.records.ranges import TRACE_PHASES
-from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, RankPhases, StepMemory, is_steady
+from lit_ddp.records import phases as phase_table
+from lit_ddp.records.schema import CommRecord, PhaseRecord, RankPhases, StepMemory
+from lit_ddp.records.steps import is_steady
 
 
 def _per_step(record: PhaseRecord, value) -> dict[int, float]:
@@ -34,8 +35,8 @@ def run_samples(phases: Optional[PhaseRecord], comm: Optional[CommRecord]) -> di
     and the peak memory of the step (the highest rank); the steady steps only (``is_steady``)."""
     out: dict[str, tuple[str, list[float]]] = {}
     if phases is not None:
-        # The step first (the rows' order); a mutant that lets "step" through twice writes the same row again.
-        for p in ("step", *(p for p in PHASES if p != "step")):
+        # The step first (the rows' order).
+        for p in (phase_table.STEP, *phase_table.names()):
             out[p] = ("ms", list(_per_step(phases, lambda r, p=p: getattr(r.ms, p)).values()))
     if comm is not None:
         kept = [{r.step: r for r in rank.rows if r.bytes == comm.layout and is_steady(r.step, comm.profiled_steps)}
@@ -51,8 +52,7 @@ def run_samples(phases: Optional[PhaseRecord], comm: Optional[CommRecord]) -> di
                 out[f"bucket {b} all-reduce"] = ("ms", [kept[0][s].ms[b] for s in steps])
     if phases is not None:
         per_rank = [{m.step: m.peak["step"] for m in _steady_memory(phases, rank)} for rank in phases.ranks]
-        # A record without ranks fails in _per_step above, so "if per_rank" is always true here (its "or True"
-        # mutant is equivalent)
+        # A record without ranks fails in _per_step above.
         steps = sorted(set.intersection(*(set(d) for d in per_rank))) if per_rank else []
         if steps:
             out["peak memory"] = ("B", [float(max(d[s] for d in per_rank)) for s in steps])
@@ -71,7 +71,7 @@ def run_spreads(phases: Optional[PhaseRecord], comm: Optional[CommRecord]) -> di
     out: dict[str, float] = {}
     if phases is not None:
         left_out = {*phases.profiled_steps, *phases.skipped_steps}
-        for p in PHASES:
+        for p in phase_table.with_step():
             out[p] = _range_of_medians([[getattr(r.ms, p) for r in rank.rows if is_steady(r.step, left_out)]
                                         for rank in phases.ranks])  # fmt: skip
         out["step"] = max(out["step"], sum(v for p, v in out.items() if p != "step"))
@@ -104,7 +104,7 @@ def trace_samples(analyses: Sequence[RankAnalysis]) -> dict[str, tuple[str, list
                 continue
             b = s.breakdown
             add("step (span)", s.step, b.span_us)
-            for p in TRACE_PHASES:
+            for p in phase_table.names():
                 if p in s.phases:
                     add(f"{p} (span)", s.step, s.phases[p].span_us)
             add("compute", s.step, b.compute_us)

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from lit_ddp.derive import noise
-from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, is_steady
+from lit_ddp.records import phases as phase_table
+from lit_ddp.records.schema import CommRecord, PhaseRecord
+from lit_ddp.records.steps import is_steady
 
 STRAGGLER_SHARE = 0.75
 # Below this a rank is not called a straggler whatever its lateness: two undelayed CPU ranks sharing two cores
@@ -156,8 +158,9 @@ def _excess(phases: PhaseRecord, rank: int, waits: dict[int, list[float]]) -> tu
         rows = [row for row in kept.rows if row.step in waits]
         if not rows:
             return {}, None
-        per_phase = {p: [getattr(row.ms, p) for row in rows] for p in PHASES if p != "step"}
-        per_phase["backward"] = [row.ms.backward - waits[row.step][r] for row in rows]
+        per_phase = {p: [row.ms[p] for row in rows] for p in phase_table.names()}
+        waiting = phase_table.ALL_REDUCING  # the phase the wait for the last arrival falls in
+        per_phase[waiting] = [row.ms[waiting] - waits[row.step][r] for row in rows]
         samples.append(per_phase)
     others = [s for r, s in enumerate(samples) if r != rank]
     extra = {p: _median(samples[rank][p]) - _median([_median(s[p]) for s in others]) for p in samples[rank]}

@@ -10,7 +10,8 @@ from collections.abc import Callable, Sequence
 from typing import Optional
 
 from lit_ddp.derive.stragglers import Arrivals
-from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, Sketch
+from lit_ddp.records import phases as phase_table
+from lit_ddp.records.schema import CommRecord, PhaseRecord, Sketch
 
 
 def sketch_or(summaries: dict[str, Sketch], name: str, fallback: Callable[[], Sequence[float]]) -> Sketch:
@@ -53,16 +54,16 @@ def step_parts(record: PhaseRecord, comm: Optional[CommRecord], found: Optional[
     backward split where CommMonitor's record has the step (its compute, the exposed transfer, the wait for the
     last rank's arrival at the all-reduce, from the run's ``found`` arrivals)."""
     rows = record.steady_rows(0) or record.ranks[0].rows
-    names = [p for p in PHASES if p != "step"]
+    names, split = phase_table.names(), phase_table.ALL_REDUCING
     if comm is None or record.meta.world_size < 2:
         return {p: [getattr(r.ms, p) for r in rows] for p in names}
     buckets = {r.step: r for r in comm.ranks[0].rows if r.bytes == comm.layout}
     waits = dict(zip(found.steps, found.waits[0], strict=True)) if found else {}
     rows = [r for r in rows if r.step in buckets]
-    parts = {p: [getattr(r.ms, p) for r in rows] for p in names if p != "backward"}
+    parts = {p: [getattr(r.ms, p) for r in rows] for p in names if p != split}
     exposed = [buckets[r.step].exposed_ms for r in rows]
     wait = [min(waits.get(r.step, 0.0), e) for r, e in zip(rows, exposed, strict=True)]
-    parts["backward"] = [r.ms.backward - e for r, e in zip(rows, exposed, strict=True)]
+    parts[split] = [r.ms[split] - e for r, e in zip(rows, exposed, strict=True)]
     parts["exposed"] = [e - w for e, w in zip(exposed, wait, strict=True)]
     parts["wait"] = wait
     return parts

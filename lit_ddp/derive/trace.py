@@ -23,27 +23,16 @@ from typing import Any, NamedTuple, Optional
 
 from lit_ddp.maths.bus_factors import DIRECT, RING_ONCE, bus_factor
 from lit_ddp.maths.intervals import length, merge, union_length
-
-# The range names the tool emits are the record's.
-from lit_ddp.records.ranges import (
-    BACKWARD,
-    BUCKET_PREFIX,
-    DATA,
-    FORWARD,
-    OTHER,
-    STEP_PREFIX,
-    TRACE_PHASES,
-    UPDATE,
-)
+from lit_ddp.records import phases as phase_table
+from lit_ddp.records.ranges import BUCKET_PREFIX, STEP_PREFIX
 
 CPU_DEVICE = 0  # a [memory] event's "Device Type": c10's DeviceType (0 CPU, 1 CUDA)
 
 KERNEL_WAIT_US = 30.0  # HTA's default consecutive_kernel_delay
 GRADIENT = "gradient all-reduce"
 
+# Other tools' ranges, as the phase they hold (the tool's own are its phase table's, lit_ddp.records.phases).
 PHASE_PATTERNS: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(p, re.I), phase) for p, phase in (
-    *((re.escape(name), phase)
-      for name, phase in zip((FORWARD, BACKWARD, UPDATE, DATA, OTHER), TRACE_PHASES, strict=True)),
     (r"#+ *forward *#+", "forward"), (r"#+ *backward *#+", "backward"), (r"#+ *(optimizer|update) *#+", "update"),
     (r"(\[pl\]\[profile\])?\[Strategy\]\w+\.training_step", "forward"),  # Lightning's PyTorchProfiler
     (r"(\[pl\]\[profile\])?\[Strategy\]\w+\.backward", "backward"),
@@ -206,8 +195,7 @@ def _rank_of(path: Path, info: Any) -> tuple[int, Optional[int]]:
 
 def _parse(events: list) -> tuple[tuple[GpuOp, ...], tuple[Range, ...], tuple[MemoryEvent, ...]]:
     launches = {}
-    # An event without a category: "" (or a mutant's None, "none" once lowered, or "XXXX") is none of the categories
-    # below, so the defaults' mutants here and in the second loop are equivalent.
+    # An event without a category: "" is none of the categories below.
     for e in events:
         if isinstance(e, dict) and str(e.get("cat", "")).lower() in _LAUNCH_CATS:
             launches[(e.get("args") or {}).get("correlation")] = float(e["ts"])
@@ -236,6 +224,9 @@ def _parse(events: list) -> tuple[tuple[GpuOp, ...], tuple[Range, ...], tuple[Me
 
 
 def _phase_of(name: str) -> Optional[str]:
+    own = phase_table.ranges().get(name)
+    if own is not None:
+        return own
     return next((phase for pattern, phase in PHASE_PATTERNS if pattern.fullmatch(name)), None)
 
 
@@ -249,7 +240,7 @@ def breakdown(ops: Sequence[GpuOp], kernel_wait_us: float = KERNEL_WAIT_US) -> O
     waits = {"host": 0.0, "kernel": 0.0, "other": 0.0}
     by_start = sorted(ops, key=lambda op: op.start_us)
     starts = [op.start_us for op in by_start]
-    for before, after in zip(busy, busy[1:], strict=False):  # strict=None or left out: the same (mutants equivalent)
+    for before, after in zip(busy, busy[1:], strict=False):
         gap = after.start - before.end
         first = by_start[bisect_right(starts, after.start) - 1]  # an op that starts the busy stretch
         late = first.launch_us is not None and first.launch_us > before.end
@@ -303,7 +294,7 @@ def analyze_rank(trace: Trace, kernel_wait_us: float = KERNEL_WAIT_US) -> RankAn
     for op in trace.ops:
         step, phase = steps.innermost(op.queued_us), phases.innermost(op.queued_us)
         number = None if step is None else int(_STEP.fullmatch(step.name).group(2))
-        named = _phase_of(phase.name) if phase else "other" if has_phases and step else None
+        named = _phase_of(phase.name) if phase else phase_table.REMAINDER if has_phases and step else None
         placed.append(PlacedOp(op, number, named))
     numbers = sorted({int(_STEP.fullmatch(r.name).group(2)) for r in steps.ranges})
     last = steps.ranges[-1].start_us if len(numbers) > 1 else math.inf
@@ -313,13 +304,14 @@ def analyze_rank(trace: Trace, kernel_wait_us: float = KERNEL_WAIT_US) -> RankAn
     for number in numbers:
         mine = [p for p in placed if p.step == number]
         if mine:
-            by_phase = {ph: breakdown([p.op for p in mine if p.phase == ph], kernel_wait_us) for ph in TRACE_PHASES}
+            names = phase_table.names()
+            by_phase = {ph: breakdown([p.op for p in mine if p.phase == ph], kernel_wait_us) for ph in names}
             gradients = [c for c in collectives if c.step == number and c.kind == GRADIENT]
             per_step.append(StepAnalysis(number, number != numbers[-1] or len(numbers) == 1,
                                          breakdown([p.op for p in mine], kernel_wait_us),
                                          {ph: b for ph, b in by_phase.items() if b is not None},
                                          _exposed(mine, gradients)))  # fmt: skip
-    summed = {ph: combine(s.phases[ph] for s in per_step if s.counted and ph in s.phases) for ph in TRACE_PHASES}
+    summed = {ph: combine(s.phases[ph] for s in per_step if s.counted and ph in s.phases) for ph in phase_table.names()}
     return RankAnalysis(trace.path, trace.rank, trace.world_size,
                         breakdown([op for op in trace.ops if op.queued_us < last], kernel_wait_us),
                         {ph: b for ph, b in summed.items() if b is not None}, tuple(per_step), collectives,
@@ -327,7 +319,7 @@ def analyze_rank(trace: Trace, kernel_wait_us: float = KERNEL_WAIT_US) -> RankAn
 
 
 def _exposed(placed: list[PlacedOp], gradients: list[Collective]) -> Optional[float]:
-    ends = [p.op.end_us for p in placed if p.phase == "backward" and p.op.kind == "compute"]
+    ends = [p.op.end_us for p in placed if p.phase == phase_table.ALL_REDUCING and p.op.kind == "compute"]
     if not ends:
         return None
     tails = [(max(c.start_us, max(ends)), c.start_us + c.duration_us) for c in gradients]
@@ -345,8 +337,7 @@ def collective_name(op: GpuOp) -> str:
         key = key.removesuffix(suffix)
     plain = {k.replace("_", ""): k for k in ("all_reduce", *RING_ONCE, *DIRECT)}
     # The names torch writes, and the kernels' split at their capitals, hold underscores only where nccl-tests' name
-    # has them (reduce_scatter) or none (allgather): a key with underscores is its own plain name, found or not, so
-    # the mutants of this replace ("XX_XX", "XXXX") are equivalent for every name a trace holds.
+    # has them (reduce_scatter) or none (allgather): a key with underscores is its own plain name, found or not.
     return plain.get(key.replace("_", ""), key)
 
 
@@ -364,6 +355,8 @@ def _collective(placed: PlacedOp, buckets: _Lookup, has_phases: bool, world_size
     busbw = algbw * factor if algbw is not None and factor is not None else None
     bucket = buckets.innermost(op.queued_us)
     number = int(_BUCKET.fullmatch(bucket.name).group(1)) if bucket else None
-    gradient = name == "all_reduce" and (bucket or phase == "backward" or (not has_phases and step is not None))
+    gradient = name == "all_reduce" and (
+        bucket or phase == phase_table.ALL_REDUCING or (not has_phases and step is not None)
+    )
     return Collective(step, name, nbytes, duration, algbw, busbw, GRADIENT if gradient else "other", group, phase,
                       number, op.start_us)  # fmt: skip

@@ -10,13 +10,14 @@ from bisect import bisect_right
 from dataclasses import dataclass
 
 from lit_ddp.derive.trace import CPU_DEVICE, Trace
-from lit_ddp.records.ranges import OWN_PHASES, STEP_PREFIX
+from lit_ddp.records import phases
+from lit_ddp.records.ranges import STEP_PREFIX
 
 
 @dataclass(frozen=True)
 class StepMemoryTrace:
-    """One step's memory from a trace: per phase (``TRACE_PHASES``, and ``step`` the whole step), the most held at
-    once and what was held at its last range's end, in bytes above what the step started with."""
+    """One step's memory from a trace: per phase (``lit_ddp.records.phases``, and ``step`` the whole step), the most
+    held at once and what was held at its last range's end, in bytes above what the step started with."""
 
     step: int
     peak: dict[str, int]
@@ -45,12 +46,13 @@ def step_memory(trace: Trace, device_type: int = CPU_DEVICE) -> list[StepMemoryT
     found = []
     for step in sorted((r for r in trace.ranges if r.name.startswith(STEP_PREFIX)), key=lambda r: r.start_us):
         base = level_at(step.start_us)
-        inside = [r for r in trace.ranges if r.name in OWN_PHASES and step.start_us <= r.start_us < step.end_us]
+        own = phases.ranges()
+        inside = [r for r in trace.ranges if r.name in own and step.start_us <= r.start_us < step.end_us]
         peak, retained = {"step": peak_in(step.start_us, step.end_us) - base}, {"step": level_at(step.end_us) - base}
         # key= alike: a phase's figures come from its own ranges alone, which sorted as tuples (name first) are in
         # start order too (only the dicts' key order moves, and they are read by key).
         for r in sorted(inside, key=lambda r: r.start_us):
-            phase = OWN_PHASES[r.name]
+            phase = own[r.name]
             peak[phase] = max(peak.get(phase, 0), peak_in(r.start_us, r.end_us) - base)
             retained[phase] = level_at(r.end_us) - base
         found.append(StepMemoryTrace(int(step.name.removeprefix(STEP_PREFIX)), peak, retained))

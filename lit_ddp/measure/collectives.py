@@ -15,12 +15,14 @@ import time
 import traceback
 from bisect import bisect_right
 from collections import deque
+from collections.abc import Collection
 from types import FrameType, TracebackType
 from typing import Any, Optional
 
 from lit_ddp import _torch
 from lit_ddp.analysis.divergence import Collective, RankReport
 from lit_ddp.analysis.flight_recorder import Frame, collective_of, default_group, user_frame
+from lit_ddp.records.schema import CollectiveCall
 
 MARKS_KEPT = 256  # phase marks: some 40 steps
 REPORTED = 16  # a rank's last collectives in its report
@@ -59,7 +61,14 @@ class CollectiveRecord:
         ``REPORTED``, each with its step and phase; the all-reduces of a step's backward are DDP's gradient
         buckets, numbered as DDP launches them; the last one's line, where Flight Recorder has no stack, is
         ``waited`` (the user's line it waited at, from its traceback)."""
-        out: list[Collective] = []
+        out = [collective for _, collective in self._named(entries)][-REPORTED:]
+        if out and waited and not out[-1].where and out[-1].bucket is None:
+            out[-1].where = waited
+        return out
+
+    def _named(self, entries: list[dict[str, Any]]) -> list[tuple[dict[str, Any], Collective]]:
+        """The default group's entries, each with its collective: step, phase, and bucket in a backward."""
+        out = []
         buckets: dict[Optional[int], int] = {}
         for entry in default_group(entries):
             # An entry without a time is before every mark (0, 1: the same); one without a name is no all-reduce
@@ -68,10 +77,21 @@ class CollectiveRecord:
             bucket = None
             if phase == "backward" and str(entry.get("profiling_name", "")).endswith("all_reduce"):
                 bucket = buckets[step] = buckets.get(step, -1) + 1
-            out.append(collective_of(entry, step, phase, bucket))
-        out = out[-REPORTED:]
-        if out and waited and not out[-1].where and out[-1].bucket is None:
-            out[-1].where = waited
+            out.append((entry, collective_of(entry, step, phase, bucket)))
+        return out
+
+    def calls(self, entries: list[dict[str, Any]], steps: Collection[int], host_s: float,
+              wall_ns: int) -> list[CollectiveCall]:  # fmt: skip
+        """The entries called in ``steps`` (while their marks are still kept), for the record: each on the host
+        clock, through ``host_s`` and ``wall_ns``, the host clock and the system clock read together."""
+        if not self._times:
+            return []
+        oldest, out = self._times[0], []
+        for entry, c in self._named(entries):
+            created = int(entry.get("time_created_ns", 0))
+            if c.step in steps and created >= oldest:  # an older one's step is not known any more
+                out.append(CollectiveCall(c.seq, c.op, c.sizes, c.dtype, c.step, c.phase,
+                                          host_s + (created - wall_ns) / 1e9, c.bucket))  # fmt: skip
         return out
 
     def report(self, rank: int, kind: str, error: str, where: str) -> RankReport:

@@ -19,9 +19,9 @@ from lit_ddp.measure import memory
 from lit_ddp.measure.profiling import LightningProfilerTraces, TraceRecorder, describe, read_busy
 from lit_ddp.measure.roofline import StepFlopCounter, StepFlops, optimizer_update_bytes
 from lit_ddp.measure.step_marks import OptimizerSteps, StepMarks, Updates, close_micro_batch, phases_of
+from lit_ddp.records import phases
 from lit_ddp.records.schema import (
     MAX_SKIPPED_KEPT,
-    PHASES,
     OutOfMemory,
     RankPhases,
     RunMeta,
@@ -29,9 +29,8 @@ from lit_ddp.records.schema import (
     StepMemory,
     StepPhases,
     StepRow,
-    Window,
-    is_steady,
 )
+from lit_ddp.records.steps import Window, is_steady
 
 FIRST_PROFILED_STEP = 2  # of the fit: after its warm-up step and one more (allocator, DDP's bucket rebuild)
 
@@ -60,7 +59,7 @@ class FitPhases:
         self.profiled_steps = range(start, start + owned)
         self.window = Window(self.profiled_steps, first_step)  # each step's phases
         self.memory_window = Window(self.profiled_steps, first_step)  # each step's memory
-        self.summaries: dict[str, Sketch] = {phase: Sketch() for phase in PHASES}
+        self.summaries: dict[str, Sketch] = {phase: Sketch() for phase in phases.with_step()}
         self.memory_summaries: dict[str, Sketch] = {}
         self.outside_summaries: dict[str, Sketch] = {}
         self.busy: list[StepRow] = []  # per profiled step: GPU-busy ms of each phase
@@ -248,16 +247,16 @@ class FitPhases:
                 self.skipped += [step][: MAX_SKIPPED_KEPT - len(self.skipped)]
             if marks.memory is not None:
                 self._add_memory(marks.memory)
-            phases, offsets, outside = phases_of(marks, self.clock.elapsed_ms)
+            found, offsets, outside = phases_of(marks, self.clock.elapsed_ms)
             start_s = self.clock.host_seconds(marks.micro[0]["start"])  # for the timeline: every rank on one clock
-            self.window.add(step, StepRow(step, phases, offsets, len(marks.micro), start_s))
+            self.window.add(step, StepRow(step, found, offsets, len(marks.micro), start_s))
             for what, values in outside.items():
                 for value in values:
                     self.outside_summaries.setdefault(what, Sketch()).add(value)
             if is_steady(step, {*self.profiled_steps, *self.skipped}, self.first_step):
-                for name in (*PHASES, "backward_last"):
-                    self.summaries.setdefault(name, Sketch()).add(getattr(phases, name))
-            done.append((step, phases))
+                for name, ms in found.items():
+                    self.summaries.setdefault(name, Sketch()).add(ms)
+            done.append((step, found))
         return done
 
     def _add_memory(self, row: StepMemory) -> None:

@@ -20,12 +20,19 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lit_ddp._torch import ddp_logging_data
 from lit_ddp.derive import trace, trace_memory
-from lit_ddp.measure.profiling import OPENS
-from lit_ddp.records import ranges
-from lit_ddp.records.schema import HEAD_STEPS, PHASES, DDPMemory, StepMemory
+from lit_ddp.measure.profiling import opens
+from lit_ddp.records import phases
+from lit_ddp.records.schema import DDPMemory, StepMemory
+from lit_ddp.records.steps import HEAD_STEPS
+
 
 # The phase each of PhaseTimer's boundaries opens (a step's start opens "other" until its forward starts).
-PHASE_OPENED = {"start": "other", **{boundary: ranges.OWN_PHASES[name] for boundary, name in OPENS.items()}}
+def phase_opened() -> dict[str, str]:
+    """Mark -> the phase that runs from it (the remainder from a step's start)."""
+    named = phases.ranges()
+    return {"start": phases.REMAINDER, **{boundary: named[name] for boundary, name in opens().items()}}
+
+
 CUDA_SOURCE, CPU_SOURCE = "cuda_allocator", "cpu_profiler"
 # On CUDA the steps whose phases get their own peak: the record's first steps (``HEAD_STEPS``). Only there is the
 # allocator's peak reset at every boundary; from then on ``torch.cuda.max_memory_allocated`` and Lightning's
@@ -100,7 +107,8 @@ class AllocatorMarks:
 
     def __init__(self, device: torch.device, steps: int = MEASURED_STEPS) -> None:
         self.device = device
-        self.phase = "other"  # the phase running now
+        self.phase = phases.REMAINDER  # the phase running now
+        self._opened = phase_opened()
         self.steps_left = steps
         self._intervals: list[tuple[str, int, int]] = []
         self._start = self._read()[1]
@@ -117,7 +125,7 @@ class AllocatorMarks:
             peak, now = self._read()
             torch.cuda.reset_peak_memory_stats(self.device)
             self._intervals.append((self.phase, peak, now))
-        self.phase = PHASE_OPENED.get(boundary, self.phase)
+        self.phase = self._opened.get(boundary, self.phase)
 
     def end_step(self, step: int) -> Optional[StepMemory]:
         """The step whose boundaries were marked since the last call (None once ``steps`` were measured); the next
@@ -145,10 +153,13 @@ class NoMarks:
     """CPU: nothing to read at a boundary (the profiled steps' traces hold the allocator's events)."""
 
     source = None
-    phase = "other"
+
+    def __init__(self) -> None:
+        self.phase = phases.REMAINDER
+        self._opened = phase_opened()
 
     def mark(self, boundary: str) -> None:
-        self.phase = PHASE_OPENED.get(boundary, self.phase)
+        self.phase = self._opened.get(boundary, self.phase)
 
     def end_step(self, step: int) -> None:
         return None
@@ -174,6 +185,7 @@ def cpu_step_memory(paths: Iterable[Path], rank: int, anchors: dict[int, int]) -
     caller: from the second one on, every tensor freed was allocated in sight.
     """
     found: dict[int, StepMemory] = {}
+    known = phases.with_step()
     for path in paths:
         try:
             loaded = trace.load(path)
@@ -185,7 +197,7 @@ def cpu_step_memory(paths: Iterable[Path], rank: int, anchors: dict[int, int]) -
             anchor = anchors.get(step.step)
             if anchor is None:
                 continue
-            peak = {p: anchor + max(v, 0) for p, v in step.peak.items() if p in PHASES}
-            retained = {p: anchor + v for p, v in step.retained.items() if p in PHASES}
+            peak = {p: anchor + max(v, 0) for p, v in step.peak.items() if p in known}
+            retained = {p: anchor + v for p, v in step.retained.items() if p in known}
             found[step.step] = StepMemory(step.step, anchor, peak, retained)
     return [found[s] for s in sorted(found)]

@@ -23,16 +23,21 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from lit_ddp.derive import trace
-from lit_ddp.records import ranges
-from lit_ddp.records.schema import StepPhases, StepRow
+from lit_ddp.records import phases, ranges
+from lit_ddp.records.phases import StepPhases
+from lit_ddp.records.schema import StepRow
+
 
 # The phase range each boundary opens, closing the one open before. One is open at every moment of a step, so an
 # op queued between two phases is "other", not given to a range around the phases (torch's Optimizer.step#...step
 # holds Lightning's whole closure). lit_ddp.derive.trace takes the innermost range: one opened inside ours
 # (Lightning's # profiler's [Strategy]...training_step, begun just before the forward pre-hook) keeps what it holds.
-OPENS = {"forward_start": ranges.FORWARD, "forward_end": ranges.OTHER, "backward_start": ranges.BACKWARD,
-         "backward_end": ranges.OTHER, "update_start": ranges.UPDATE, "update_end": ranges.OTHER,
-         "data_start": ranges.DATA}  # fmt: skip
+def opens() -> dict[str, str]:
+    """Mark -> the profiler range it opens (``lit_ddp.records.phases``): a phase's opening mark its own, its closing
+    mark the remainder's."""
+    remainder = phases.range_of(phases.REMAINDER)
+    found = {p.opens: p.profiler_range for p in phases.marked()}
+    return {**{p.closes: remainder for p in phases.marked() if p.closes != phases.END}, **found}
 
 
 def enter_range(name: str) -> record_function:
@@ -49,14 +54,16 @@ class Ranges:
 
     def __init__(self, enter: Callable[[str], Any] = enter_range) -> None:
         self._enter = enter
+        self._opens = opens()
+        self._remainder = phases.range_of(phases.REMAINDER)
         self._open: list[Any] = []  # the step's range, then its phase's
 
     def begin_step(self, step: int) -> None:
         self._end_ranges()
-        self._open = [self._enter(f"{ranges.STEP_PREFIX}{step}"), self._enter(ranges.OTHER)]
+        self._open = [self._enter(f"{ranges.STEP_PREFIX}{step}"), self._enter(self._remainder)]
 
     def mark(self, boundary: str) -> None:
-        name = OPENS.get(boundary)
+        name = self._opens.get(boundary)
         if name is not None and self._open:
             self._open.pop().__exit__(None, None, None)
             self._open.append(self._enter(name))
@@ -92,8 +99,14 @@ class TraceRecorder(Ranges):
     def start(self) -> None:
         # record_shapes: ProcessGroupNCCL's collectives then carry their sizes into the trace (trace_report's bytes).
         self._profile = profile(activities=self.activities, record_shapes=True, profile_memory=self.profile_memory)
+        before = torch.empty(1) if self.profile_memory else None  # a block the profile did not see allocated
         with profiler_chatter_hidden():
             self._profile.__enter__()
+            # Its free is the first of a block the CPU allocator's reporter does not know: torch warns on every
+            # 1000th such free from its first (CPUAllocator.cpp, a count kept per process, across profiles), one
+            # line per rank in a profiled step. Spent here, inside the window whose chatter is hidden, the next
+            # warning would need 1000 more, which a few profiled steps do not reach (the profiled config: none).
+            del before
 
     def close(self) -> None:
         super().close()
@@ -114,10 +127,13 @@ class TraceRecorder(Ranges):
 
 # What torch's profiler (Kineto) prints on stderr from C++ as it starts and stops, on every rank: "USDT: ...
 # profiler_start" (torch >= 2.13), its stages, and on a CUDA build without a GPU "ERROR: ... gpuGetDeviceCount
-# failed". Not the user's to act on.
+# failed"; and the CPU allocator's line for the block PhaseTimer frees at the start of a memory profile (``start``).
+# Not the user's to act on.
 PROFILER_CHATTER = re.compile(
     r"^(USDT|STAGE):\S+ \S+ \d+:\d+ \w+\.cpp:\d+\]"
     r"|^ERROR:\S+ \S+ \d+:\d+ DeviceProperties\.cpp:\d+\] gpuGetDeviceCount failed"
+    r"|^(\[rank\d+\]:)?\[W\S+ \S+ CPUAllocator\.cpp:\d+\] Memory block of unknown size was allocated before the "
+    r"profiling started"
 )
 
 
@@ -215,9 +231,8 @@ def read_busy(paths: Iterable[Path], rank: int, steps: Optional[Collection[int]]
 
 def busy_row(step: trace.StepAnalysis) -> StepRow:
     """One step's GPU-busy ms per phase (0 for a phase that queued no GPU op) and of the step (the union)."""
-    ms = {p: step.phases[p].busy_us / 1e3 if p in step.phases else 0.0 for p in ranges.TRACE_PHASES}
-    return StepRow(step.step, StepPhases(ms["forward"], ms["backward"], ms["update"], ms["other"],
-                                         step.breakdown.busy_us / 1e3, ms["data"]), [])  # fmt: skip
+    ms = {p: step.phases[p].busy_us / 1e3 if p in step.phases else 0.0 for p in phases.names()}
+    return StepRow(step.step, StepPhases(ms, step=step.breakdown.busy_us / 1e3), {})
 
 
 def describe(busy: Busy, where: Optional[Path], steps: Optional[range] = None) -> str:

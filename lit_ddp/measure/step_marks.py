@@ -3,7 +3,7 @@
     python -m lit_ddp.fit --config configs/mini_train_profile.yaml --devices 2 --trainer.accumulate_grad_batches 4
 
 With gradient accumulation a step (docs/architecture.md) runs several batches (micro-batches), each with its own
-forward, backward and data boundaries (``lit_ddp.records.schema.BOUNDARIES``), and one update, in the last one.
+marks (``lit_ddp.records.phases``: each phase's opening and closing mark), and one update, in the last one.
 Each phase of the step is the sum of its spans over the micro-batches. Work inside fit that is no training step's
 (validation, run by Lightning between two batches) is marked as a span of its own and taken out of the step and
 of the ``data`` phase it falls in: it is reported apart (``RankPhases.outside``).
@@ -17,13 +17,16 @@ import torch
 from lightning.pytorch import Trainer
 from torch import Tensor
 
-from lit_ddp.records.schema import BOUNDARIES, StepPhases
+from lit_ddp.records import phases
+from lit_ddp.records.phases import StepPhases
 
-# What a step must have marked, in some micro-batch, for its phases to be reported (data_start may be missing:
-# its span then ends where it starts). A step without them (the step raised, no optimizer step) is left out.
-MARKS = ("start", *BOUNDARIES[:-2])
-SPANS = {"forward": ("forward_start", "forward_end"), "backward": ("backward_start", "backward_end"),
-         "update": ("update_start", "update_end"), "data": ("data_start", "end")}  # fmt: skip
+
+def required_marks() -> tuple[str, ...]:
+    """What a step must have marked, in some micro-batch, for its phases to be reported: every mark but those of the
+    phase that ends the micro-batch (data's start may be missing: its span then ends where it starts). A step without
+    them (the step raised, no optimizer step) is left out."""
+    closing = next((p.opens for p in phases.marked() if p.closes == phases.END), None)
+    return ("start", *(b for b in phases.boundaries() if b not in (closing, phases.END)))
 
 
 class OptimizerSteps:
@@ -93,33 +96,39 @@ class StepMarks:
 
     def complete(self) -> bool:
         marked = {name for m in self.micro for name in m}
-        return all(b in marked for b in MARKS)
+        return all(b in marked for b in required_marks())
 
 
 def close_micro_batch(marks: dict[str, Any], end: Any) -> dict[str, Any]:
     """A micro-batch's marks, ended at ``end`` (the next batch's start, or the end of training)."""
-    marks.setdefault("forward_start", marks["start"])
-    marks.setdefault("data_start", end)  # no batch end (the step raised, or a hand-driven timer)
-    return {**marks, "end": end}
+    first = phases.marked()[0].opens  # the first phase opens at the micro-batch's start at the latest
+    marks.setdefault(first, marks["start"])
+    for phase in phases.marked():
+        if phase.closes == phases.END:  # no batch end (the step raised, or a hand-driven timer)
+            marks.setdefault(phase.opens, end)
+    return {**marks, phases.END: end}
 
 
-def phases_of(marks: StepMarks, elapsed: Callable[[Any, Any], float]) -> tuple[StepPhases, list[float], dict]:
+def phases_of(marks: StepMarks, elapsed: Callable[[Any, Any], float]) -> tuple[StepPhases, dict[str, float], dict]:
     """The step's phases (ms), where each boundary fell (ms from the step's start; for each boundary the last
     micro-batch's that has it: the one DDP all-reduces after) and the outside spans' ms by what they were."""
     sums = {}
-    for phase, (a, b) in SPANS.items():
-        sums[phase] = sum(elapsed(m[a], m[b]) for m in marks.micro if a in m and b in m)
-    backwards = [elapsed(m["backward_start"], m["backward_end"]) for m in marks.micro
-                 if "backward_start" in m and "backward_end" in m]  # fmt: skip
+    for phase in phases.marked():
+        a, b = phase.opens, phase.closes
+        sums[phase.name] = sum(elapsed(m[a], m[b]) for m in marks.micro if a in m and b in m)
+    # The last micro-batch's backward: the one DDP all-reduces after.
+    a, b = next((p.opens, p.closes) for p in phases.marked() if p.name == phases.ALL_REDUCING)
+    backwards = [elapsed(m[a], m[b]) for m in marks.micro if a in m and b in m]
     outside: dict[str, list[float]] = {}
     for what, start, end in marks.outside:
         outside.setdefault(what, []).append(elapsed(start, end))
     away = sum(sum(v) for v in outside.values())  # inside a data span: between one batch's end and the next start
     step = elapsed(marks.micro[0]["start"], marks.end) - away
-    data = max(0.0, sums["data"] - away)
-    other = step - sums["forward"] - sums["backward"] - sums["update"] - data
-    phases = StepPhases(sums["forward"], sums["backward"], sums["update"], other, step, data,
-                        backwards[-1] if backwards else 0.0)  # fmt: skip
+    # Work outside the step ran between a batch's end and the next start: inside the phase that ends a micro-batch.
+    closing = next(p.name for p in phases.marked() if p.closes == phases.END)
+    sums[closing] = max(0.0, sums[closing] - away)
+    sums[phases.REMAINDER] = step - sum(sums.values())
+    found = StepPhases(sums, step=step, backward_last=backwards[-1] if backwards else 0.0)
     start = marks.micro[0]["start"]
-    offsets = [elapsed(start, next(m[b] for m in reversed(marks.micro) if b in m)) for b in BOUNDARIES]
-    return phases, offsets, outside
+    offsets = {b: elapsed(start, next(m[b] for m in reversed(marks.micro) if b in m)) for b in phases.boundaries()}
+    return found, offsets, outside

@@ -14,14 +14,15 @@ from lit_ddp.analysis.run_analysis import RunAnalysis
 from lit_ddp.derive import noise
 from lit_ddp.derive.summaries import phase_summary
 from lit_ddp.formatting import fmt_ms
+from lit_ddp.records import phases as step_phases
 
 # A part bounds the step when it leads the next by this share of the step at least, beyond the noise (the lead's
 # interval above it): a lead of a few percent bounds nothing (a 1024-wide linear on 2 CPU ranks: the all-reduce
 # led forward by 4% of the step in one of five runs, and by 11% (4% to 17%) in one of five on a quiet machine).
 LEAD_SHARE = 0.1
-# The parts of a step the verdict weighs (step_parts): the phases, backward split by CommMonitor's record.
-PART_NAMES = {"forward": "forward", "backward": "backward", "update": "update", "data": "data", "other": "other",
-              "exposed": "the all-reduce's exposed transfer", "wait": "the wait for a later rank"}  # fmt: skip
+# The parts of a step the verdict weighs (step_parts): the phases, by their names (lit_ddp.records.phases), and the
+# two that CommMonitor's record splits out of the all-reducing one (backward).
+SPLIT_NAMES = {"exposed": "the all-reduce's exposed transfer", "wait": "the wait for a later rank"}
 
 
 @dataclass(frozen=True)
@@ -40,9 +41,9 @@ class Bound:
 
     def name(self, part: str) -> str:
         """The part as the figures call it: backward split by CommMonitor is backward's compute, of its whole."""
-        if part == "backward" and "exposed" in self.medians:
+        if part == step_phases.ALL_REDUCING and "exposed" in self.medians:
             return f"backward's compute ({fmt_ms(self.medians[part])} of its {fmt_ms(self.backward_ms)})"
-        return f"{PART_NAMES[part]} ({fmt_ms(self.medians[part])})"
+        return f"{SPLIT_NAMES.get(part, part)} ({fmt_ms(self.medians[part])})"
 
     @property
     def lead(self) -> str:
@@ -60,11 +61,10 @@ def cpu_bound(analysis: RunAnalysis) -> Optional[Bound]:
         return None
     medians = {p: statistics.median(v) for p, v in parts.items()}
     first, second = sorted(parts, key=medians.get, reverse=True)[:2]
-    # zip's strict=... mutants are equivalent: step_parts makes every part from the same rows.
     gap = noise.median_interval([a - b for a, b in zip(parts[first], parts[second], strict=True)])
     share = {p: medians[p] / step_ms if step_ms else 0.0 for p in parts}
     called = noise.call(gap, null=LEAD_SHARE * step_ms) == "slower"  # the lead beyond the noise above the floor
-    backward = phase_summary(analysis.phases, 0, "backward").median
+    backward = phase_summary(analysis.phases, 0, step_phases.ALL_REDUCING).median
     return Bound(first, second, medians, share, gap, n, called, backward)
 
 

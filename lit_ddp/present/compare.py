@@ -22,7 +22,9 @@ from lit_ddp.derive.row_samples import run_samples, run_spreads, trace_samples
 from lit_ddp.derive.trace import RankAnalysis
 from lit_ddp.errors import RecordError
 from lit_ddp.formatting import fmt_bytes, fmt_ms, fmt_rate, fmt_us, table
-from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, load_run, no_record
+from lit_ddp.records import phases as phase_table
+from lit_ddp.records.runs import no_record
+from lit_ddp.records.schema import CommRecord, PhaseRecord, load_run
 
 CONFIDENCE = 0.95  # for the family of all the rows: the chance that any row is called by noise alone is <= 5%
 # A time row that moves by less than this share of the step (the mean of A's and B's, the same whichever side is
@@ -223,7 +225,7 @@ def whole_run_shift(a: Run, b: Run) -> Optional[str]:
 
 def _shift(sa: dict, sb: dict) -> Optional[str]:
     """``whole_run_shift`` on the two runs' ``run_samples``, each with its phase rows."""
-    parts = [p for p in PHASES if p != "step" and sa[p][1] and sb[p][1] and statistics.median(sa[p][1]) > 0]
+    parts = [p for p in phase_table.names() if sa[p][1] and sb[p][1] and statistics.median(sa[p][1]) > 0]
     if len(parts) < 3:
         return None
     level = noise.family_confidence(CONFIDENCE, len(parts))
@@ -264,7 +266,6 @@ def _samples(run: Run, each_sample: bool) -> tuple[dict, dict]:
 def step_floor(a: Sequence[dict], b: Sequence[dict]) -> float:
     """``STEP_SHARE`` of the step: the mean of the two sides' step medians (each side the mean of its runs'), so
     the words are the same whichever side is A; 0 where a side has no step row."""
-    # Only the default's samples are read ([1]): a mutant of its unit (0) is equivalent
     sides = [[statistics.median(s["step"][1]) for s in side if s.get("step", (0, []))[1]] for side in (a, b)]
     if not all(sides):
         return 0.0
@@ -295,8 +296,7 @@ def one_run_rows(a: Run, b: Run) -> tuple[list[Row], list[str]]:
     (sa, spread_a), (sb, spread_b) = _samples(a, each_sample), _samples(b, each_sample)
     same_layout = a[1] is None or b[1] is None or a[1].layout == b[1].layout
     names = [n for n in sa if n in sb and (same_layout or not n.startswith("bucket"))]
-    # Every row of a run's run_samples has its entry in that run's run_spreads: the defaults are never read (their
-    # mutants are equivalent)
+    # Every row of a run's run_samples has its entry in that run's run_spreads: the defaults are never read.
     spread = {n: max(spread_a.get(n, 0.0), spread_b.get(n, 0.0)) for n in names}
     rows = compare(
         [Samples(n, sa[n][0], sa[n][1], sb[n][1], spread[n]) for n in names], floor_ms=step_floor([sa], [sb])
@@ -323,7 +323,6 @@ def one_run_rows(a: Run, b: Run) -> tuple[list[Row], list[str]]:
 
 
 # The parts whose sum is the step (``StepPhases``): what a change of the step is made of.
-STEP_PARTS = tuple(p for p in PHASES if p != "step")
 EXPLAINED = 0.5  # the parts called must make up at least this share of the step's move, else the run moved
 
 
@@ -336,14 +335,14 @@ def unexplained_move(rows: Sequence[Row]) -> Optional[str]:
     holds 0 is the same mark (a change moves a part beyond its noise, if under the floor). None otherwise."""
     by_name = {r.name: r for r in rows}
     step = by_name.get("step")
-    called = [by_name[p] for p in STEP_PARTS if p in by_name and by_name[p].word != "same"]
+    called = [by_name[p] for p in phase_table.names() if p in by_name and by_name[p].word != "same"]
     if step is None:
         return None
     moved, explained, unit = step.difference.estimate, sum(r.difference.estimate for r in called), step.unit
     machine = ("the mark of a machine that slowed or freed one run more than of a change, so no time row is called "
                "(can't tell)")  # fmt: skip
     if not called:
-        parts = [by_name[p] for p in STEP_PARTS if p in by_name]
+        parts = [by_name[p] for p in phase_table.names() if p in by_name]
         if step.word == "same" or any(r.difference.excludes(0.0) for r in parts):
             return None  # the step did not move, or a part moved beyond its noise (under the floor): a change
         return (f"The step moved by {_signed(moved, unit)} beyond its noise and no part of it did: the move is "

@@ -42,6 +42,8 @@ def render(
         files = ", ".join(path.name for path, _ in written)
         command = f"python -m lit_ddp.report {shlex.quote(run_dir)}"
         texts.append(f"Record in {run_dir} ({files}); the tables again: {command}")
+        if phases is not None:  # the timeline is drawn from phases.json's steps
+            texts.append(f"timeline: {command} --timeline run.json, open in Perfetto's UI")
     return texts
 
 

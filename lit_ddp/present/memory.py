@@ -9,7 +9,8 @@ How each figure is measured and what it means: docs/memory.md.
 from typing import Optional
 
 from lit_ddp.formatting import CLI, Advice, fmt_bytes
-from lit_ddp.records.schema import PHASES, DDPMemory, PhaseRecord, Sketch, StepMemory
+from lit_ddp.records import phases as phase_table
+from lit_ddp.records.schema import DDPMemory, PhaseRecord, Sketch, StepMemory
 
 SOURCES = {
     "cuda_allocator": "the CUDA caching allocator: bytes of live tensors, its peak reset at each phase boundary",
@@ -44,10 +45,10 @@ def highest_rank(record: PhaseRecord) -> int:
 
 
 def memory_cells(record: PhaseRecord) -> list[tuple[str, str]]:
-    """Per phase (``PHASES`` order): the highest rank's median peak and median retained bytes."""
+    """Per phase (the phase table's order, then the step): the highest rank's median peak and median retained bytes."""
     rank = highest_rank(record)
     cells = []
-    for phase in PHASES:
+    for phase in phase_table.with_step():
         peak, kept = (memory_summary(record, rank, f"{kind}.{phase}") for kind in ("peak", "retained"))
         cells.append((fmt_bytes(peak.median) if peak.count else "-", fmt_bytes(kept.median) if kept.count else "-"))
     return cells
@@ -84,7 +85,7 @@ def ddp_memory_lines(memory: DDPMemory, advice: Advice = CLI, detail: bool = Tru
         f"({fmt_bytes(memory.held)}) before activations.",
     ]
     if not memory.buckets:
-        return "\n".join(lines)  # one line: the separator is never written (a mutant of it is equivalent)
+        return "\n".join(lines)
     if view:
         lines.append(f"gradient_as_bucket_view is on: the gradients are the buckets, saving {total:,} bytes.")
     else:

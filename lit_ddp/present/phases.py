@@ -17,7 +17,8 @@ from lit_ddp.derive.summaries import micro_batches, phase_summary
 from lit_ddp.formatting import fmt_bandwidth, fmt_ms, fmt_si, table
 from lit_ddp.present.bound import LEAD_SHARE, cpu_bound, steady_count
 from lit_ddp.present.memory import has_memory, memory_cells, memory_line
-from lit_ddp.records.schema import PHASES, CommRecord, PhaseRecord, Sketch, StepRow
+from lit_ddp.records import phases as step_phases
+from lit_ddp.records.schema import CommRecord, PhaseRecord, Sketch, StepRow
 
 CLOCKS = {  # what each clock's times mean
     "perf_counter": ": host time",
@@ -26,15 +27,9 @@ CLOCKS = {  # what each clock's times mean
 
 DEFAULT_PRECISION = "32-true"  # Lightning's default: the tables name any other, and the dtype on the wire
 
-# What each phase is, said with the verdict in place of advice that no figure backs: a change gets a figure from
-# python -m lit_ddp.tune (measured) or python -m lit_ddp.forecast (a what-if), never from a rule.
-WHAT_IT_IS = {
-    "forward": "the model's compute",
-    "backward": "the model's compute, and the gradient all-reduce where backward does not hide it",
-    "update": "the optimizer's step",
-    "data": "the input pipeline, outside DDP",
-    "other": "Python between the phases (Lightning's loop, callbacks, logging)",
-}
+# What each phase is (its row's meaning in lit_ddp.records.phases) is said with the verdict in place of advice that
+# no figure backs: a change gets a figure from python -m lit_ddp.tune (measured) or python -m lit_ddp.forecast (a
+# what-if), never from a rule.
 # The GPU bounds the step when it is busy this share of it at least, in every profiled step (_gpu_verdict).
 BUSY_BOUND = 0.8
 MEASURE = "python -m lit_ddp.tune measures what DDP's knobs and the optimizer's fused step change on this model"
@@ -53,7 +48,8 @@ def phase_table(analysis: RunAnalysis, detail: bool = True) -> str:
     n_ranks = len(record.ranks)
     first = record.ranks[0].row(record.first_step)
     rows = []
-    for phase in PHASES:
+    names = step_phases.with_step()
+    for phase in names:
         per_rank = [phase_summary(record, r, phase) for r in range(n_ranks)]
         pooled = Sketch.merged(per_rank)
         slowest = max(range(n_ranks), key=lambda r: per_rank[r].median)
@@ -62,9 +58,9 @@ def phase_table(analysis: RunAnalysis, detail: bool = True) -> str:
                      f"rank {slowest}: {fmt_ms(per_rank[slowest].median)}"))  # fmt: skip
     header = ["phase", f"step {record.first_step}", "median", "min", "max", "slowest rank (median)"]
     busy = record.ranks[0].busy_ms  # GPU kernel time inside each phase of the profiled steps
-    if busy:  # zip's strict=... mutants here and below are equivalent: one row, one busy and one memory cell a phase
+    if busy:  # one row, one busy and one memory cell a phase
         header.append("GPU busy (rank 0)")
-        rows = [(*row, fmt_ms(_busy_median(busy, phase))) for row, phase in zip(rows, PHASES, strict=True)]
+        rows = [(*row, fmt_ms(_busy_median(busy, phase))) for row, phase in zip(rows, names, strict=True)]
     memory = has_memory(record)
     if memory:  # the bytes of the rank whose step peaks highest (lit_ddp.present.memory)
         header += ["peak memory", "retained"]
@@ -181,8 +177,9 @@ def _cpu_verdict(analysis: RunAnalysis) -> str:
                 "late often and steadily enough to be named a straggler (the all-reduce table's last line): the wait "
                 f"follows the ranks' own variation from step to step, not one rank; run again to see whether it "
                 f"repeats; {MEASURE}")  # fmt: skip
-    split = "exposed" in b.medians or analysis.phases.meta.world_size == 1  # backward is compute only
-    what = "the model's compute" if first == "backward" and split else WHAT_IT_IS[first]
+    split = "exposed" in b.medians or analysis.phases.meta.world_size == 1  # the all-reducing phase: compute only
+    compute = first == step_phases.ALL_REDUCING and split
+    what = "the model's compute" if compute else step_phases.meaning(first)
     return f"{b.name(first)} bounds the step, {b.share[first]:.0%} of it: {what}, {b.lead}; {MEASURE}"
 
 
@@ -195,8 +192,7 @@ def _wire_advice(comm: Optional[CommRecord], step_ms: float, savings: Mapping[st
     if comm is not None and comm.compression:
         return (f"the buckets are {comm.compression} already: python -m lit_ddp.forecast RUN --forecast "
                 f"{comm.meta.world_size} --link ... forecasts other links")  # fmt: skip
-    # comm is never None here (the exposed part comes from CommMonitor's record): mutants of "if comm" and its
-    # fallback of 2 ranks are equivalent for the verdict, the only caller.
+    # comm is never None here (the exposed part comes from CommMonitor's record).
     return f"python -m lit_ddp.forecast RUN --forecast {comm.meta.world_size if comm else 2} forecasts fp16 compression"
 
 
@@ -205,9 +201,6 @@ def roofline_table(record: PhaseRecord, detail: bool = True) -> str:
     ``detail``, only where a peak is known)."""
     r = record.roofline
     rows = []
-    # Mutants of the unit constants (1e12, 1e9, and fmt_bandwidth's 1e9 below) into 1e12 + 1 and 1e9 + 1 are
-    # equivalent: a change of 1e-12 or 1e-9 relative, in figures printed to 3 or 4 digits, shows only at an exact
-    # rounding tie.
     for phase, work, unit, peak in (
         ("forward", r.forward_flop, "FLOP", r.peak_tflops and r.peak_tflops * 1e12),
         ("backward", r.backward_flop, "FLOP", r.peak_tflops and r.peak_tflops * 1e12),

@@ -18,7 +18,8 @@ from lit_ddp.analysis.run_analysis import RunAnalysis
 from lit_ddp.derive.trace import GRADIENT, RankAnalysis, merge
 from lit_ddp.errors import EXIT_NO_PICTURE
 from lit_ddp.formatting import fmt_ms
-from lit_ddp.records.schema import BOUNDARIES, PHASES, CommRecord, PhaseRecord
+from lit_ddp.records import phases as phase_table
+from lit_ddp.records.schema import CommRecord, PhaseRecord
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -77,8 +78,6 @@ def phases_figure(analysis: RunAnalysis) -> "Figure":
     return fig
 
 
-_PHASE_BAR_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "update": "#55A868", "data": "#937860",
-                     "other": "#BBBBBB"}  # fmt: skip
 # The steady steps' tallest bar fills this share of the clipped axis: a warm-up step up to this much taller is
 # drawn whole.
 _HEADROOM = 1.4
@@ -88,9 +87,9 @@ def _phase_bars(ax, phases: PhaseRecord) -> None:
     rows = phases.ranks[0].rows
     steps = [r.step for r in rows]
     bottom = [0.0] * len(steps)
-    for phase in PHASES[:-1]:
-        heights = [max(getattr(r.ms, phase), 0.0) for r in rows]
-        ax.bar(steps, heights, bottom=bottom, color=_PHASE_BAR_COLORS[phase], label=phase)
+    for phase in phase_table.table():
+        heights = [max(r.ms[phase.name], 0.0) for r in rows]
+        ax.bar(steps, heights, bottom=bottom, color=phase.colour, label=phase.name)
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     profiled = [s for s in steps if s in set(phases.profiled_steps)]
     if profiled:
@@ -123,10 +122,8 @@ def _phase_timeline(ax, phases: PhaseRecord, comm: Optional[CommRecord]) -> None
     steady = phases.steady_rows(0) or phases.ranks[0].rows
     by_time = sorted(steady, key=lambda r: r.ms.step)
     step = by_time[len(by_time) // 2].step
-    at = {name: i for i, name in enumerate(BOUNDARIES)}
-    colors = _PHASE_BAR_COLORS
-    spans = (("forward", "forward_start", "forward_end"), ("backward", "backward_start", "backward_end"),
-             ("update", "update_start", "update_end"), ("data", "data_start", "end"))  # fmt: skip
+    remainder = phase_table.REMAINDER
+    all_reducing = next(p for p in phase_table.marked() if p.name == phase_table.ALL_REDUCING)
     for rank, kept in enumerate(phases.ranks):
         row = kept.row(step)
         if row is None:
@@ -134,15 +131,16 @@ def _phase_timeline(ax, phases: PhaseRecord, comm: Optional[CommRecord]) -> None
         marks = row.offsets_ms
         y = 2 * rank
         # The whole step in grey: what no phase covers is "other".
-        ax.broken_barh([(0, marks[at["end"]])], (y + 0.55, 0.4), color=colors["other"],
-                       label="other" if rank == 0 else None)  # fmt: skip
-        for phase, start, end in spans:
-            ax.broken_barh([(marks[at[start]], marks[at[end]] - marks[at[start]])], (y + 0.55, 0.4),
-                           color=colors[phase], label=phase if rank == 0 else None)  # fmt: skip
+        ax.broken_barh([(0, marks[phase_table.END])], (y + 0.55, 0.4), color=phase_table.colour(remainder),
+                       label=remainder if rank == 0 else None)  # fmt: skip
+        for phase in phase_table.marked():
+            start, end = marks[phase.opens], marks[phase.closes]
+            ax.broken_barh([(start, end - start)], (y + 0.55, 0.4), color=phase.colour,
+                           label=phase.name if rank == 0 else None)  # fmt: skip
         buckets = next((b for b in comm.ranks[rank].rows if b.step == step), None) if comm else None
         if buckets is None:
             continue
-        backward_start = marks[at["backward_start"]]
+        backward_start = marks[all_reducing.opens]
         last_ready = backward_start + max(buckets.ready_ms)
         exposed_label = "exposed" if rank == 0 else None  # on the first exposed part drawn, whichever bucket
         for b, (r, d) in enumerate(zip(buckets.ready_ms, buckets.ms, strict=True)):
@@ -168,7 +166,6 @@ _TRACE_COLORS = {
     "compute only": "#4C72B0", "compute + communication": "#8172B3", "communication only": "#C44E52",
     "memory only": "#55A868", "host wait": "#DDDDDD", "kernel wait": "#BBBBBB", "other wait": "#888888",
 }  # fmt: skip
-_PHASE_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "update": "#55A868"}  # "other", or no phases: grey
 
 
 def trace_figure(analyses: Sequence[RankAnalysis]) -> "Figure":
@@ -206,9 +203,9 @@ def _trace_timeline(ax, analysis: RankAnalysis, y: int) -> None:
     for phase in dict.fromkeys(p.phase for p in ops):  # in order of appearance
         compute = [(p.op.start_us, p.op.end_us) for p in ops if p.phase == phase and p.op.kind == "compute"]
         ax.broken_barh([((s - t0) / 1e3, (e - s) / 1e3) for s, e in merge(compute)], (y + 0.02, 0.45),
-                       color=_PHASE_COLORS.get(phase, "#999999"),
+                       color=phase_table.colour(phase) if phase in phase_table.names() else "#999999",
                        label=f"{phase or 'compute'} compute" if label else None)  # fmt: skip
-    ends = [p.op.end_us for p in ops if p.phase == "backward" and p.op.kind == "compute"]
+    ends = [p.op.end_us for p in ops if p.phase == phase_table.ALL_REDUCING and p.op.kind == "compute"]
     for c in (c for c in analysis.collectives if c.step == step.step):
         kind = GRADIENT if c.kind == GRADIENT else "other"
         ax.broken_barh([((c.start_us - t0) / 1e3, c.duration_us / 1e3)], (y - 0.47, 0.45),

@@ -16,7 +16,7 @@ from lit_ddp.derive import noise
 from lit_ddp.derive.trace import Breakdown, RankAnalysis, combine
 from lit_ddp.formatting import fmt_bandwidth, fmt_ms, table
 from lit_ddp.present.bound import LEAD_SHARE
-from lit_ddp.records.ranges import TRACE_PHASES
+from lit_ddp.records import phases as phase_table
 
 
 def fmt_us(value: float) -> str:
@@ -53,7 +53,7 @@ def rank_table(analyses: Sequence[RankAnalysis]) -> str:
     """Per rank: the module docstring's figures of ``lit_ddp.derive.trace`` over its counted steps."""
     left_out = [s.step for a in analyses for s in a.steps if not s.counted]
     note = f"; the last step ({left_out[0]}) left out, as HTA leaves it out" if left_out else ""
-    # _row's label is sliced off here: mutants of the "" it is given are equivalent.
+    # _row's label is sliced off here.
     rows = [(a.rank, _steps(a), *_row("", a.total)[1:]) for a in analyses]
     title = (f"GPU time per rank (union over every stream; overlap = share of communication under compute; "
              f"idle split by what ended each gap{note}):")  # fmt: skip
@@ -69,7 +69,7 @@ def trace_phase_table(analysis: RankAnalysis) -> Optional[str]:
     phase ranges in its trace."""
     if not analysis.phases:
         return None
-    rows = [_row(p, analysis.phases[p]) for p in TRACE_PHASES if p in analysis.phases]
+    rows = [_row(p, analysis.phases[p]) for p in phase_table.names() if p in analysis.phases]
     title = f"Per phase, rank {analysis.rank} (the GPU ops each phase's CPU range queued, steps {_steps(analysis)}):"
     return title + "\n" + table(("phase", *_HEADER), rows)
 
@@ -96,8 +96,7 @@ def verdict_parts(analyses: Sequence[RankAnalysis]) -> dict[str, list[float]]:
     """``{part: per-step samples, us}`` that the verdict weighs: per counted step every rank's trace holds, the
     mean over ranks of its idle time, its compute and its communication that no compute hid."""
     per_rank = [{s.step: s.breakdown for s in a.steps if s.counted} for a in analyses]
-    # No ranks: no steps (set.intersection() of nothing raises). Mutants of this fallback are equivalent in
-    # trace_verdict, the only caller: with no ranks it fails all the same, on their total (combine gives None).
+    # No ranks: no steps (set.intersection() of nothing raises).
     steps = sorted(set.intersection(*(set(d) for d in per_rank))) if per_rank else []
 
     def mean(value) -> list[float]:
@@ -130,7 +129,6 @@ def trace_verdict(analyses: Sequence[RankAnalysis]) -> str:
                 f"(torch.profiler.schedule(active={noise.MIN_SAMPLES}) or more)")  # fmt: skip
     medians = {p: statistics.median(v) for p, v in parts.items()}
     top, second = sorted(parts, key=medians.get, reverse=True)[:2]
-    # zip's strict=... mutants are equivalent: verdict_parts makes every part over the same steps.
     gap = noise.median_interval([x - y for x, y in zip(parts[top], parts[second], strict=True)])
     by = f"{_ms(gap.estimate)} per step ({_ms(gap.low)} to {_ms(gap.high)}, 95%, {n} steps)"
     if noise.call(gap, null=LEAD_SHARE * statistics.median(span)) != "slower":

@@ -6,8 +6,8 @@ forecast, the benchmarks, the notebook and the tests read back, by field name.
 
 ``phases.json`` is a ``PhaseRecord`` (PhaseTimer), ``comm.json`` a ``CommRecord`` (CommMonitor); both carry
 ``schema`` (``SCHEMA_VERSION``) and a ``RunMeta``; a rank that ran out of memory writes ``oom_rank<r>.json``
-(an ``OutOfMemory``). Times are milliseconds, memory bytes. Which steps are steady (``is_steady``)
-and the bounded window of steps a rank keeps (``Window``) are defined here too. The fields, what a step is, and
+(an ``OutOfMemory``). Times are milliseconds, memory bytes. Which steps are steady and which a rank
+keeps: ``lit_ddp.records.steps``. The fields, what a step is, and
 the window: docs/architecture.md.
 """
 
@@ -17,56 +17,25 @@ import json
 import os
 import types
 import typing
-from collections import deque
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, TypeVar, Union
 
 from lit_ddp.errors import RecordError
+from lit_ddp.records.phases import StepPhases
 from lit_ddp.records.sketch import Sketch
+from lit_ddp.records.steps import is_steady
 
 R = TypeVar("R")
-SCHEMA_VERSION = 4  # 3: memory (StepMemory, DDPMemory, OutOfMemory); 4: each kept step's start (StepRow.start_s)
-# Schemas this lit_ddp reads: 3 is 4 without the steps' starts and the ending (they load as None).
-READS = (3, SCHEMA_VERSION)
-
-PHASES = ("forward", "backward", "update", "data", "other", "step")
-# What PhaseTimer marks within a step, after its start; offsets are ms from the step's start to each.
-BOUNDARIES = ("forward_start", "forward_end", "backward_start", "backward_end", "update_start", "update_end",
-              "data_start", "end")  # fmt: skip
-WARMUP_STEPS = 1
+# 3: memory (StepMemory, DDPMemory, OutOfMemory); 4: each kept step's start (StepRow.start_s); 5: a step's
+# boundaries keyed by name (StepRow.offsets_ms), so that a phase more (lit_ddp.records.phases) is no new schema.
+SCHEMA_VERSION = 5
+# Schemas this lit_ddp reads: 3 is 4 without the steps' starts and the ending (they load as None); 3 and 4 hold the
+# boundaries as a list, in OLD_BOUNDARIES' order.
+READS = (3, 4, SCHEMA_VERSION)
+OLD_BOUNDARIES = ("forward_start", "forward_end", "backward_start", "backward_end", "update_start", "update_end",
+                  "data_start", "end")  # fmt: skip
 MAX_SKIPPED_KEPT = 100  # skipped steps named in a record (all are counted)
-HEAD_STEPS = 10
-TAIL_STEPS = 50
-
-
-def is_steady(step: int, profiled: Iterable[int] = (), first_step: int = 0) -> bool:
-    """After the warm-up step of the fit that started at global step ``first_step`` (0, or where a fit resumed from
-    a checkpoint), and not slowed by the profiler."""
-    return step >= first_step + WARMUP_STEPS and step not in profiled
-
-
-class Window:
-    """The steps whose per-step detail a rank keeps: the first ``HEAD_STEPS`` of the fit (which starts at global step
-    ``first_step``), the ``profiled`` ones, and the last ``TAIL_STEPS`` (older ones are dropped as new ones come)."""
-
-    def __init__(self, profiled: Iterable[int] = (), first_step: int = 0) -> None:
-        self.profiled = set(profiled)
-        self.first_step = first_step
-        self._kept: dict[int, Any] = {}
-        self._tail: deque[int] = deque()
-
-    def add(self, step: int, item: Any) -> None:
-        self._kept[step] = item
-        if step < self.first_step + HEAD_STEPS or step in self.profiled:
-            return
-        self._tail.append(step)
-        if len(self._tail) > TAIL_STEPS:
-            del self._kept[self._tail.popleft()]
-
-    def items(self) -> Iterator[tuple[int, Any]]:
-        return iter(sorted(self._kept.items()))
 
 
 @dataclass
@@ -83,30 +52,14 @@ class RunMeta:
     lightning: str
 
 
-@dataclass(frozen=True)
-class StepPhases:
-    """One optimizer step's phases on one rank, in milliseconds, each summed over the step's micro-batches;
-    ``other`` = ``step`` minus the four phases; ``data`` runs from the end of each batch to the start of the next
-    one (fetching it, Lightning's loop). Validation inside fit is in none of them, ``step`` included.
-    ``backward_last``: the last micro-batch's backward, which DDP all-reduces (the others run under ``no_sync``)."""
-
-    forward: float
-    backward: float
-    update: float
-    other: float
-    step: float
-    data: float = 0.0
-    backward_last: float = 0.0
-
-
 @dataclass
 class StepRow:
-    """One kept step of one rank: its phases and where each boundary fell (ms from the step's start, in
-    ``BOUNDARIES`` order)."""
+    """One kept step of one rank: its phases and where each boundary fell (ms from the step's start, by the
+    boundary's name: ``lit_ddp.records.phases.boundaries()``)."""
 
     step: int
     ms: StepPhases
-    offsets_ms: list[float]
+    offsets_ms: dict[str, float]
     micro_batches: int = 1  # batches (forward + backward) in this optimizer step: gradient accumulation
     # The step's start on this rank's host clock (seconds; lit_ddp.measure.clock.host_now's, the clock of
     # StepBuckets.arrival_s; on CUDA when the GPU reached it). Minus comm.json's clock_offset_s[rank]: on rank 0's
@@ -116,9 +69,10 @@ class StepRow:
 
 @dataclass
 class StepMemory:
-    """One step's memory on one rank, in bytes: held when it started, and per phase (``PHASES``; ``step`` is the
-    whole step) the most held at once and what was still held when the phase ended (its last span, with gradient
-    accumulation). ``PhaseRecord.memory_source`` says whose bytes they are (``lit_ddp.measure.memory``)."""
+    """One step's memory on one rank, in bytes: held when it started, and per phase (``lit_ddp.records.phases``;
+    ``step`` is the whole step) the most held at once and what was still held when the phase ended (its last span,
+    with gradient accumulation). ``PhaseRecord.memory_source`` says whose bytes they are
+    (``lit_ddp.measure.memory``)."""
 
     step: int
     start: int
@@ -152,6 +106,23 @@ class DDPMemory:
 
 
 @dataclass
+class CollectiveCall:
+    """One collective of one rank in a kept step, from torch's Flight Recorder (``lit_ddp.measure.collectives``): its
+    sequence number (the same call has the same number on every rank), op, input shapes and dtype, the step and
+    phase it was called in (a DDP gradient bucket's index), and when it was called, on the rank's host clock (the
+    clock of ``StepRow.start_s``)."""
+
+    seq: int
+    op: str
+    sizes: list[list[int]]
+    dtype: str
+    step: int
+    phase: str
+    at_s: float
+    bucket: Optional[int] = None
+
+
+@dataclass
 class RankPhases:
     """One rank's phases: the kept steps, the GPU-busy time of the profiled steps, and a ``Sketch`` per phase
     over every steady step."""
@@ -165,6 +136,10 @@ class RankPhases:
     memory: list[StepMemory] = field(default_factory=list)  # the kept steps that have memory figures
     # Over the steps memory is summarised on: "start", "peak.<phase>", "retained.<phase>" (bytes).
     memory_summaries: dict[str, Sketch] = field(default_factory=dict)
+    node: Optional[int] = None  # where the rank ran: its node rank, host name and device (None before schema 4)
+    host: Optional[str] = None
+    device: Optional[str] = None
+    collectives: list[CollectiveCall] = field(default_factory=list)  # in the kept steps, where torch recorded them
 
     def row(self, step: int) -> Optional[StepRow]:
         return next((r for r in self.rows if r.step == step), None)
@@ -295,7 +270,7 @@ def as_json(value: Any) -> Any:
         return value.to_json()
     if dataclasses.is_dataclass(value):
         return {f.name: as_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
+    if isinstance(value, (dict, StepPhases)):
         return {k: as_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [as_json(v) for v in value]
@@ -336,6 +311,8 @@ def _value(kind: Any, data: Any, where: str) -> Any:
     """``data`` read as the annotation ``kind`` says: a dataclass, a Sketch, a list or dict of them, Optional."""
     if kind is Sketch:
         return Sketch.from_json(data)
+    if kind is StepPhases:
+        return StepPhases(data)
     if dataclasses.is_dataclass(kind):
         return read(kind, data, where)
     origin, args = typing.get_origin(kind), typing.get_args(kind)
@@ -377,6 +354,8 @@ def load(path: Path) -> PhaseRecord | CommRecord | OutOfMemory:
     try:
         if kind is None:
             raise RecordError(f"kind {data.get('kind')!r} is none of {sorted(kinds)}")
+        if version < 5 and kind is PhaseRecord:
+            _name_boundaries(data)
         found = read(kind, data)
         if not isinstance(found, OutOfMemory) and not found.ranks:  # a callback writes every rank's, or none
             raise RecordError(f"{kind.__name__}.ranks: no rank")
@@ -385,25 +364,21 @@ def load(path: Path) -> PhaseRecord | CommRecord | OutOfMemory:
         raise RecordError(f"{path}: a damaged run record ({err})") from err
 
 
+def _name_boundaries(data: dict) -> None:
+    """A schema 3 or 4 ``phases.json``'s boundaries, lists in ``OLD_BOUNDARIES`` order, keyed by name as schema
+    5's (in place, before it is read)."""
+    for rank in data.get("ranks") or ():
+        for row in (*(rank.get("rows") or ()), *(rank.get("busy_ms") or ())):
+            if isinstance(row, dict) and isinstance(row.get("offsets_ms"), list):
+                row["offsets_ms"] = dict(zip(OLD_BOUNDARIES, row["offsets_ms"], strict=False))
+
+
 def load_run(run_dir: Union[str, os.PathLike]) -> tuple[Optional[PhaseRecord], Optional[CommRecord]]:
     """The run's ``phases.json`` and ``comm.json`` (``run_dir`` a path or a str, as ``trainer.log_dir``); None for a
     file the run did not write."""
     run_dir = Path(run_dir)
     found = [load(run_dir / name) if (run_dir / name).is_file() else None for name in ("phases.json", "comm.json")]
     return found[0], found[1]  # type: ignore[return-value]
-
-
-def no_record(run_dir: Union[str, os.PathLike]) -> str:
-    """The line for a directory with no record of its own: the runs under it that have one (a logger's folder,
-    ``runs/mini_train_profile``, holds its ``version_N``), or what would have written one."""
-    run_dir = Path(run_dir)
-    runs = sorted({p.parent for name in ("phases.json", "comm.json") for p in run_dir.glob(f"*/{name}")},
-                  key=lambda p: (len(p.name), p.name))  # fmt: skip
-    if runs:
-        shown = ", ".join(str(p) for p in runs[-5:])
-        more = f" (the last 5 of {len(runs)})" if len(runs) > 5 else ""
-        return f"{run_dir} is a folder of runs: give one of {shown}{more}"
-    return f"{run_dir} holds neither phases.json nor comm.json: was PhaseTimer or CommMonitor on?"
 
 
 def load_oom(run_dir: Union[str, os.PathLike]) -> list[OutOfMemory]:

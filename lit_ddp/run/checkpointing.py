@@ -20,9 +20,9 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
-from lit_ddp._lightning import LeanCallback
 from lit_ddp.errors import UsageError
 from lit_ddp.measure.step_marks import OptimizerSteps
+from lit_ddp.run.lean import LeanCallback
 
 
 def checkpoint_dir(trainer_config: Any) -> Path:

@@ -54,6 +54,8 @@ LIGHTNING_WARNINGS = (
     r".*isinstance\(treespec, LeafSpec\)` is deprecated.*",
     # A short epoch under Lightning's default of 50: the tool's callbacks log every step they print or measure.
     ".*The number of training batches .* is smaller than the logging interval.*",
+    # The model summary's size estimate under a mixed precision: about the summary, not the run.
+    ".*is not supported by the model summary.*",
 )
 
 NOISY_WARNINGS = (

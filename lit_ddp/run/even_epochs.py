@@ -77,7 +77,7 @@ class EvenEpochs:
         self._trainer: Optional[Trainer] = None
 
     def _ahead(self, trainer: Trainer) -> Ahead:
-        counted = _lightning.batches_ahead(trainer, self.look_ahead)
+        counted = batches_ahead(trainer, self.look_ahead)
         if counted is None:  # sized
             return Ahead(int(trainer.num_training_batches) - trainer.fit_loop.epoch_loop.batch_idx - 1, True)
         return Ahead(counted, counted < self.look_ahead)
@@ -131,6 +131,41 @@ class EvenEpochs:
             raise RuntimeError(f"lit_ddp: uneven data seen {-left} batch(es) too late ({line})")
         if self._restore is None:
             self._restore = (trainer.fit_loop.max_batches, trainer.val_check_batch)
-        _lightning.end_epoch_after(trainer, left)
+        end_epoch_after(trainer, left)
         self._say(f"{line}; every rank ends the epoch there")
         return True
+
+
+def batches_ahead(trainer: Trainer, at_least: int) -> Optional[int]:
+    """For an unsized training loader (an ``IterableDataset``): how many batches this rank has after the current
+    one, counted up to ``at_least`` (so ``at_least`` means that many or more); None for a sized loader (its length
+    says it). Lightning's fetcher knows one batch ahead (``prefetch_batches=1``): it is topped up here to
+    ``at_least`` and fetches as many ahead from the next epoch on."""
+    fetcher = _lightning.prefetcher(trainer)
+    if fetcher is None or fetcher.length is not None:
+        return None
+    fetcher.prefetch_batches = max(fetcher.prefetch_batches, at_least)
+    while len(fetcher.batches) < at_least and not fetcher.done:
+        try:  # the loader's own iterator, not the fetcher's __next__, which would hand a batch on
+            fetcher.batches.append(next(fetcher.iterator))
+        except StopIteration:  # exhausted: the fetcher's next refill raises again and it sets done
+            break
+    return min(len(fetcher.batches), at_least)
+
+
+def end_epoch_after(trainer: Trainer, batches: int) -> None:
+    """This rank's epoch ends ``batches`` batches after the current one, wherever its loader would: sized, as
+    ``limit_train_batches`` ends it (``max_batches``, and the batch that validates); unsized, its fetcher keeps
+    that many batches and no more, so that Lightning sees the last one as the last (``is_last_batch``)."""
+    fit_loop, epoch_loop = trainer.fit_loop, trainer.fit_loop.epoch_loop
+    end = epoch_loop.batch_idx + 1 + batches
+    fetcher = _lightning.prefetcher(trainer)
+    if fetcher is not None and fetcher.length is None:
+        del fetcher.batches[batches:]
+        fetcher.iterator = iter(())
+    elif end < fit_loop.max_batches:
+        fit_loop.max_batches = end
+        if isinstance(trainer.val_check_interval, float) and trainer.val_check_batch not in (None, float("inf")):
+            trainer.val_check_batch = max(1, int(end * trainer.val_check_interval))  # as Lightning's setup_data
+    if batches == 0:  # the current batch is the last: set before the step decides to accumulate or to step
+        epoch_loop.batch_progress.is_last_batch = True

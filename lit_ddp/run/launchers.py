@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lit_ddp import _lightning
 from lit_ddp.errors import ClusterSettingsError
-from lit_ddp.run import hangs, lifecycle, watchdog
+from lit_ddp.run import hangs, lifecycle, spawn_launcher, watchdog
 
 
 class ScriptLauncher(_lightning.SubprocessScriptLauncher):
@@ -47,7 +47,7 @@ class ScriptLauncher(_lightning.SubprocessScriptLauncher):
             super()._call_children_scripts()
 
 
-class MultiProcessingLauncher(_lightning.CarryBackLauncher):
+class MultiProcessingLauncher(spawn_launcher.CarryBackLauncher):
     """Lightning's ``ddp_fork``/``ddp_spawn`` launcher, carrying the callbacks' ``carried_back`` state home; the
     ranks it starts know their launcher's pid."""
 

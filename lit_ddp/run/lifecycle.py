@@ -144,6 +144,8 @@ def teardown_process_group(wait_s: float = EXIT_WAIT_S) -> None:
                 time.sleep(0.05)
             if store.check([watchdog.ENDED_KEY]):  # a peer's watchdog ends the job: leave it the last word
                 time.sleep(watchdog.ENDING_S + 1.0)
+    if watch is not None:
+        watch.stop()  # its store goes with the group
     dist.destroy_process_group()
 
 

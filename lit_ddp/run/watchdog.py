@@ -32,8 +32,8 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from lit_ddp import _torch
-from lit_ddp.analysis.divergence import RankReport, divergences
-from lit_ddp.analysis.flight_recorder import LIBRARIES, Frame, user_frame
+from lit_ddp.analysis.flight_recorder import Frame, user_frame
+from lit_ddp.analysis.stopped import certain, in_collective, waiting_line
 from lit_ddp.errors import EXIT_FAILED, prog
 from lit_ddp.measure.collectives import CollectiveRecord
 from lit_ddp.run import hangs
@@ -56,8 +56,6 @@ ENDING_S = 0.3  # from that key to the exit: the ranks at exit see it (they poll
 SPEAKER_WAIT_S = 3.0  # a rank that found the ending waits this long for the lowest rank to say it
 STACK_FRAMES = 8  # of the main thread's stack, innermost last, in a rank's state
 WORKER_SIGNAL = signal.SIGUSR2  # a DataLoader worker writes its stack on it (faulthandler, inherited at fork)
-FIX_SOME_RANKS = ("a collective called by some ranks only: rank_zero_only for work, never for collectives; "
-                  "the same sync_dist keys on every rank")  # fmt: skip
 
 
 class Watchdog:
@@ -89,7 +87,9 @@ class Watchdog:
         self.lines: list[str] = []  # what this rank printed (tests read it)
         self.ended: Optional[str] = None  # the line the job ended with
         self._thread: Optional[threading.Thread] = None
+        self._stopped = threading.Event()
         self._worker_file: Optional[Any] = None
+        self.pid = os.getpid()  # a forked child inherits this object, but not its thread: it makes its own
 
     # -- on the training thread: one clock read per step, nothing else --
     def beat(self, step: int) -> None:
@@ -139,9 +139,12 @@ class Watchdog:
             self._thread = threading.Thread(target=self._run, name="lit_ddp-watchdog", daemon=True)
             self._thread.start()
 
+    def stop(self) -> None:
+        """The thread ends at its next poll (at teardown, before the process group and its store go)."""
+        self._stopped.set()
+
     def _run(self) -> None:
-        while True:
-            time.sleep(POLL_S)
+        while not self._stopped.wait(POLL_S):
             try:
                 self.tick(self._clock())
             except Exception:  # the store is gone (a peer ended the job), or the interpreter is exiting
@@ -304,120 +307,22 @@ def ended_file(launcher_pid: int) -> str:
     return os.path.join(tempfile.gettempdir(), f"lit_ddp-ended-{launcher_pid}")
 
 
-def in_collective(frames: list[Frame]) -> bool:
-    """The main thread waits in a collective: its innermost frames are torch.distributed's, or DDP's backward
-    (its gradient all-reduce), or a ``.wait()`` on a collective's work."""
-    for frame in reversed(frames):
-        path = frame.filename.replace(os.sep, "/")
-        if "/torch/distributed/" in path or path.endswith("/torch/autograd/graph.py"):
-            return True
-        if ".wait()" in (frame.line or ""):
-            return True
-        if not os.path.abspath(frame.filename).startswith(LIBRARIES):
-            return False  # the user's own frame: whatever it calls below is not torch.distributed's
-    return False
-
-
-def _report(state: dict[str, Any]) -> RankReport:
-    return RankReport.from_json(state["report"])
-
-
-def certain(states: dict[int, dict[str, Any]]) -> Optional[str]:
-    """The line that ends the job, where the states show that waiting cannot help: two ranks' N-th collectives
-    differ (``lit_ddp.analysis.divergence``), or a rank waits in a collective and another has left; else None."""
-    reports = {r: _report(s) for r, s in states.items()}
-    found = divergences(reports, max(reports, default=0) + 1)
-    if found and " diverged: " in found[0]:
-        return f"{found[0]}{_out_of_step(reports, found[0])} -> {FIX_SOME_RANKS}"
-    left = sorted(r for r, rep in reports.items() if rep.kind == "left")
-    waiting = sorted(r for r, rep in reports.items() if rep.kind == "collective")
-    # A rank that left had called only up to its last collective: one waiting in a later one waits for nothing.
-    last_call = {r: max((c.seq for c in reports[r].collectives), default=0) for r in left}
-    waiting = [
-        r
-        for r in waiting
-        if reports[r].collectives and reports[r].collectives[-1].seq > min(last_call.values(), default=0)
-    ]
-    if left and waiting:
-        return (f"{'; '.join(_doing(states[r]) for r in waiting)}; {_ranks(left)} left (past the end of the "
-                f"script) and will never call it -> {FIX_SOME_RANKS}")  # fmt: skip
-    return None
-
-
-def _out_of_step(reports: dict[int, RankReport], line: str) -> str:
-    """Where the ranks went out of step before the divergence ``line`` names: the last earlier collective that
-    every rank called alike but from different lines (a user's barrier on rank 0 meets Lightning's on rank 1, and
-    the next one differs), as ``; out of step since #4, barrier: rank 0 called it at ..., rank 1 at ...``."""
-    seq = int(line.split("#", 1)[1].split(" ", 1)[0])
-    calls = [{c.seq: c for c in rep.collectives} for rep in reports.values()]
-    for earlier in range(seq - 1, 0, -1):
-        same = [by_seq.get(earlier) for by_seq in calls]
-        if any(c is None for c in same):
-            return ""
-        if len({c.where for c in same}) > 1 and all(c.same_call(same[0]) for c in same):
-            places = ", ".join(f"rank {r} at {c.where or 'a line of Lightning or torch'}"
-                               for r, c in zip(reports, same, strict=True))  # fmt: skip
-            return f"; out of step since #{earlier}, {same[0].call()}: {places}"
-    return ""
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-
-
-def _doing(state: dict[str, Any]) -> str:
-    """What one rank is doing: ``rank 1 waits in all_reduce #24 Float[9] (DDP gradient bucket 0) at step 3,
-    backward`` or ``rank 0 has been at script.py:35 training_step: time.sleep(60) for 12 s, outside any
-    collective``."""
-    rep = _report(state)
-    at = f" (step {rep.step}, {rep.phase})" if rep.step is not None else ""
-    if rep.kind == "left":
-        return f"rank {rep.rank} has left (past the end of its script)"
-    if rep.kind == "collective" and rep.collectives:
-        last = rep.collectives[-1]
-        where = last.where or (rep.where if last.bucket is None else "")
-        step = f" at step {last.step}, {last.phase}" if last.step is not None else f" {last.phase}".rstrip()
-        call = f"{last.op} #{last.seq} {last.call().removeprefix(last.op).strip()}".rstrip()
-        return f"rank {rep.rank} waits in {call}{step}" + (f" ({where})" if where else "")
-    if state.get("worker"):
-        return f"rank {rep.rank} waits for its {state['worker']}, {state['stopped_s']:.0f} s{at}"
-    where = f"at {rep.where}" if rep.where else "in " + (state["stack"][-1] if state["stack"] else "no frame")
-    return f"rank {rep.rank} has been {where} for {state['stopped_s']:.0f} s{at}, outside any collective"
-
-
-def waiting_line(states: dict[int, dict[str, Any]], world_size: int) -> str:
-    """``waiting 12 s: rank 0 has been at ...; rank 1 waits in all_reduce #24 ...; rank 2 sent no state``."""
-    stopped = max((s["stopped_s"] for s in states.values()), default=0.0)
-    # The ranks outside any collective first: the others wait for them.
-    order = sorted(states, key=lambda r: (_report(states[r]).kind == "collective", r))
-    parts = [_doing(states[r]) for r in order]
-    silent = [r for r in range(world_size) if r not in states]
-    if silent:
-        parts.append(f"{_ranks(silent)} sent no state (still moving, dead, or stuck holding the GIL)")
-    return f"waiting {stopped:.0f} s: " + "; ".join(parts) + _fix(states, silent)
-
-
-def _fix(states: dict[int, dict[str, Any]], silent: list[int]) -> str:
-    """The likely cause's fix, in one line, from what the ranks do."""
-    kinds = {_report(s).kind for s in states.values()}
-    if any(s.get("worker") for s in states.values()):
-        return (" -> a DataLoader worker that does not return (its line above): the job ends at the process "
-                "group's timeout, the workers with it")  # fmt: skip
-    if "busy" in kinds and "collective" in kinds:
-        return (" -> the others wait for it: work (a checkpoint, an evaluation) ends and the job goes on; work "
-                "longer than the process group's timeout: raise timeout_s; a hang ends at that timeout")  # fmt: skip
-    if silent and kinds == {"collective"}:
-        return (f" -> {_ranks(silent)} sent nothing: a dead rank, one stuck in C code holding the GIL, or one "
-                "cut off from rank 0's node (a partition): its log and its node")  # fmt: skip
-    return ""
-
-
 _WATCHDOG: Optional[Watchdog] = None
+_CARRIED_OVER: list[Watchdog] = []  # watchdogs a fork copied in (a forked rank leaves by os._exit)
 
 
 def start(rank: int, world_size: int) -> Watchdog:
-    """This process's watchdog, started on the first call (later calls return it, ``world_size`` updated)."""
+    """This process's watchdog, started on the first call of a fit (later calls return it, ``world_size``
+    updated). One inherited through a fork is not used: its thread did not come along, its store is the parent's,
+    and the parent's thread may have held that store's lock at the fork (a rank's teardown then waited on the lock
+    for ever). Nor is one whose fit has ended (it has left): its store went with that fit's process group."""
     global _WATCHDOG
+    if _WATCHDOG is not None and (_WATCHDOG.pid != os.getpid() or _WATCHDOG.left):
+        if _WATCHDOG.pid == os.getpid():
+            _WATCHDOG.stop()
+        else:  # kept, never freed here: freeing its store joins the parent's store thread, absent here (for ever)
+            _CARRIED_OVER.append(_WATCHDOG)
+        _WATCHDOG = None
     if _WATCHDOG is None:
         _WATCHDOG = Watchdog(rank, world_size)
     _WATCHDOG.rank, _WATCHDOG.world_size = rank, world_size
@@ -427,7 +332,8 @@ def start(rank: int, world_size: int) -> Watchdog:
 
 
 def current() -> Optional[Watchdog]:
-    return _WATCHDOG
+    """This process's own watchdog (not one a fork carried over), or None."""
+    return _WATCHDOG if _WATCHDOG is not None and _WATCHDOG.pid == os.getpid() else None
 
 
 def beat(step: int) -> None:

@@ -93,7 +93,7 @@ def allreduce_ms(nbytes: float, ranks: int, topo: Topology) -> float:
 
 def _slope(pts: Sequence[tuple[float, float]], weights: Sequence[float]) -> float:
     """The slope of the weighted least-squares line through ``(size, time)`` points."""
-    sw = sum(weights)  # zip's strict=... mutants are equivalent: weights and pts come from one list
+    sw = sum(weights)
     sx = sum(w * s for w, (s, _) in zip(weights, pts, strict=True))
     sy = sum(w * t for w, (_, t) in zip(weights, pts, strict=True))
     sxx = sum(w * s * s for w, (s, _) in zip(weights, pts, strict=True))

@@ -15,11 +15,13 @@ from typing import Optional
 from lit_ddp.derive.summaries import comm_summary, micro_batches, phase_summary
 from lit_ddp.errors import ForecastError, RecordError
 from lit_ddp.formatting import fmt_bytes
-from lit_ddp.records.schema import PHASES, CommRecord, DDPMemory, PhaseRecord, StepRow
+from lit_ddp.records import phases as phase_table
+from lit_ddp.records.schema import CommRecord, DDPMemory, PhaseRecord, StepRow
 from lit_ddp.records.schema import load_run as load_record
 from lit_ddp.scaling.links import Topology, allreduce_ms
 
 MIB = 1024**2
+MODELLED = ("forward", phase_table.ALL_REDUCING, "update")  # the phases the model's step is built of
 
 
 @dataclass(frozen=True)
@@ -123,14 +125,16 @@ def measured(phases: Optional[PhaseRecord], comm: Optional[CommRecord], where: s
     per_rank = []
     micro = micro_batches(phases)
     for r in range(comm.meta.world_size):
-        med = {p: phase_summary(phases, r, p).median for p in PHASES}
-        med["other"] += med.pop("data")  # the model takes everything outside the three phases as one
+        med = {p: phase_summary(phases, r, p).median for p in phase_table.with_step()}
+        # The model's own phases are forward, backward (the all-reducing one) and update; it takes every other as one.
+        med["outside"] = sum(med[p] for p in phase_table.names() if p not in MODELLED)
         for name in ("exposed_ms", "total_ms"):
             med[name] = comm_summary(comm, r, name).median
         med["ready"] = [comm_summary(comm, r, f"bucket{b}.ready_ms").median for b in range(len(comm.layout))]
         # With accumulation only the last micro-batch's backward all-reduces (the others are compute).
-        last = phase_summary(phases, r, "backward_last").median if micro > 1 else med["backward"]
-        med["backward_before"] = max(0.0, med["backward"] - last)
+        backward = med[phase_table.ALL_REDUCING]
+        last = phase_summary(phases, r, phase_table.BACKWARD_LAST).median if micro > 1 else backward
+        med["backward_before"] = max(0.0, backward - last)
         # The tail joins the two records step by step: over the steady steps both kept.
         kept = {row.step: row for row in phases.steady_rows(r)}
         tails = [_last_backward(kept[b.step]) - max(b.ready_ms) - b.exposed_ms
@@ -143,10 +147,10 @@ def measured(phases: Optional[PhaseRecord], comm: Optional[CommRecord], where: s
 
     buckets = tuple(Bucket(nbytes, max(m["ready"][b] for m in per_rank)) for b, nbytes in enumerate(comm.layout))
     return Measured(
-        forward_ms=slowest("forward"), update_ms=slowest("update"), other_ms=slowest("other"),
+        forward_ms=slowest("forward"), update_ms=slowest("update"), other_ms=slowest("outside"),
         tail_ms=max(0.0, slowest("tail")), buckets=buckets, world_size=comm.meta.world_size,
         rows_per_rank=phases.roofline.rows_per_rank if phases.roofline else None, compression=comm.compression,
-        backward_ms=slowest("backward"), exposed_ms=slowest("exposed_ms"), comm_ms=slowest("total_ms"),
+        backward_ms=slowest(phase_table.ALL_REDUCING), exposed_ms=slowest("exposed_ms"), comm_ms=slowest("total_ms"),
         step_ms=slowest("step"), n_steps=comm_summary(comm, 0, "total_ms").count,
         backward_before_ms=slowest("backward_before"), micro_batches=micro, device=phases.meta.device,
         device_name=phases.meta.device_name, held=comm.ddp_memory,

@@ -22,8 +22,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_ddp import _lightning
-from lit_ddp._lightning import LeanCallback
 from lit_ddp.callbacks.shared import say
+from lit_ddp.run.lean import LeanCallback
 from lit_ddp.tuner.bench import TrialBench, no_logging, optimizer_impls
 from lit_ddp.tuner.knobs import Hook, Knobs, Model, OptimizerImpl
 from lit_ddp.tuner.search import Outcome, grid, head_to_head, search, to_record

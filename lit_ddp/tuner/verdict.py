@@ -68,7 +68,8 @@ def _exposed(trial: Trial, no_comm: Optional[Trial], base: Knobs, level: float) 
     if c.word == "slower":
         return fmt_ms(trial.median - no_comm.median)
     high = c.difference.high
-    return "can't tell" if math.isinf(high) or math.isnan(high) else f"can't tell, <= {fmt_ms(max(high, 0.0))}"
+    # A floor slower than the step with its all-reduce (high <= 0) is the machine's noise: no bound to give
+    return f"can't tell, <= {fmt_ms(high)}" if math.isfinite(high) and high > 0 else "can't tell"
 
 
 def _x(interval: Interval) -> str:

@@ -1,0 +1,124 @@
+"""What the stopped ranks' states say (``lit_ddp.run.watchdog`` publishes them): whether waiting cannot help (a
+certain divergence, a collective a rank that left will never call), and the waiting line with its likely fix.
+
+    python tests/hang_scripts.py sleep --timeout-s 600     # the line this makes: rank 1 named in ~12 s
+
+Pure: a state is the JSON a rank put in the rendezvous store. docs/failures.md#the-watchdog-a-hang-named-as-it-happens.
+"""
+
+import os
+from typing import Any, Optional
+
+from lit_ddp.analysis.divergence import RankReport, divergences
+from lit_ddp.analysis.flight_recorder import LIBRARIES, Frame
+
+FIX_SOME_RANKS = ("a collective called by some ranks only: rank_zero_only for work, never for collectives; "
+                  "the same sync_dist keys on every rank")  # fmt: skip
+
+
+def in_collective(frames: list[Frame]) -> bool:
+    """The main thread waits in a collective: its innermost frames are torch.distributed's, or DDP's backward
+    (its gradient all-reduce), or a ``.wait()`` on a collective's work."""
+    for frame in reversed(frames):
+        path = frame.filename.replace(os.sep, "/")
+        if "/torch/distributed/" in path or path.endswith("/torch/autograd/graph.py"):
+            return True
+        if ".wait()" in (frame.line or ""):
+            return True
+        if not os.path.abspath(frame.filename).startswith(LIBRARIES):
+            return False  # the user's own frame: whatever it calls below is not torch.distributed's
+    return False
+
+
+def _report(state: dict[str, Any]) -> RankReport:
+    return RankReport.from_json(state["report"])
+
+
+def certain(states: dict[int, dict[str, Any]]) -> Optional[str]:
+    """The line that ends the job, where the states show that waiting cannot help: two ranks' N-th collectives
+    differ (``lit_ddp.analysis.divergence``), or a rank waits in a collective and another has left; else None."""
+    reports = {r: _report(s) for r, s in states.items()}
+    found = divergences(reports, max(reports, default=0) + 1)
+    if found and " diverged: " in found[0]:
+        return f"{found[0]}{_out_of_step(reports, found[0])} -> {FIX_SOME_RANKS}"
+    left = sorted(r for r, rep in reports.items() if rep.kind == "left")
+    waiting = sorted(r for r, rep in reports.items() if rep.kind == "collective")
+    # A rank that left had called only up to its last collective: one waiting in a later one waits for nothing.
+    last_call = {r: max((c.seq for c in reports[r].collectives), default=0) for r in left}
+    waiting = [
+        r
+        for r in waiting
+        if reports[r].collectives and reports[r].collectives[-1].seq > min(last_call.values(), default=0)
+    ]
+    if left and waiting:
+        return (f"{'; '.join(_doing(states[r]) for r in waiting)}; {_ranks(left)} left (past the end of the "
+                f"script) and will never call it -> {FIX_SOME_RANKS}")  # fmt: skip
+    return None
+
+
+def _out_of_step(reports: dict[int, RankReport], line: str) -> str:
+    """Where the ranks went out of step before the divergence ``line`` names: the last earlier collective that
+    every rank called alike but from different lines (a user's barrier on rank 0 meets Lightning's on rank 1, and
+    the next one differs), as ``; out of step since #4, barrier: rank 0 called it at ..., rank 1 at ...``."""
+    seq = int(line.split("#", 1)[1].split(" ", 1)[0])
+    calls = [{c.seq: c for c in rep.collectives} for rep in reports.values()]
+    for earlier in range(seq - 1, 0, -1):
+        same = [by_seq.get(earlier) for by_seq in calls]
+        if any(c is None for c in same):
+            return ""
+        if len({c.where for c in same}) > 1 and all(c.same_call(same[0]) for c in same):
+            places = ", ".join(f"rank {r} at {c.where or 'a line of Lightning or torch'}"
+                               for r, c in zip(reports, same, strict=True))  # fmt: skip
+            return f"; out of step since #{earlier}, {same[0].call()}: {places}"
+    return ""
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _doing(state: dict[str, Any]) -> str:
+    """What one rank is doing: ``rank 1 waits in all_reduce #24 Float[9] (DDP gradient bucket 0) at step 3,
+    backward`` or ``rank 0 has been at script.py:35 training_step: time.sleep(60) for 12 s, outside any
+    collective``."""
+    rep = _report(state)
+    at = f" (step {rep.step}, {rep.phase})" if rep.step is not None else ""
+    if rep.kind == "left":
+        return f"rank {rep.rank} has left (past the end of its script)"
+    if rep.kind == "collective" and rep.collectives:
+        last = rep.collectives[-1]
+        where = last.where or (rep.where if last.bucket is None else "")
+        step = f" at step {last.step}, {last.phase}" if last.step is not None else f" {last.phase}".rstrip()
+        call = f"{last.op} #{last.seq} {last.call().removeprefix(last.op).strip()}".rstrip()
+        return f"rank {rep.rank} waits in {call}{step}" + (f" ({where})" if where else "")
+    if state.get("worker"):
+        return f"rank {rep.rank} waits for its {state['worker']}, {state['stopped_s']:.0f} s{at}"
+    where = f"at {rep.where}" if rep.where else "in " + (state["stack"][-1] if state["stack"] else "no frame")
+    return f"rank {rep.rank} has been {where} for {state['stopped_s']:.0f} s{at}, outside any collective"
+
+
+def waiting_line(states: dict[int, dict[str, Any]], world_size: int) -> str:
+    """``waiting 12 s: rank 0 has been at ...; rank 1 waits in all_reduce #24 ...; rank 2 sent no state``."""
+    stopped = max((s["stopped_s"] for s in states.values()), default=0.0)
+    # The ranks outside any collective first: the others wait for them.
+    order = sorted(states, key=lambda r: (_report(states[r]).kind == "collective", r))
+    parts = [_doing(states[r]) for r in order]
+    silent = [r for r in range(world_size) if r not in states]
+    if silent:
+        parts.append(f"{_ranks(silent)} sent no state (still moving, dead, or stuck holding the GIL)")
+    return f"waiting {stopped:.0f} s: " + "; ".join(parts) + _fix(states, silent)
+
+
+def _fix(states: dict[int, dict[str, Any]], silent: list[int]) -> str:
+    """The likely cause's fix, in one line, from what the ranks do."""
+    kinds = {_report(s).kind for s in states.values()}
+    if any(s.get("worker") for s in states.values()):
+        return (" -> a DataLoader worker that does not return (its line above): the job ends at the process "
+                "group's timeout, the workers with it")  # fmt: skip
+    if "busy" in kinds and "collective" in kinds:
+        return (" -> the others wait for it: work (a checkpoint, an evaluation) ends and the job goes on; work "
+                "longer than the process group's timeout: raise timeout_s; a hang ends at that timeout")  # fmt: skip
+    if silent and kinds == {"collective"}:
+        return (f" -> {_ranks(silent)} sent nothing: a dead rank, one stuck in C code holding the GIL, or one "
+                "cut off from rank 0's node (a partition): its log and its node")  # fmt: skip
+    return ""

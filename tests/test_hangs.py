@@ -231,6 +231,7 @@ RUNS = {
     **{case: ("tests.hang_scripts", case) for case in ("logkeys", "log_dict", "gather_rank0", "raise", "sleep")},
     "sleep_rank0": ("tests.hang_scripts", "sleep_rank0"),  # rank 0, the store's host, is the one that never arrives
     "raise_popen": ("tests.hang_scripts", "raise", "--start-method", "popen"),  # Lightning's `ddp` launcher
+    "raise_ddp": ("tests.hang_scripts", "raise", "--strategy", "ddp"),  # the callbacks under Lightning's own strategy
     "raise_torchrun": ("torch.distributed.run", "--nproc-per-node", "2", SCRIPT, "raise"),
 }
 # The watchdog's cases, with timeouts it must not need (under `ddp`, the callbacks alone: Lightning's 30 minutes).
@@ -338,11 +339,12 @@ RAISED = r"rank 1 raised first: RuntimeError: injected failure on rank 1 between
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_under_the_ddp_launcher_the_job_ends_with_the_rank_that_raised(hung_runs):
+@pytest.mark.parametrize("run", ["raise_popen", "raise_ddp"])
+def test_under_the_ddp_launcher_the_job_ends_with_the_rank_that_raised(hung_runs, run):
     """Rank 0 trains in the launching process: its own error (a closed connection) ends the job, and its message is
     rank 1's, the first cause, from rank 1's report in the store: one short line, last, the closed connection's
     page of gloo text chained above the traceback (issue 52: the cause last, short)."""
-    code, seconds, stderr = hung_runs["raise_popen"]
+    code, seconds, stderr = hung_runs[run]
     assert code == 1
     line = last_line(stderr)
     assert re.fullmatch(r"\[rank0\]: RuntimeError: " + RAISED + r"\d+ training_step\); rank 0 waited for it in "

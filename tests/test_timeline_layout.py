@@ -10,6 +10,7 @@ from lit_ddp.records.phases import StepPhases, boundaries
 from lit_ddp.records.schema import (
     CommRecord,
     DDPMemory,
+    NamedWait,
     OutOfMemory,
     PhaseRecord,
     RankComm,
@@ -107,3 +108,18 @@ def test_a_rank_waits_for_the_last_hand_over_on_rank_0s_clock():
     assert not events(content, name="wait", pid=1)
     bucket = events(content, name="all-reduce bucket 0", pid=0)[0]
     assert bucket["args"]["transfer_ms"] == pytest.approx(3.0) and bucket["args"]["bytes"] == 1000
+
+
+def test_the_watchdogs_lines_are_marked_where_and_when_they_were_said():
+    said = [NamedWait(3, 10.25, "waiting 12 s: rank 0 has been at u.py:3 f: g() for 12 s, outside any collective"),
+            NamedWait(4, 10.3, "moved on after 14 s")]  # fmt: skip
+    record = phases([[row(0, 10.0), row(1, 10.1)], [row(0, 10.0), row(1, 10.1)]])
+    record.ranks[0].waits = said
+    content = timeline.timeline(RunAnalysis(record, None))
+    marked = [(e["pid"], e["ts"], e["args"]["step"], e["args"]["line"]) for e in events(content, cat="marker")
+              if e["name"].startswith("watchdog: ")]  # fmt: skip
+    assert marked == [(0, 250e3, 3, said[0].line), (0, 300e3, 4, said[1].line)]
+    assert {e["name"] for e in events(content, cat="marker")} >= {
+        "watchdog: waiting 12 s",
+        "watchdog: moved on after 14 s",
+    }

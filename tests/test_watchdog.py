@@ -233,3 +233,12 @@ def test_its_thread_ends_when_stopped(monkeypatch):
     dog.stop()
     dog._thread.join(timeout=5 * watchdog.POLL_S)
     assert not dog._thread.is_alive()
+
+
+def test_what_it_says_is_kept_with_the_step_and_the_host_clocks_time(monkeypatch, capsys):
+    """For the fit's record (PhaseTimer takes them for the timeline's markers): the step and ``host_now``."""
+    monkeypatch.setattr(watchdog, "host_now", lambda: 123.5)
+    dog, clock = stepped([0.0, 1.0])
+    dog._say("moved on after 14 s")
+    assert list(dog.said) == [(1, 123.5, "moved on after 14 s")]
+    assert capsys.readouterr().err == "lit_ddp: moved on after 14 s\n"

@@ -39,7 +39,7 @@ def flag(values: list) -> str:
 
 def seconds(values: list) -> str:
     values = [v for v in values if v is not None]
-    return f"{statistics.median(values):.1f}" if values else "-"
+    return f"{statistics.median(values):.1f}".replace("-0.0", "0.0") if values else "-"
 
 
 def row(case: Case, results: list[Result]) -> tuple[str, ...]:

@@ -2,7 +2,8 @@
 
 A hang is named when one line of the job's output holds all three: the rank (``rank 1``, ``rank(s) [1]``, ``rank 1
 (node 1)``), the user's line as ``file.py:N`` (the case's file and the line that holds ``Hang.line``), and words of
-its cause (``CAUSES``: the words a diagnosis of that cause says, its fix's words included, not one phrasing). A
+its cause (``CAUSES``: the words a diagnosis of that cause says, its fix's words included, not one phrasing; not
+found in the case's file name or the quoted code). A
 healthy case must end 0 with no line that says the job hung (``HANG_WORDS``); a "waiting" line is allowed.
 """
 
@@ -17,12 +18,13 @@ CAUSES = {
     "unused parameters": r"find_unused_parameters|unused|not used",
     "uneven data": r"uneven|runs? out of (data|batches)|ran out of|fewer batches|more batches|its data ended",
     "stuck data worker": r"data ?loader worker|\bworker\b",
-    "dead rank": r"\bdied\b|\bdead\b|exited|killed|signal|\bgone\b|\bleft\b",
+    "dead rank": r"\bdied\b|\bdead\b|exited|terminated|killed|signal|\bgone\b|\bleft\b",
     "outside any collective": r"outside any collective|hung at|has been at",
     "left training early": r"\bleft\b|stopped|ended training|should_stop|exited",
     "never joined": r"never joined|not joined|did not join|never started|joined",
 }
-HANG_WORDS = re.compile(r"\bhung\b|\bhangs?\b|\bhanging\b|diverged|never arrived|never joined|timed out", re.I)
+# Words that say the job hung. Not "hang" alone: a line may say what a hang would do without saying this job hung.
+HANG_WORDS = re.compile(r"\bhung\b|\bhangs\b|\bhanging\b|diverged|never arrived|never joined|timed out", re.I)
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,8 @@ def source_line(script: Path, piece: str) -> int:
 
 
 def names_rank(text: str, rank: int) -> bool:
-    return re.search(rf"\brank(?:\(s\))? \[?(?:\d+, )*{rank}\b", text) is not None
+    """``rank 1``, ``rank(s) [0, 1]``, or Lightning's ``[rank: 1]`` (its launcher names a dead child so)."""
+    return re.search(rf"\brank(?:\(s\))?:? \[?(?:\d+, )*{rank}\b", text) is not None
 
 
 def judge(expect: Union[Hang, Healthy], script: Path, lines: list[tuple[float, str]], code: Optional[int]) -> Verdict:
@@ -89,7 +92,9 @@ def judge(expect: Union[Hang, Healthy], script: Path, lines: list[tuple[float, s
     for at, text in lines:
         rank = expect.rank is None or names_rank(text, expect.rank)
         line = where is None or where in text
-        said = cause.search(text) is not None and all(word in text for word in expect.also)
+        # The cause in the diagnosis's own words: not in the case's file name nor the user's code it quotes.
+        words = text.replace(script.name, "").replace(expect.line or script.name, "")
+        said = cause.search(words) is not None and all(word in words for word in expect.also)
         verdict.rank |= rank
         verdict.line |= line
         verdict.cause |= said

@@ -116,8 +116,9 @@ def _fix(states: dict[int, dict[str, Any]], silent: list[int]) -> str:
         return (" -> a DataLoader worker that does not return (its line above): the job ends at the process "
                 "group's timeout, the workers with it")  # fmt: skip
     if "busy" in kinds and "collective" in kinds:
-        return (" -> the others wait for it: work (a checkpoint, an evaluation) ends and the job goes on; work "
-                "longer than the process group's timeout: raise timeout_s; a hang ends at that timeout")  # fmt: skip
+        return (" -> the others wait for it: work (a checkpoint, an evaluation) ends and the job goes on; "
+                "work longer than the process group's timeout: raise timeout_s (work that never ends stops "
+                "there)")  # fmt: skip
     if silent and kinds == {"collective"}:
         return (f" -> {_ranks(silent)} sent nothing: a dead rank, one stuck in C code holding the GIL, or one "
                 "cut off from rank 0's node (a partition): its log and its node")  # fmt: skip

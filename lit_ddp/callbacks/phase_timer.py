@@ -48,7 +48,8 @@ from lit_ddp.measure.fit_phases import FIRST_PROFILED_STEP, FitPhases
 from lit_ddp.measure.profiling import LightningProfilerTraces, TraceRecorder
 from lit_ddp.records import phases as phase_table
 from lit_ddp.records.phases import StepPhases
-from lit_ddp.records.schema import PhaseRecord, Roofline, save
+from lit_ddp.records.schema import NamedWait, PhaseRecord, Roofline, save
+from lit_ddp.run import watchdog
 from lit_ddp.run.lean import LeanCallback
 
 __all__ = ["FIRST_PROFILED_STEP", "PhaseTimer"]
@@ -207,6 +208,7 @@ class PhaseTimer(LeanCallback):
         mine = fit.rank_phases(trainer.global_rank)
         mine.node, mine.host, mine.device = trainer.node_rank, socket.gethostname(), str(trainer.strategy.root_device)
         mine.collectives = CollectiveRecorder.calls_of(trainer, {row.step for row in mine.rows})
+        mine.waits = _waits_said()
         ranks = gather_to_zero(trainer, mine)
         if ranks is not None and ranks[0].rows:
             source = fit.memory.source or (memory.CPU_SOURCE if ranks[0].memory else None)
@@ -300,6 +302,16 @@ def _compute_dtype(trainer: Trainer, pl_module: LightningModule) -> torch.dtype:
         return torch.float16
     param = next((p for p in pl_module.parameters() if p.requires_grad), None)
     return param.dtype if param is not None else torch.float32
+
+
+def _waits_said() -> list[NamedWait]:
+    """What this rank's watchdog said during the fit (a wait named, then moved on), taken once for the record."""
+    watch = watchdog.current()
+    if watch is None:
+        return []
+    said = [NamedWait(step, at_s, line) for step, at_s, line in watch.said]
+    watch.said.clear()
+    return said
 
 
 def _ended_by(trainer: Trainer) -> Optional[str]:

@@ -194,7 +194,7 @@ def collective_marks(rank: RankPhases, clock: _Clock, wanted) -> list[dict]:
 def markers(analysis: RunAnalysis, rows: dict[int, dict[int, StepRow]], clock: _Clock,
             ooms: Iterable[OutOfMemory]) -> list[dict]:  # fmt: skip
     """Instants: the warm-up, the profiled and skipped steps, the late arrivals of the straggler the analysis named,
-    a SIGTERM's stop and a rank's running out of memory."""
+    a SIGTERM's stop, the watchdog's lines and a rank's running out of memory."""
     phases, comm, out = analysis.phases, analysis.comm, []
     for rank, kept in rows.items():
         for step, row in kept.items():
@@ -209,6 +209,10 @@ def markers(analysis: RunAnalysis, rows: dict[int, dict[int, StepRow]], clock: _
         if phases is not None and phases.ended_by and last is not None:
             end = clock.us(rank, last.start_s) + last.offsets_ms[END] * 1e3
             out.append(_instant(rank, f"{phases.ended_by}: stopped after step {last.step}", end, {"step": last.step}))
+    for r, w in ((rp.rank, w) for rp in (phases.ranks if phases else ()) for w in rp.waits):  # "waiting 12 s: ..."
+        out.append(
+            _instant(r, f"watchdog: {w.line.split(':')[0]}", clock.us(r, w.at_s), {"step": w.step, "line": w.line})
+        )
     for oom in ooms:
         kept = rows.get(oom.rank, {})
         row = kept.get(oom.step) or (kept[max(kept)] if kept else None)

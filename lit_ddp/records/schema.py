@@ -123,6 +123,16 @@ class CollectiveCall:
 
 
 @dataclass
+class NamedWait:
+    """A line the watchdog said on this rank during the fit (``lit_ddp.run.watchdog``: a wait named, a wait that
+    moved on), the step it was in, and when, on the rank's host clock (the clock of ``StepRow.start_s``)."""
+
+    step: Optional[int]
+    at_s: float
+    line: str
+
+
+@dataclass
 class RankPhases:
     """One rank's phases: the kept steps, the GPU-busy time of the profiled steps, and a ``Sketch`` per phase
     over every steady step."""
@@ -140,6 +150,7 @@ class RankPhases:
     host: Optional[str] = None
     device: Optional[str] = None
     collectives: list[CollectiveCall] = field(default_factory=list)  # in the kept steps, where torch recorded them
+    waits: list[NamedWait] = field(default_factory=list)  # what the watchdog said on this rank while the fit went on
 
     def row(self, step: int) -> Optional[StepRow]:
         return next((r for r in self.rows if r.step == step), None)

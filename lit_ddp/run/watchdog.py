@@ -35,6 +35,7 @@ from lit_ddp import _torch
 from lit_ddp.analysis.flight_recorder import Frame, user_frame
 from lit_ddp.analysis.stopped import certain, in_collective, waiting_line
 from lit_ddp.errors import EXIT_FAILED, prog
+from lit_ddp.measure.clock import host_now
 from lit_ddp.measure.collectives import CollectiveRecord
 from lit_ddp.run import hangs
 
@@ -54,6 +55,7 @@ KEY = "lit_ddp/watch/"  # + rank: that rank's state, as JSON
 ENDED_KEY = "lit_ddp/watch/ended"  # the line a rank ended the job with: the ranks at exit stop waiting
 ENDING_S = 0.3  # from that key to the exit: the ranks at exit see it (they poll every 50 ms)
 SPEAKER_WAIT_S = 3.0  # a rank that found the ending waits this long for the lowest rank to say it
+SAID_KEPT = 32  # lines kept for the record: they come as a wait doubles, so a run says few
 STACK_FRAMES = 8  # of the main thread's stack, innermost last, in a rank's state
 WORKER_SIGNAL = signal.SIGUSR2  # a DataLoader worker writes its stack on it (faulthandler, inherited at fork)
 
@@ -85,6 +87,8 @@ class Watchdog:
         self._next_line = 0.0  # the wait's length at which the next line is due
         self._printed = False
         self.lines: list[str] = []  # what this rank printed (tests read it)
+        # ... with the step and the host clock's time (the record's StepRow.start_s clock), for the fit's record
+        self.said: deque[tuple[Optional[int], float, str]] = deque(maxlen=SAID_KEPT)
         self.ended: Optional[str] = None  # the line the job ended with
         self._thread: Optional[threading.Thread] = None
         self._stopped = threading.Event()
@@ -217,6 +221,7 @@ class Watchdog:
     def _say(self, text: str) -> None:
         line = f"{prog()}: {text}"
         self.lines.append(line)
+        self.said.append((self._step, host_now(), text))
         print(line, file=sys.stderr, flush=True)
 
     def end(self, line: str, speak: bool = True) -> None:

@@ -442,7 +442,7 @@ def test_a_fit_resumed_from_last_ckpt_warms_up_and_profiles_its_own_steps(tmp_pa
     args = (*PROFILE_RUN, "--checkpoint.every_n_steps", "10")
     first = run_fit(*args, cwd=tmp_path, timeout=190)
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = run_fit(*args, "--trainer.max_steps", "20", "--ckpt_path", "last", cwd=tmp_path, timeout=190)
+    resumed = run_fit(*args, "--trainer.max_steps", "20", "--ckpt_path", "last", "--detail", cwd=tmp_path, timeout=190)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     out = resumed.stdout
     run_dir = tmp_path / "runs" / "mini_train_profile" / "version_1"
@@ -451,7 +451,8 @@ def test_a_fit_resumed_from_last_ckpt_warms_up_and_profiles_its_own_steps(tmp_pa
     assert ("2 rank(s), step 10 = warm-up (the fit resumed there), then 6 steady step(s) (steps 12-14 ran under the "
             "profiler for the memory columns, left out of the others):\nphase       step 10  ") in out  # fmt: skip
     assert re.search(r"^phase +step 10 +median .* peak memory +retained$", out, re.M), out[-3000:]
-    # The highest rank's bytes: either rank's, as the CPU allocator's events fall on the two (rank 1's in one CI run)
+    # The highest rank's bytes (--detail's memory legend): either rank's, as the CPU allocator's events fall on the
+    # two (rank 1's in one CI run)
     assert re.search(r"^Memory \(rank [01], the highest; steps 13-14;", out, re.M), out[-3000:]
     phases = record.load(run_dir / "phases.json")
     assert (phases.first_step, phases.profiled_steps, phases.steps) == (10, [12, 13, 14], list(range(10, 20)))

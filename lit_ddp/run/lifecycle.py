@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment, LightningEnvironment
@@ -32,6 +32,8 @@ from lit_ddp.run import watchdog
 # calls (a few seconds), so that its line comes first.
 EXIT_WAIT_S = 30.0
 EXIT_KEY = "lit_ddp/exit"
+LEFT_KEY = "lit_ddp/exit/left"  # the ranks but 0 that made their last call on the store
+LEAVE_WAIT_S = 5.0  # rank 0 waits at most this for them (they are past the meeting: milliseconds)
 TRACEBACK_LINES = 12  # of a failed rank's traceback, shown before the line that names the rank
 # The launcher's pid, in the environment of the ranks it starts (see launcher_pid_for_children).
 LAUNCHER_PID_ENV = "LIT_DDP_LAUNCHER_PID"
@@ -142,11 +144,27 @@ def teardown_process_group(wait_s: float = EXIT_WAIT_S) -> None:
             while (store.add(EXIT_KEY, 0) < world_size and not store.check([watchdog.ENDED_KEY])
                    and time.monotonic() < deadline):  # fmt: skip
                 time.sleep(0.05)
-            if store.check([watchdog.ENDED_KEY]):  # a peer's watchdog ends the job: leave it the last word
+            everyone, ended = store.add(EXIT_KEY, 0) >= world_size, store.check([watchdog.ENDED_KEY])
+            if ended:  # a peer's watchdog ends the job: leave it the last word
                 time.sleep(watchdog.ENDING_S + 1.0)
+            if watch is not None:
+                watch.stop(wait_s=1.0)  # its thread's last call on the store made, before the store's host goes
+            if everyone and not ended:
+                _leave_the_host_last(store, dist.get_rank(), world_size)
     if watch is not None:
-        watch.stop()  # its store goes with the group
+        watch.stop()
     dist.destroy_process_group()
+
+
+def _leave_the_host_last(store: Any, rank: int, world_size: int) -> None:
+    """Rank 0 (the store's host under Lightning's launcher and env://) leaves once every other rank has made its last
+    call on the store: a call that finds the host gone makes torch print a warning with a C++ stack on that rank."""
+    if rank != 0:
+        store.add(LEFT_KEY, 1)
+        return
+    deadline = time.monotonic() + LEAVE_WAIT_S
+    while store.add(LEFT_KEY, 0) < world_size - 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def teardown_at_exit() -> None:

@@ -143,9 +143,12 @@ class Watchdog:
             self._thread = threading.Thread(target=self._run, name="lit_ddp-watchdog", daemon=True)
             self._thread.start()
 
-    def stop(self) -> None:
-        """The thread ends at its next poll (at teardown, before the process group and its store go)."""
+    def stop(self, wait_s: float = 0.0) -> None:
+        """The thread ends at its next poll (at teardown, before the process group and its store go); ``wait_s``:
+        waits that long for it to have ended (its call on the store, if one is under way, done)."""
         self._stopped.set()
+        if wait_s and self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=wait_s)
 
     def _run(self) -> None:
         while not self._stopped.wait(POLL_S):

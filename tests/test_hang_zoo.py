@@ -91,7 +91,6 @@ def zoo_runs():
 HANGS = [n for n in PART if not n.startswith("ok_")]
 # Under Lightning's own launcher a rank that never returns is left running when rank 0 exits (its DataLoader worker
 # too): the watchdog names it, but nothing ends it (the zoo's table, docs/failures.md).
-LEFT_RUNNING = pytest.mark.xfail(strict=True, reason="a rank (and its worker) outside any collective is left running")
 
 
 @pytest.mark.slow
@@ -106,8 +105,7 @@ def test_a_zoo_hang_is_named_and_ends(zoo_runs, name):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", [pytest.param(n, marks=LEFT_RUNNING) if n in ("rank1_sleeps", "worker_stuck") else n
-                                  for n in HANGS])  # fmt: skip
+@pytest.mark.parametrize("name", HANGS)
 def test_a_zoo_hang_leaves_nothing_running(zoo_runs, name):
     assert zoo_runs[name].left == 0
 

@@ -31,6 +31,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Optional
 
+from torch.distributed import DistNetworkError
+
 from lit_ddp import _torch
 from lit_ddp.analysis.flight_recorder import Frame, user_frame
 from lit_ddp.analysis.stopped import certain, in_collective, waiting_line
@@ -154,9 +156,22 @@ class Watchdog:
         while not self._stopped.wait(POLL_S):
             try:
                 self.tick(self._clock())
-            except Exception:  # the store is gone (a peer ended the job), or the interpreter is exiting
+            except DistNetworkError:  # the store's host is gone: the job ended elsewhere
+                if self._since is not None and not self.left and not self._stopped.is_set():
+                    return self.orphaned(self._clock() - self._since)  # stopped: nothing would end this rank
+                return
+            except Exception:  # the interpreter is exiting
                 if self.store is not None and self._since is not None:
                     return
+
+    def orphaned(self, stopped_s: float) -> None:
+        """This rank is stopped outside the job's end (a sleep, a stuck DataLoader worker) and the job ended
+        elsewhere: nothing else would end it. Says so and exits, its workers first (pytorch#41517)."""
+        where = self.state(stopped_s)["report"].get("where") or "a line of Lightning or torch"
+        self._say(f"rank {self.rank}: the job ended elsewhere (its store's host is gone) while this rank was at "
+                  f"{where} for {stopped_s:.0f} s: exiting")  # fmt: skip
+        hangs.FAILING.set()
+        _exit()
 
     def tick(self, now: float) -> None:
         if self.store is None:

@@ -118,6 +118,22 @@ def test_quiet_lightning_also_drops_the_amp_line_the_model_summary_and_the_loggi
     assert summary.filter(table) and not rank_zero.filter(amp)
 
 
+def test_quiet_lightning_also_quiets_the_summary_rich_draws_where_rich_is_installed(monkeypatch):
+    """With rich installed, Lightning's default summary is RichModelSummary, drawn on rich's console (no logger)."""
+    from lightning.pytorch.callbacks import RichModelSummary
+
+    drawn = []
+    monkeypatch.setattr(RichModelSummary, "summarize", staticmethod(lambda *args, **kwargs: drawn.append(args)))
+    monkeypatch.delenv(console.QUIET_ENV, raising=False)
+    console.quiet_lightning()
+    console.quiet_lightning()  # wrapped once
+    RichModelSummary.summarize("rows", 10, 10, 0.1, 1)
+    assert drawn == []
+    console.quiet_lightning(model_summary=True)  # asked for: drawn
+    RichModelSummary.summarize("rows", 10, 10, 0.1, 1)
+    assert drawn == [("rows", 10, 10, 0.1, 1)]
+
+
 def test_a_script_s_process_group_is_torn_down_at_exit_once_training_ended_normally(monkeypatch):
     registered = []
     monkeypatch.setattr(atexit, "register", registered.append)

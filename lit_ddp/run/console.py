@@ -14,7 +14,7 @@ import os
 import re
 import sys
 import warnings
-from typing import Optional, TextIO
+from typing import Any, Optional, TextIO
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -139,10 +139,29 @@ def _drop_lightning_noise() -> None:
         summary.removeFilter(_DROP_ALL)
     else:
         summary.addFilter(_DROP_ALL)
+    _quiet_rich_summary()
     for name in LIGHTNING_LOGGERS:
         logging.getLogger(name).addFilter(_DROP_LIGHTNING_BANNERS)  # a filter already there is not added twice
     for pattern in LIGHTNING_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)  # an equal filter is moved to the front, not repeated
+
+
+def _quiet_rich_summary() -> None:
+    """With rich installed, a Trainer's default summary is ``RichModelSummary``, drawn on rich's console, which no
+    logging filter reaches: its ``summarize`` draws nothing while ``LIT_DDP_QUIET_LIGHTNING`` is ``1`` (wrapped once;
+    the summary comes back with ``quiet_lightning(model_summary=True)`` or the variable unset)."""
+    from lightning.pytorch.callbacks import RichModelSummary
+
+    draw = RichModelSummary.summarize
+    if getattr(draw, "quiet_lit_ddp", False):
+        return
+
+    def summarize(*args: Any, **kwargs: Any) -> None:
+        if os.environ.get(QUIET_ENV) != "1":
+            draw(*args, **kwargs)
+
+    summarize.quiet_lit_ddp = True  # type: ignore[attr-defined]
+    RichModelSummary.summarize = staticmethod(summarize)  # type: ignore[method-assign]
 
 
 RANK_ZERO_LOGGER = "lightning.pytorch.utilities.rank_zero"  # where ``rank_zero_info`` logs

@@ -260,7 +260,9 @@ def real_run(make_trainer, tmp_path, name: str, forward_ms: float = 0.0):
 def test_on_real_runs_two_of_one_job_call_nothing_and_a_10_ms_longer_forward_is_found(make_trainer, tmp_path):
     a, again, b = (real_run(make_trainer, tmp_path, n, ms) for n, ms in (("a", 0.0), ("again", 0.0), ("b", 10.0)))
     same = compare.compare_runs(a, again)
-    assert set(words(same).values()) == {"same"}, same
+    # Nothing called: "same", or "can't tell" for a row that moved over 25% within the noise (issue 52: a small,
+    # noisy row such as one bucket's wait can double between two runs of one job on a shared machine)
+    assert set(words(same).values()) <= {"same", "tell"}, same
     text = compare.compare_runs(a, b)
     found = words(text)
     assert (found["forward"], found["backward"], found["update"]) == ("slower", "same", "same"), text

@@ -12,7 +12,7 @@ from typing import Optional
 from lit_ddp.analysis.run_analysis import RunAnalysis
 from lit_ddp.formatting import fmt_ms
 from lit_ddp.present.bound import LEAD_SHARE, Bound, cpu_bound, steady_count
-from lit_ddp.present.phases import BUSY_BOUND
+from lit_ddp.present.phases import BUSY_BOUND, busy_bound
 
 # Where no figure of the run backs a change: the change that each part's bound asks for, named as a thing to try.
 TRY = {
@@ -41,10 +41,11 @@ def headline(analysis: RunAnalysis) -> Optional[str]:
     busy = record.ranks[0].busy_ms
     if busy:
         shares = [row.ms.step / analysis.step_ms if analysis.step_ms else 0.0 for row in busy]
-        if min(shares) >= BUSY_BOUND:
+        bound = busy_bound(shares)
+        if bound == "gpu":
             return (f"Bound by the GPU (busy {min(shares):.0%} or more of the step): fewer FLOPs or bf16; no figure "
                     "here backs one")  # fmt: skip
-        if max(shares) < BUSY_BOUND:
+        if bound == "host":
             return (f"Bound by the host (the GPU busy {max(shares):.0%} of the step at most): larger batches or fewer "
                     "kernel launches (fused optimizer, CUDA graphs); no figure here backs one")  # fmt: skip
         return f"Can't tell whether the GPU or the host bounds the step: its busy share crosses {BUSY_BOUND:.0%}"

@@ -129,6 +129,12 @@ def verdict(analysis: RunAnalysis) -> str:
     return "Verdict: a CPU run (no device to idle): " + _cpu_verdict(analysis)
 
 
+def busy_bound(shares: list[float]) -> Optional[str]:
+    """``"gpu"`` where the GPU was busy ``BUSY_BOUND`` of every profiled step, ``"host"`` where of none, else None
+    (the shares cross the line: can't tell)."""
+    return "gpu" if min(shares) >= BUSY_BOUND else "host" if max(shares) < BUSY_BOUND else None
+
+
 def _gpu_verdict(busy: list[StepRow], step_ms: float) -> str:
     """GPU- or host-bound by the GPU's busy share of the steady step, named only when every profiled step lies on
     one side of ``BUSY_BOUND``: a few profiled steps give no interval, and a share that crosses the line between
@@ -136,10 +142,11 @@ def _gpu_verdict(busy: list[StepRow], step_ms: float) -> str:
     shares = [row.ms.step / step_ms if step_ms else 0.0 for row in busy]
     share = _busy_median(busy, "step") / step_ms if step_ms else 0.0
     spread = f" ({min(shares):.0%} to {max(shares):.0%} in the {len(shares)} profiled steps)" if len(shares) > 1 else ""
-    if min(shares) >= BUSY_BOUND:
+    bound = busy_bound(shares)
+    if bound == "gpu":
         return (f"GPU-bound: the GPU was busy {share:.0%} of the step{spread}; lower precision (bf16), fewer FLOPs or "
                 "faster kernels would help")  # fmt: skip
-    if max(shares) < BUSY_BOUND:
+    if bound == "host":
         return (f"host-bound: the GPU was busy {share:.0%} of the step{spread}; larger batches, fewer kernel "
                 "launches (fused Adam, CUDA graphs) or less per-step Python would help")  # fmt: skip
     return (f"can't tell whether the GPU or the host bounds the step: the GPU was busy {share:.0%} of it{spread}, "

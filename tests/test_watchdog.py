@@ -242,3 +242,23 @@ def test_what_it_says_is_kept_with_the_step_and_the_host_clocks_time(monkeypatch
     dog._say("moved on after 14 s")
     assert list(dog.said) == [(1, 123.5, "moved on after 14 s")]
     assert capsys.readouterr().err == "lit_ddp: moved on after 14 s\n"
+
+
+@pytest.mark.parametrize("fit_over", [False, True])
+def test_a_rank_stopped_in_training_exits_when_the_stores_host_is_gone_but_not_after_its_fit(monkeypatch, fit_over):
+    """The job ended elsewhere (rank 0, the store's host, gone): a rank stopped in training has nothing else to end
+    it (the zoo's rank1_sleeps, worker_stuck); after its fit, its own work alone is the user's, never ended."""
+    from torch.distributed import DistNetworkError
+
+    monkeypatch.setattr(watchdog, "POLL_S", 0.001)
+    dog, clock = stepped([0.0, 1.0])
+    dog._since, dog.fit_over, orphaned = 1.0, fit_over, []
+
+    def gone(now):
+        raise DistNetworkError("Connection reset by peer")
+
+    monkeypatch.setattr(dog, "tick", gone)
+    monkeypatch.setattr(dog, "orphaned", orphaned.append)
+    clock.now = 20.0
+    dog._run()  # returns at the error, either way
+    assert orphaned == ([] if fit_over else [19.0])

@@ -46,7 +46,9 @@ class CollectiveRecorder(LeanCallback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        watchdog.start(trainer.global_rank, trainer.world_size).alive()
+        watch = watchdog.start(trainer.global_rank, trainer.world_size)
+        watch.fit_over = False  # a new fit in a process whose watchdog served one before
+        watch.alive()
 
     @staticmethod
     def calls_of(trainer: Trainer, steps: Collection[int]) -> list[CollectiveCall]:
@@ -108,6 +110,7 @@ class CollectiveRecorder(LeanCallback):
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.collective_record.mark(self._step, "the end of training")
+        watchdog.fit_ended()
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:

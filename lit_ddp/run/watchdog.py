@@ -83,6 +83,7 @@ class Watchdog:
         self._times: deque[float] = deque(maxlen=64)  # step boundaries
         self.alive_at = clock()  # the last progress that is not a step boundary
         self.left = False  # this process is past its script (at exit)
+        self.fit_over = False  # its fit's training ended: what the rank does next is the user's, even alone
         self.store: Optional[Any] = None  # the rendezvous store, once there is one
         self._since: Optional[float] = None  # the stop being reported: its last progress
         self._published_at = self._first_published_at = 0.0
@@ -157,8 +158,8 @@ class Watchdog:
             try:
                 self.tick(self._clock())
             except DistNetworkError:  # the store's host is gone: the job ended elsewhere
-                if self._since is not None and not self.left and not self._stopped.is_set():
-                    return self.orphaned(self._clock() - self._since)  # stopped: nothing would end this rank
+                if self._since is not None and not (self.left or self.fit_over or self._stopped.is_set()):
+                    return self.orphaned(self._clock() - self._since)  # stopped in training: nothing else ends it
                 return
             except Exception:  # the interpreter is exiting
                 if self.store is not None and self._since is not None:
@@ -363,6 +364,13 @@ def beat(step: int) -> None:
     """``Watchdog.beat`` of this process's watchdog, if it has one."""
     if _WATCHDOG is not None:
         _WATCHDOG.beat(step)
+
+
+def fit_ended() -> None:
+    """Training ended (``CollectiveRecorder.on_train_end``): a rank's own work after it, alone (a file it writes, an
+    evaluation), is never ended for its peers having left."""
+    if _WATCHDOG is not None:
+        _WATCHDOG.fit_over = True
 
 
 def alive() -> None:

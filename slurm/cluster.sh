@@ -105,7 +105,8 @@ start() {
     local ctld_port slurmd_port cpus
     ctld_port=$(free_port_from 6817)
     slurmd_port=$(free_port_from $((ctld_port + 1)))
-    cpus=$(nproc)
+    cpus=$(nproc --all)  # --all: nproc alone honours OMP_NUM_THREADS (the tests set it to 1), and a 1-CPU node
+    # never runs a 2-task job (it pends as PartitionConfig)
     sed -e "s|@HOST@|$(hostname -s)|g" -e "s|@CPUS@|$cpus|g" -e "s|@DIR@|$DIR|g" \
         -e "s|@CTLD_PORT@|$ctld_port|g" -e "s|@SLURMD_PORT@|$slurmd_port|g" "$HERE/slurm.conf.in" >"$CONF"
     chmod 644 "$CONF"
@@ -136,7 +137,8 @@ stop() {
         jobs=$(squeue -h -o %A 2>/dev/null || true)
         if [[ -n "$jobs" ]]; then
             local tasks
-            tasks=$(for job in $jobs; do scontrol listpids "$job" 2>/dev/null | awk 'NR > 1 {print $1}'; done)
+            # A pending job has no pids: scontrol fails, and under pipefail that would end stop() here.
+            tasks=$(for job in $jobs; do { scontrol listpids "$job" 2>/dev/null || true; } | awk 'NR > 1 {print $1}'; done)
             scancel --full --signal=KILL $jobs 2>/dev/null || true
             scancel $jobs 2>/dev/null || true
             wait_until 20 test -z "$(squeue -h -o %A 2>/dev/null)" || echo "cluster.sh: jobs still queued: $jobs" >&2

@@ -3,6 +3,7 @@
     python tests/hang_scripts.py logkeys                   # rank 1 logs a key rank 0 does not (lightning#19106)
     python tests/hang_scripts.py uneven_shards             # rank 0 has 8 batches an epoch, rank 1 5 (#3325)
     python tests/hang_scripts.py uneven_shards --uneven error
+    python tests/hang_scripts.py empty_shard               # rank 1's shard is empty (webdataset#188)
     python tests/hang_scripts.py raise --start-method popen    # Lightning's `ddp` launcher (or under torchrun)
 
 A plain ``Trainer`` with ``LitDDPStrategy(timeout_s=...)`` on 2 CPU ranks and the tool's callbacks; each rank
@@ -108,8 +109,8 @@ class Case(LightningModule):
 
 
 def loader(case: str) -> DataLoader:
-    if case == "uneven_shards":
-        return DataLoader(Shard({0: 8, 1: 5}), batch_size=None)
+    if case in ("uneven_shards", "empty_shard"):
+        return DataLoader(Shard({0: 8, 1: 5 if case == "uneven_shards" else 0}), batch_size=None)
     # Sized: each rank its own rows, as a user who shards by hand does (use_distributed_sampler=False).
     if case == "stuck_worker":
         return DataLoader(RankSized({0: 32, 1: 32}, stuck=True), batch_size=4, num_workers=2)
@@ -119,8 +120,8 @@ def loader(case: str) -> DataLoader:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("case", choices=["logkeys", "log_dict", "gather_rank0", "raise", "sleep", "sleep_rank0",
-                                         "uneven_shards", "uneven_sized", "even", "log_dir_after_fit", "rank0_work",
-                                         "head_rank1", "setup_barrier", "stuck_worker"])  # fmt: skip
+                                         "uneven_shards", "empty_shard", "uneven_sized", "even", "log_dir_after_fit",
+                                         "rank0_work", "head_rank1", "setup_barrier", "stuck_worker"])  # fmt: skip
     parser.add_argument("--uneven", default="stop", choices=["stop", "error"])
     parser.add_argument("--timeout-s", type=float, default=20)
     parser.add_argument("--epochs", type=int, default=2)

@@ -97,7 +97,13 @@ class Case(LightningModule):
             time.sleep(14)  # rank 0's own work (an evaluation, an upload), longer than the watchdog's 10 s: healthy
         elif self.case == "sleep_rank0" and self.global_step == self.fault_step and self.global_rank == 0:
             time.sleep(3600)  # rank 0 hosts the store: its server answers while this thread sleeps
+        elif self.case == "stop_rank1" and at_fault:
+            self.trainer.should_stop = True  # rank 1 alone (Lightning#379): rank 0 trains on
         return loss
+
+    def on_train_epoch_end(self) -> None:
+        if self.case == "epoch_end_log" and self.global_rank == 0:  # Lightning#19604: reduced after this hook
+            self.log("epoch_metric", torch.tensor(1.0), sync_dist=True)
 
     def on_train_end(self) -> None:
         # One write of the whole line: the ranks share the pipe, and print's text and newline can interleave.
@@ -121,7 +127,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("case", choices=["logkeys", "log_dict", "gather_rank0", "raise", "sleep", "sleep_rank0",
                                          "uneven_shards", "empty_shard", "uneven_sized", "even", "log_dir_after_fit",
-                                         "rank0_work", "head_rank1", "setup_barrier", "stuck_worker"])  # fmt: skip
+                                         "rank0_work", "head_rank1", "setup_barrier", "stuck_worker", "stop_rank1",
+                                         "epoch_end_log"])  # fmt: skip
     parser.add_argument("--uneven", default="stop", choices=["stop", "error"])
     parser.add_argument("--timeout-s", type=float, default=20)
     parser.add_argument("--epochs", type=int, default=2)

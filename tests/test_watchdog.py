@@ -138,6 +138,22 @@ def test_a_collective_that_a_rank_which_left_never_called_ends_the_job_and_one_i
     assert certain({0: state(0, "collective", [bucket(30)]), 1: left}) is None  # #30: rank 1 called it; it completes
 
 
+def test_a_rank_that_stopped_on_its_own_should_stop_is_named_with_the_line_and_the_fix_to_decide_together():
+    left = {**state(1, "left", [bucket(30)], stopped_s=0.0), "stopped": "stopped training at step 4 (x)"}
+    line = certain({0: state(0, "collective", [bucket(30), bucket(31)]), 1: left})
+    assert "; rank 1 left: it stopped training at step 4 (x) and will never call it -> a stop decided on some ranks " \
+           "only: decide it on every rank together, trainer.should_stop = trainer.strategy.reduce_boolean_decision(" \
+           "stop, all=False)" in line  # fmt: skip
+
+
+def test_a_divergence_in_a_sync_dist_keys_reduction_ends_with_that_keys_fix():
+    barrier = Collective(24, "barrier", [[]], "", 3, "the end of epoch 0", None, "s.py:9 on_train_epoch_end: x")
+    states = {0: {**state(0, "collective", [bucket(23), barrier]), "logged": "epoch_metric"},
+              1: state(1, "collective", [bucket(23), bucket(24)])}  # fmt: skip
+    assert certain(states).endswith(" -> a sync_dist key logged on some ranks only ('epoch_metric'): log it on every "
+                                    "rank, or on one without sync_dist (rank_zero_only=True)")  # fmt: skip
+
+
 class Store:
     """The rendezvous store's calls the watchdog makes, in a dict."""
 

@@ -14,6 +14,12 @@ from lit_ddp.analysis.flight_recorder import LIBRARIES, Frame
 
 FIX_SOME_RANKS = ("a collective called by some ranks only: rank_zero_only for work, never for collectives; "
                   "the same sync_dist keys on every rank")  # fmt: skip
+# A key that only some ranks log with sync_dist=True (Lightning#19604: in on_train_epoch_end, on rank 0 only).
+FIX_SYNC_KEY = ("a sync_dist key logged on some ranks only ({keys}): log it on every rank, or on one without "
+                "sync_dist (rank_zero_only=True)")  # fmt: skip
+# A rank that set trainer.should_stop alone (Lightning#379): Lightning's loop stops where it is set, rank by rank.
+FIX_STOP = ("a stop decided on some ranks only: decide it on every rank together, trainer.should_stop = "
+            "trainer.strategy.reduce_boolean_decision(stop, all=False)")  # fmt: skip
 
 
 def in_collective(frames: list[Frame]) -> bool:
@@ -40,7 +46,9 @@ def certain(states: dict[int, dict[str, Any]]) -> Optional[str]:
     reports = {r: _report(s) for r, s in states.items()}
     found = divergences(reports, max(reports, default=0) + 1)
     if found and " diverged: " in found[0]:
-        return f"{found[0]}{_out_of_step(reports, found[0])} -> {FIX_SOME_RANKS}"
+        keys = sorted({repr(s["logged"]) for s in states.values() if s.get("logged")})
+        fix = FIX_SYNC_KEY.format(keys=", ".join(keys)) if keys else FIX_SOME_RANKS
+        return f"{found[0]}{_out_of_step(reports, found[0])} -> {fix}"
     left = sorted(r for r, rep in reports.items() if rep.kind == "left")
     waiting = sorted(r for r, rep in reports.items() if rep.kind == "collective")
     # A rank that left had called only up to its last collective: one waiting in a later one waits for nothing.
@@ -51,8 +59,12 @@ def certain(states: dict[int, dict[str, Any]]) -> Optional[str]:
         if reports[r].collectives and reports[r].collectives[-1].seq > min(last_call.values(), default=0)
     ]
     if left and waiting:
-        return (f"{'; '.join(_doing(states[r]) for r in waiting)}; {_ranks(left)} left (past the end of the "
-                f"script) and will never call it -> {FIX_SOME_RANKS}")  # fmt: skip
+        # A rank that left on its own trainer.should_stop is named with where it stopped; the others, as gone.
+        stopped = [f"rank {r} left: it {states[r]['stopped']}" for r in left if states[r].get("stopped")]
+        gone = [r for r in left if not states[r].get("stopped")]
+        left_as = "; ".join([*stopped, *([f"{_ranks(gone)} left (past the end of the script)"] if gone else [])])
+        fix = FIX_STOP if stopped else FIX_SOME_RANKS
+        return f"{'; '.join(_doing(states[r]) for r in waiting)}; {left_as} and will never call it -> {fix}"
     return None
 
 

@@ -22,6 +22,7 @@ from typing import Any, Optional
 from lit_ddp import _torch
 from lit_ddp.analysis.divergence import Collective, RankReport
 from lit_ddp.analysis.flight_recorder import Frame, collective_of, default_group, user_frame
+from lit_ddp.records import phases
 from lit_ddp.records.schema import CollectiveCall
 
 MARKS_KEPT = 256  # phase marks: some 40 steps
@@ -75,7 +76,7 @@ class CollectiveRecord:
             # ("", None, any default: none ends so). Mutants of the two defaults are equivalent.
             step, phase = self.at(int(entry.get("time_created_ns", 0)))
             bucket = None
-            if phase == "backward" and str(entry.get("profiling_name", "")).endswith("all_reduce"):
+            if phase == phases.ALL_REDUCING and str(entry.get("profiling_name", "")).endswith("all_reduce"):
                 bucket = buckets[step] = buckets.get(step, -1) + 1
             out.append((entry, collective_of(entry, step, phase, bucket)))
         return out

@@ -3,6 +3,7 @@ record, the tables, the plot, the profiler's ranges and the forecast with nothin
 ``records`` names a phase but the renderers' labels."""
 
 import ast
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,6 +14,7 @@ from lit_ddp.callbacks import PhaseTimer
 from lit_ddp.lab.module import LinearRegression
 from lit_ddp.measure import profiling
 from lit_ddp.present import plots
+from lit_ddp.present.headline import headline
 from lit_ddp.present.phases import phase_table
 from lit_ddp.records import phases
 from lit_ddp.records import schema as record
@@ -71,6 +73,19 @@ def test_a_phase_added_to_the_table_reaches_the_record_the_tables_and_the_plot(w
     analysis = analyze(loaded, None)
     names = [line.split()[0] for line in phase_table(analysis).splitlines()[2:9]]
     assert names == ["forward", "zero_grad", "backward", "update", "data", "other", "step"], names
+    # The headline, where it bounds the step (500 ms of each step's): named, with no change of its own to try.
+    slow = replace(
+        loaded,
+        ranks=[
+            replace(
+                loaded.ranks[0],
+                rows=[
+                    replace(row, ms=record.StepPhases({**row.ms, "zero_grad": 500.0})) for row in loaded.ranks[0].rows
+                ],
+            )
+        ],
+    )
+    assert headline(analyze(slow, None)).startswith("Bound by zero_grad (")
     # The plot: a bar of its own in its colour, and its span in the timeline.
     pytest.importorskip("matplotlib")
     figure = plots.phases_figure(analysis)

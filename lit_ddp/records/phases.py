@@ -99,14 +99,16 @@ def read_as(profiler_range: str) -> Optional[str]:
     return next((phase for pattern, phase in patterns if pattern.fullmatch(profiler_range)), None)
 
 
-_read: list = [None, None]  # [the table, its readers]: compiled once per table (a trace holds many ranges)
+# The table's readers (its own ranges, the others' patterns compiled), made once for the table in use: a trace holds
+# many ranges, and a test swaps the table.
+_compiled: tuple[tuple[Phase, ...], dict[str, str], tuple[tuple[re.Pattern, str], ...]] = ((), {}, ())
 
 
 def _readers() -> tuple[dict[str, str], tuple[tuple[re.Pattern, str], ...]]:
-    if _read[0] is not TABLE:
-        patterns = tuple((re.compile(r, re.I), p.name) for p in TABLE for r in p.read_from)
-        _read[:] = [TABLE, (ranges(), patterns)]
-    return _read[1]
+    global _compiled
+    if _compiled[0] is not TABLE:
+        _compiled = (TABLE, ranges(), tuple((re.compile(r, re.I), p.name) for p in TABLE for r in p.read_from))
+    return _compiled[1], _compiled[2]
 
 
 def range_of(name: str) -> str:

@@ -3,13 +3,20 @@ the real 2-rank runs are in tests/test_hangs.py (``hung_runs``)."""
 
 import itertools
 import json
+import threading
 
 import pytest
 
 from lit_ddp.analysis.divergence import Collective, RankReport
-from lit_ddp.analysis.stopped import certain, in_collective, waiting_line
+from lit_ddp.analysis.stopped import FIX_DEAD, FIX_PARTITION, certain, in_collective, waiting_line
 from lit_ddp.run import watchdog
 from lit_ddp.run.watchdog import COMPARE_AFTER_S, GRACE_S, Watchdog
+
+
+@pytest.fixture(autouse=True)
+def _not_failing(monkeypatch):
+    """Each test's process is not failing: a watchdog that ends (``end``, ``orphaned``) sets the flag for good."""
+    monkeypatch.setattr(watchdog.hangs, "FAILING", threading.Event())
 
 
 class Clock:
@@ -101,9 +108,17 @@ def test_a_rank_waiting_on_its_data_worker_names_the_worker():
     states = {1: state(1, "busy", [], "script.py:50 <module>: trainer.fit(model)", worker=worker)}
     assert waiting_line(states, 2) == (
         f"waiting 12 s: rank 1 waits for its {worker}, 12 s (step 3, training_step); rank 0 sent no state (still "
-        "moving, dead, or stuck holding the GIL) -> a DataLoader worker that does not return (its line above): the "
-        "job ends at the process group's timeout, the workers with it"
+        "moving, dead, or stuck holding the GIL) -> a DataLoader worker that does not return: its line above never "
+        "ends (a read without a timeout, a lock); DataLoader(timeout=...) raises instead of waiting (the job ends "
+        "at the process group's timeout, the workers with it)"
     )
+
+
+def test_ranks_that_sent_nothing_while_the_others_wait_in_a_collective_get_each_causes_fix():
+    line = waiting_line({0: state(0, "collective", [bucket(24)])}, 2)
+    fixes = f"dead: {FIX_DEAD}; cut off: {FIX_PARTITION}"
+    assert line.endswith(" -> rank 1 sent nothing: dead, stuck in C code holding the GIL (py-spy dump --pid shows "
+                         f"where), or cut off from rank 0's node; {fixes}")  # fmt: skip
 
 
 def test_two_ranks_nth_collectives_that_differ_end_the_job():
@@ -175,7 +190,8 @@ class Store:
 
 def test_the_lowest_rank_that_published_speaks_and_a_certain_divergence_ends_every_rank(monkeypatch, capsys):
     store, ended = Store(), []
-    monkeypatch.setattr(watchdog, "_exit", lambda: ended.append(True))
+    # Each rank's end, mocked: a process of its own, whose failing flag the next rank's does not share
+    monkeypatch.setattr(watchdog, "_exit", lambda: (ended.append(True), watchdog.hangs.FAILING.clear()))
     monkeypatch.setattr(watchdog.time, "sleep", lambda s: None)
     dogs = []
     for rank, collectives in ((0, [bucket(23), bucket(24)]), (1, [bucket(23)])):
@@ -210,6 +226,24 @@ def test_the_lowest_rank_that_published_speaks_and_a_certain_divergence_ends_eve
     dog.tick(24.0)
     assert json.loads(store.data[f"{watchdog.KEY}1"])["rank"] == 1 and f"{watchdog.KEY}0" not in store.data
     assert capsys.readouterr().err == "lit_ddp: moved on after 23 s\n"  # (ended is mocked: it went on)
+
+
+def test_a_rank_reporting_its_failure_says_nothing_of_its_own(monkeypatch, capsys):
+    """Rank 0's collective timed out and it compares the reports (``hangs.diagnose``: its main thread joins the
+    store's thread): read from its stack it looked busy "in threading.py _wait_for_tstate_lock, outside any
+    collective". Its last state stays in the store; the diagnosis speaks."""
+    store = Store()
+    dog, clock = stepped([0.0, 1.0])
+    dog.store = store
+    dog.state = lambda s: state(0, "busy", [bucket(23)], stopped_s=s)
+    watchdog.hangs.FAILING.set()
+    for t in (1.0 + COMPARE_AFTER_S, 11.0, 21.0):
+        clock.now = t
+        dog.tick(t)
+    assert store.data == {} and capsys.readouterr().err == "" and dog.lines == []
+    watchdog.hangs.FAILING.clear()  # (a process that fails ends: this one goes on for the test)
+    dog.tick(21.5)
+    assert f"{watchdog.KEY}0" in store.data
 
 
 def test_in_a_collective_is_read_from_the_main_threads_stack():

@@ -20,6 +20,12 @@ FIX_SYNC_KEY = ("a sync_dist key logged on some ranks only ({keys}): log it on e
 # A rank that set trainer.should_stop alone (Lightning#379): Lightning's loop stops where it is set, rank by rank.
 FIX_STOP = ("a stop decided on some ranks only: decide it on every rank together, trainer.should_stop = "
             "trainer.strategy.reduce_boolean_decision(stop, all=False)")  # fmt: skip
+FIX_WORKER = ("a DataLoader worker that does not return: its line above never ends (a read without a timeout, a "
+              "lock); DataLoader(timeout=...) raises instead of waiting")  # fmt: skip
+FIX_DEAD = ("a rank that died: its own error is in its log; killed by a signal with none, look for the kernel's "
+            "out-of-memory killer (dmesg)")  # fmt: skip
+FIX_PARTITION = ("a node cut off (a partition): check that every node reaches MASTER_ADDR:MASTER_PORT and the "
+                 "others' addresses (a firewall, a route, a link down)")  # fmt: skip
 
 
 def in_collective(frames: list[Frame]) -> bool:
@@ -125,13 +131,12 @@ def _fix(states: dict[int, dict[str, Any]], silent: list[int]) -> str:
     """The likely cause's fix, in one line, from what the ranks do."""
     kinds = {_report(s).kind for s in states.values()}
     if any(s.get("worker") for s in states.values()):
-        return (" -> a DataLoader worker that does not return (its line above): the job ends at the process "
-                "group's timeout, the workers with it")  # fmt: skip
+        return f" -> {FIX_WORKER} (the job ends at the process group's timeout, the workers with it)"
     if "busy" in kinds and "collective" in kinds:
         return (" -> the others wait for it: work (a checkpoint, an evaluation) ends and the job goes on; "
                 "work longer than the process group's timeout: raise timeout_s (work that never ends stops "
                 "there)")  # fmt: skip
     if silent and kinds == {"collective"}:
-        return (f" -> {_ranks(silent)} sent nothing: a dead rank, one stuck in C code holding the GIL, or one "
-                "cut off from rank 0's node (a partition): its log and its node")  # fmt: skip
+        return (f" -> {_ranks(silent)} sent nothing: dead, stuck in C code holding the GIL (py-spy dump --pid "
+                f"shows where), or cut off from rank 0's node; dead: {FIX_DEAD}; cut off: {FIX_PARTITION}")  # fmt: skip
     return ""

@@ -177,6 +177,9 @@ class Watchdog:
         _exit()
 
     def tick(self, now: float) -> None:
+        if hangs.FAILING.is_set():  # its own failure is being reported (a collective's timeout: the ranks' reports
+            return  # compared, its stack in the store's thread's join), and that says what happened; its last state
+        # from before stays in the store for the others
         if self.store is None:
             self.store = _torch.default_store()
             if self.store is None:

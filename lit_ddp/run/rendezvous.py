@@ -9,6 +9,7 @@ import json
 import socket
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -75,14 +76,18 @@ def init_process_group(backend: str, rank: int, world_size: int, address: str, p
 
 
 def meet(store: dist.Store, rank: int, world_size: int, start_timeout_s: float, started: dict[str, Any],
-         ranks_per_node: int, where: str, clock=time.monotonic) -> None:  # fmt: skip
+         ranks_per_node: int, where: str, clock=time.monotonic,
+         done: Callable[[], bool] = lambda: False) -> None:  # fmt: skip
     """Every rank joins; rank 0 waits for all, says who joined every ``PROGRESS_S`` while some have not, and at
     ``start_timeout_s`` raises ``StartTimeoutError`` naming the missing ranks and nodes (so does every rank that
-    joined)."""
+    joined). ``done``: the start is over by other means (a watch beside torch's own rendezvous: the process group
+    exists, so every rank came)."""
     store.set(f"{STARTED}{rank}", json.dumps({"rank": rank, **started}))
     store.add(JOINED, 1)
     begun, said = clock(), 0
     while True:
+        if done():
+            return
         if rank == 0 and store.add(JOINED, 0) >= world_size:
             store.set(ALL_ARRIVED, "1")
             return

@@ -124,9 +124,13 @@ def who_joined(store: dist.Store, world_size: int, ranks_per_node: int, where: s
     if not final:
         return (f"waiting {waited:.0f} s for {missing_text} to join rank 0's store at {where}; joined: "
                 f"{joined_text}")  # fmt: skip
-    return (f"{missing_text} never joined rank 0's store at {where} in {waited:.0f} s; joined: {joined_text} -> a "
-            f"node that never joined: start it with the same MASTER_ADDR and MASTER_PORT and its NODE_RANK, and "
-            f"check that it reaches {where} (a firewall, a partition)")  # fmt: skip
+    if all(node in {r // ranks_per_node for r in joined} for node in nodes):  # their nodes started: they did not
+        fix = ("a rank that started on its node but never reached fit: what its script does before (a slow read, a "
+               "wait of its own; its log)")  # fmt: skip
+    else:
+        fix = (f"a node that never joined: start it with the same MASTER_ADDR and MASTER_PORT and its NODE_RANK, and "
+               f"check that it reaches {where} (a firewall, a partition)")  # fmt: skip
+    return f"{missing_text} never joined rank 0's store at {where} in {waited:.0f} s; joined: {joined_text} -> {fix}"
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -675,11 +675,16 @@ def test_the_end_of_fit_finds_the_arrivals_and_the_straggler_once_and_reads_no_r
     owner, said = EndOfFit(), []
     for record, filename in ((phases, "phases.json"), (comm, "comm.json")):
         owner.expect(SimpleNamespace(record=record, log_dir=str(tmp_path), filename=filename))
-    trainer = SimpleNamespace(is_global_zero=True, progress_bar_callback=None, world_size=2)
+    logged = []
+    logger = SimpleNamespace(log_metrics=lambda metrics, step: logged.append((step, metrics)))
+    trainer = SimpleNamespace(is_global_zero=True, progress_bar_callback=None, world_size=2, global_step=30,
+                              loggers=[logger])  # fmt: skip
     monkeypatch.setattr("lit_ddp.callbacks.end_of_fit.say", lambda trainer, text: said.append(text))
     monkeypatch.setattr("lit_ddp.run.console.advice", lambda trainer: CLI)
     owner.on_train_end(trainer, None)
-    assert calls == {"arrivals": 1, "straggler_of": 1}
+    assert calls == {"arrivals": 1, "straggler_of": 1}  # the tables, comm.json and the loggers' row, from one analysis
+    ((step, row),) = logged
+    assert step == 30 and row["fit/exposed_ms"] > row["fit/backward_ms"] > 0
     assert said[0].startswith("Bound by the all-reduce (95%): fp16 compression (CommMonitor(compression=fp16): half "
                               "the bytes), forecast 35")  # fmt: skip
     assert said[1].startswith("Phase times") and said[2].startswith("Gradient all-reduce per step")

@@ -4,6 +4,7 @@ model whose activations are known, the CUDA allocator's marks, and the line of a
 Two real 2-rank ``ddp_spawn`` runs (module-scoped: one without and one with ``gradient_as_bucket_view``) feed
 most tests; the rest are hand-driven."""
 
+import csv
 import gzip
 import json
 import os
@@ -135,6 +136,12 @@ def test_memory_reaches_the_table_every_logger_and_the_report(runs, capsys):
     assert "Memory (rank " in table and "profile_memory=True" in table
     header = (run.dir / "metrics.csv").read_text().splitlines()[0].split(",")
     assert {f"memory/{p}_peak_bytes" for p in step_phases.with_step()} <= set(header)
+    # The end of fit's row holds the phase table's peak: the highest rank's median step peak.
+    with open(run.dir / "metrics.csv", newline="") as f:
+        (end,) = [row for row in csv.DictReader(f) if row.get("fit/peak_memory_bytes")]
+    memory = analyze(run.phases, run.comm).memory
+    assert float(end["fit/peak_memory_bytes"]) == memory.peak["step"].median > 0
+    assert float(end["fit/peak_memory_rank"]) == memory.rank
     assert report.main([str(run.dir), "--no-plot"]) == 0
     out = capsys.readouterr().out
     assert "peak memory" in out and "Memory per rank (exact, from the live objects)" in out
@@ -350,31 +357,34 @@ def memory_steps(scale: int) -> list[record.StepMemory]:
 
 @pytest.mark.timeout(10)
 def test_the_memory_columns_are_the_highest_ranks_medians_and_the_line_says_whose_and_over_what():
+    from lit_ddp.derive.memory import memory_of, memory_summary
     from lit_ddp.present import memory as text
     from tests.records import phase_record
 
     phases = phase_record([[(1.0, 2.0, 0.5, 0.1)] * 5] * 2)
-    assert not text.has_memory(phases)
+    assert memory_of(phases) is None and memory_of(None) is None
     phases.ranks[0].memory, phases.ranks[1].memory = memory_steps(1), memory_steps(2)
     phases.memory_source = "cpu_profiler"
-    assert text.has_memory(phases) and text.highest_rank(phases) == 1
-    assert text.memory_cells(phases) == [("6.00 kB", "4.00 kB"), ("10.0 kB", "3.00 kB"), ("5.00 kB", "2.40 kB"),
+    memory = memory_of(phases)
+    assert memory.rank == 1
+    assert text.memory_cells(memory) == [("6.00 kB", "4.00 kB"), ("10.0 kB", "3.00 kB"), ("5.00 kB", "2.40 kB"),
                                          ("-", "-"), ("-", "-"), ("10.0 kB", "2.40 kB")]  # PHASES' order # fmt: skip
     said = ("peak = the most held at once in the phase, retained = held at its end; the step peaked at 10.0 kB "
             "median, 10.0 kB max, starting from 2.00 kB")  # fmt: skip
-    assert text.memory_line(phases) == (
+    assert text.memory_line(memory) == (
         "Memory (rank 1, the highest; steps 2-4; the CPU allocator's events in the profiled steps (torch.profiler, "
         "profile_memory=True), on top of what parameters, gradients, DDP's buckets and optimizer state held at each "
         f"step's start): {said}")  # fmt: skip
     phases.memory_source = "cuda_allocator"
-    assert text.memory_line(phases) == ("Memory (rank 1, the highest; 3 step(s); the CUDA caching allocator: bytes "
-                                        f"of live tensors, its peak reset at each phase boundary): {said}")  # fmt: skip
+    assert text.memory_line(memory_of(phases)) == ("Memory (rank 1, the highest; 3 step(s); the CUDA caching "
+                                                   "allocator: bytes of live tensors, its peak reset at each phase "
+                                                   f"boundary): {said}")  # fmt: skip
     phases.ranks[1].memory, phases.memory_source = phases.ranks[1].memory[:1], "elsewhere"
-    assert text.memory_line(phases).startswith("Memory (rank 1, the highest; step 2; elsewhere): peak = ")
+    assert text.memory_line(memory_of(phases)).startswith("Memory (rank 1, the highest; step 2; elsewhere): peak = ")
     # A summary over every step, where the rank kept one, is taken over the steps it kept.
     phases.ranks[1].memory_summaries = {"peak.step": record.Sketch.of([1e9]), "start": record.Sketch.of([])}
-    assert text.memory_summary(phases, 1, "peak.step").median == 1e9
-    assert text.memory_summary(phases, 1, "start").median == 2000
+    assert memory_summary(phases, 1, "peak.step").median == 1e9
+    assert memory_summary(phases, 1, "start").median == 2000
 
 
 @pytest.mark.timeout(10)
@@ -418,6 +428,7 @@ def test_the_out_of_memory_line_names_the_step_the_peak_and_the_holders_largest_
 
 @pytest.mark.timeout(10)
 def test_the_highest_rank_can_be_rank_0_its_summaries_come_first_and_without_kept_steps_the_line_says_no_step():
+    from lit_ddp.derive.memory import memory_of
     from lit_ddp.present import memory as text
     from lit_ddp.present.memory import ddp_memory_lines
     from tests.records import phase_record
@@ -426,16 +437,17 @@ def test_the_highest_rank_can_be_rank_0_its_summaries_come_first_and_without_kep
     for rank, scale in zip(phases.ranks, (3, 1, 2), strict=True):
         rank.memory = memory_steps(scale)
     phases.memory_source = "cpu_profiler"
-    assert text.highest_rank(phases) == 0
+    assert memory_of(phases).rank == 0
     # A summary over every step the rank ran, where it kept one, outranks its kept steps (3,000 x 3 + s retained).
     phases.ranks[0].memory_summaries = {"peak.forward": record.Sketch.of([7000.0]),
                                         "retained.forward": record.Sketch.of([4000.0])}  # fmt: skip
-    assert text.memory_cells(phases)[:2] == [("7.00 kB", "4.00 kB"), ("15.0 kB", "4.50 kB")]
+    assert text.memory_cells(memory_of(phases))[:2] == [("7.00 kB", "4.00 kB"), ("15.0 kB", "4.50 kB")]
     # Its summaries alone, no kept step with memory figures: over no step.
     phases.ranks[0].memory = []
     phases.ranks[0].memory_summaries = {"peak.step": record.Sketch.of([20000.0]), "start": record.Sketch.of([3000.0])}
-    assert text.memory_line(phases).startswith("Memory (rank 0, the highest; no step; the CPU allocator's events ")
-    assert text.memory_line(phases).endswith("the step peaked at 20.0 kB median, 20.0 kB max, starting from 3.00 kB")
+    line = text.memory_line(memory_of(phases))
+    assert line.startswith("Memory (rank 0, the highest; no step; the CPU allocator's events ")
+    assert line.endswith("the step peaked at 20.0 kB median, 20.0 kB max, starting from 3.00 kB")
     # Eight buckets are listed in full; a ninth would be "...".
     eight = ddp_memory_lines(record.DDPMemory(8000, 8000, [1000] * 8, False, 0, 0)).splitlines()[0]
     assert f"DDP's 8 gradient bucket(s) 8,000 bytes [{', '.join(['1,000'] * 8)}];" in eight

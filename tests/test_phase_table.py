@@ -1,6 +1,10 @@
 """The phases' one table (``lit_ddp.records.phases``): a phase added there, with the hook that marks it, reaches the
-record, the tables and the plot with nothing else changed."""
+record, the tables, the plot, the profiler's ranges and the forecast with nothing else changed; and no module outside
+``records`` names a phase but the renderers' labels."""
 
+import ast
+from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -10,14 +14,20 @@ from lit_ddp.callbacks import PhaseTimer
 from lit_ddp.lab.module import LinearRegression
 from lit_ddp.measure import profiling
 from lit_ddp.present import plots
+from lit_ddp.present.headline import headline
 from lit_ddp.present.phases import phase_table
 from lit_ddp.records import phases
 from lit_ddp.records import schema as record
+from lit_ddp.scaling.model import measured
+from tests.records import comm_record
 from tests.test_phase_timer import FakeTrainer, drive_one_step
 
-# A test-only phase: the gradients' reset, from Lightning's zero_grad to the backward's start.
+PACKAGE = Path(__file__).resolve().parents[1] / "lit_ddp"
+
+# A test-only phase: the gradients' reset, from Lightning's zero_grad to the backward's start; torch's own range for
+# it in another tool's profile reads back as it.
 ZERO_GRAD = phases.Phase("zero_grad", "zero_grad_start", "zero_grad_end", "lit_ddp.zero_grad", "the gradients' reset",
-                         "#123456")  # fmt: skip
+                         "#123456", read_from=(r"Optimizer\.zero_grad#\w+\.zero_grad",))  # fmt: skip
 
 
 class ZeroGradTimer(PhaseTimer):
@@ -63,6 +73,19 @@ def test_a_phase_added_to_the_table_reaches_the_record_the_tables_and_the_plot(w
     analysis = analyze(loaded, None)
     names = [line.split()[0] for line in phase_table(analysis).splitlines()[2:9]]
     assert names == ["forward", "zero_grad", "backward", "update", "data", "other", "step"], names
+    # The headline, where it bounds the step (500 ms of each step's): named, with no change of its own to try.
+    slow = replace(
+        loaded,
+        ranks=[
+            replace(
+                loaded.ranks[0],
+                rows=[
+                    replace(row, ms=record.StepPhases({**row.ms, "zero_grad": 500.0})) for row in loaded.ranks[0].rows
+                ],
+            )
+        ],
+    )
+    assert headline(analyze(slow, None)).startswith("Bound by zero_grad (")
     # The plot: a bar of its own in its colour, and its span in the timeline.
     pytest.importorskip("matplotlib")
     figure = plots.phases_figure(analysis)
@@ -72,7 +95,15 @@ def test_a_phase_added_to_the_table_reaches_the_record_the_tables_and_the_plot(w
     assert coloured and tuple(coloured[0].get_facecolor()[0][:3]) == pytest.approx((0x12 / 255, 0x34 / 255, 0x56 / 255))
     # The profiler: the range PhaseTimer opens at its mark, and reads back as the phase.
     assert profiling.opens()["zero_grad_start"] == "lit_ddp.zero_grad"
-    assert phases.ranges()["lit_ddp.zero_grad"] == "zero_grad"
+    assert phases.read_as("lit_ddp.zero_grad") == "zero_grad"
+    assert phases.read_as("Optimizer.zero_grad#AdamW.zero_grad") == "zero_grad"  # another tool's range
+    # The forecast: a phase its model is not built of counts with the rest of the step.
+    comm = comm_record([[record.StepBuckets(row.step, [1024], [0.5], [1.0], 0.5, 0.1) for row in loaded.ranks[0].rows]],
+                       param_bytes=1024)  # fmt: skip
+    inputs = measured(loaded, comm)
+    summaries = loaded.ranks[0].summaries
+    assert inputs.other_ms == pytest.approx(sum(summaries[p].median for p in ("zero_grad", "data", "other")))
+    assert inputs.forward_ms == pytest.approx(10.0, rel=0.01)
 
 
 def test_without_the_row_the_same_marks_make_no_phase(tmp_path, monkeypatch):
@@ -90,3 +121,55 @@ def test_without_the_row_the_same_marks_make_no_phase(tmp_path, monkeypatch):
     row = record.load(tmp_path / "phases.json").ranks[0].rows[-1]
     assert "zero_grad" not in row.ms and row.ms.other == pytest.approx(5.0, abs=1e-6)
     assert "zero_grad_start" not in row.offsets_ms
+
+
+def test_the_roles_are_rows_of_the_table():
+    for role in (phases.FORWARD, phases.BACKWARD, phases.UPDATE, phases.REMAINDER, phases.ALL_REDUCING):
+        assert role in phases.names(), role
+    assert [p.name for p in phases.TABLE if p.opens is None] == [phases.REMAINDER]
+
+
+def test_other_tools_ranges_read_as_their_phase():
+    assert phases.read_as("lit_ddp.update") == "update"
+    assert phases.read_as("## Backward ##") == "backward"
+    assert phases.read_as("[pl][profile][Strategy]DDPStrategy.training_step") == "forward"
+    assert phases.read_as("Optimizer.step#AdamW.step") == "update"
+    assert phases.read_as("Optimizer.step#AdamW.step and more") is None  # the whole name or nothing
+    assert phases.read_as("aten::mm") is None
+
+
+# A phase's name as a string outside ``records`` that is no phase: (the module under lit_ddp/, the string) -> why.
+# The renderers (present/) are free to label with the names; everything else reads the table.
+NOT_THE_PHASE = {
+    ("derive/trace.py", "other"): "a collective's kind beside the gradient all-reduce",
+    ("run/arguments.py", "data"): "LightningCLI's data key",
+    # Issue 48's files, in its hands while this rule came in: both mean phases.ALL_REDUCING, and read it next.
+    ("analysis/flight_recorder.py", "backward"): "the phase a hang's collective was called in (to read the table)",
+    ("callbacks/collective_recorder.py", "backward"): "the all-reducing phase's mark (to read the table)",
+}
+
+
+def phase_names_outside_records(root: Path) -> set[tuple[str, str]]:
+    """(module, phase name) for each string literal that is a phase's name, in the package's modules outside
+    ``records/`` and ``present/``."""
+    found = set()
+    for path in root.rglob("*.py"):
+        module = path.relative_to(root).as_posix()
+        if module.startswith(("records/", "present/")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and node.value in phases.names():
+                found.add((module, node.value))
+    return found
+
+
+def test_outside_records_a_phase_is_named_only_by_the_renderers():
+    named = phase_names_outside_records(PACKAGE)
+    assert named <= set(NOT_THE_PHASE), sorted(named - set(NOT_THE_PHASE))
+
+
+def test_a_phase_named_outside_the_table_is_found(tmp_path):
+    planted = tmp_path / "measure"
+    planted.mkdir()
+    (planted / "spans.py").write_text('SPANS = {"update": 0}\nTEXT = "forward and update"\n')
+    assert phase_names_outside_records(tmp_path) == {("measure/spans.py", "update")}

@@ -98,10 +98,7 @@ def divergences(reports: dict[int, RankReport], world_size: int) -> list[str]:
     by_rank = {r: {c.seq: c for c in rep.collectives} for r, rep in reports.items()}
     last = {r: max(seqs, default=0) for r, seqs in by_rank.items()}  # an empty record: before #1, torch's first
     silent = [r for r in range(world_size) if r not in reports]
-    # The sequence numbers every reporting rank's record still holds (a ring buffer forgets the oldest). Mutants
-    # that are equivalent: an empty record's start of 1 (numbers start at 1, so it never passes another record's
-    # first, and with only empty records no number holds a call); the outer defaults, read only without reports,
-    # 0 -> 1; the end + 1 -> + 2 (no record holds a number past the largest).
+    # The sequence numbers every reporting rank's record still holds (a ring buffer forgets the oldest).
     start = max((min(seqs, default=0) for seqs in by_rank.values()), default=0)
     for seq in range(start, max(last.values(), default=0) + 1):
         calls = {r: seqs[seq] for r, seqs in by_rank.items() if seq in seqs}
@@ -111,13 +108,13 @@ def divergences(reports: dict[int, RankReport], world_size: int) -> list[str]:
         for r, c in calls.items():
             group = next((g for g in groups if calls[g[0]].same_call(c)), None)
             group.append(r) if group is not None else groups.append([r])
-        # Reported, never got this far (>= is equivalent: a rank whose last number this is holds it, in calls).
+        # Reported, never got this far.
         behind = [r for r in by_rank if r not in calls and seq > last[r]]
         if len(groups) == 1 and not behind:
             continue
         line = f"collective #{seq} diverged: " if len(groups) > 1 else f"collective #{seq}: "
         line += "; ".join(f"{_ranks(g)} called {_place(calls[g[0]])}" for g in groups)
-        # Only a silent rank lacks a last, and it has no report to read one from: the default's mutants are equivalent.
+        # Only a silent rank lacks a last, and it has no report to read one from.
         for r in sorted(behind + silent):
             line += f"; rank {r} never arrived: it {_instead(reports.get(r), last.get(r, 0))}"
         return [line]

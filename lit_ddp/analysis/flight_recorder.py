@@ -61,7 +61,7 @@ def _frames(entry: dict[str, Any]) -> list[Frame]:
 
 
 def in_backward(entry: dict[str, Any]) -> bool:
-    # A frame without a name or a file: any default without BACKWARD in it is the same (mutants equivalent).
+    # A frame without a name or a file is in no backward.
     return any(BACKWARD in f.get("name", "") or BACKWARD in f.get("filename", "") for f in entry.get("frames") or [])
 
 
@@ -83,10 +83,10 @@ def default_group(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def dump_report(rank: int, dump: dict[str, Any]) -> RankReport:
     """A rank's dump as its report: buckets named, steps counted by backward passes."""
     collectives: list[Collective] = []
-    # bucket < 0: no pass under way; any negative number says so (-1 -> -2 here and below: equivalent mutants).
+    # bucket < 0: no pass under way.
     step, bucket, first_sizes, framed = -1, -1, None, has_frames(dump)
     for entry in default_group(dump.get("entries", [])):
-        # An entry without a name is no all-reduce ("", None, any default without "all_reduce": equivalent).
+        # An entry without a name is no all-reduce.
         backward = in_backward(entry) and "all_reduce" in str(entry.get("profiling_name", ""))
         sizes = entry.get("input_sizes")
         # A new backward pass: after other collectives, or where the pass's first bucket comes round again (DDP
@@ -134,7 +134,7 @@ def dumps_divergence(directory: Path, since: float = 0.0) -> Optional[str]:
     dumps = read_dumps(directory, since)
     if not dumps:
         return None
-    # The dict's keys name the ranks: a report's own rank is read by neither comparison (its mutant is equivalent).
+    # The dict's keys name the ranks: a report's own rank is read by neither comparison.
     reports = {rank: dump_report(rank, dump) for rank, dump in dumps.items()}
     world_size = max(_world_size(dumps), max(reports) + 1)
     found = divergences(reports, world_size)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from lit_ddp.derive import stragglers
+from lit_ddp.derive.memory import StepMemoryFigures, memory_of
 from lit_ddp.derive.stragglers import Arrivals, Straggler
 from lit_ddp.derive.summaries import phase_summary, step_parts
 from lit_ddp.errors import ForecastError
@@ -27,7 +28,8 @@ class RunAnalysis:
     ``parts``: rank 0's steady steps as the parts the verdict weighs (``lit_ddp.derive.summaries.step_parts``);
     ``step_ms``: rank 0's steady median step; ``straggler``: the straggler verdict of a run of several ranks
     (None with one rank or no common steady step); ``measured``: the forecast's inputs, or None and why
-    (``not_forecast``); ``savings``: the forecast's saving per step for each change that cuts the bytes on the wire.
+    (``not_forecast``); ``savings``: the forecast's saving per step for each change that cuts the bytes on the wire;
+    ``memory``: the per-step memory of the rank whose step peaks highest (None where the run kept none).
     """
 
     phases: Optional[PhaseRecord]
@@ -39,6 +41,7 @@ class RunAnalysis:
     measured: Optional[Measured] = None
     not_forecast: Optional[str] = None
     savings: dict[str, float] = field(default_factory=dict)
+    memory: Optional[StepMemoryFigures] = None
 
     @property
     def named_straggler(self) -> Optional[Straggler]:
@@ -48,7 +51,7 @@ class RunAnalysis:
 
 def analyze(phases: Optional[PhaseRecord], comm: Optional[CommRecord]) -> RunAnalysis:
     """The run's analysis from its records (either may be None): the arrivals and the straggler once, the step's
-    parts, the forecast's inputs and the savings they give."""
+    parts, the forecast's inputs and the savings they give, the memory per step."""
     found = stragglers.arrivals(comm) if comm is not None else None
     straggler = stragglers.straggler_of(found, comm, phases) if comm is not None else None
     parts: dict[str, list[float]] = {}
@@ -60,7 +63,8 @@ def analyze(phases: Optional[PhaseRecord], comm: Optional[CommRecord]) -> RunAna
         inputs, why = measured(phases, comm), None
     except ForecastError as err:
         inputs, why = None, str(err)
-    return RunAnalysis(phases, comm, found, straggler, parts, step_ms, inputs, why, wire_savings(comm, inputs, found))
+    savings = wire_savings(comm, inputs, found)
+    return RunAnalysis(phases, comm, found, straggler, parts, step_ms, inputs, why, savings, memory_of(phases))
 
 
 def median_parts(analysis: RunAnalysis) -> dict[str, float]:

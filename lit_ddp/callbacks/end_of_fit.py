@@ -1,6 +1,6 @@
 """The end of training's one owner: ``EndOfFit``, the callback that, once every rank's records are on rank 0,
 analyzes them once (``lit_ddp.analysis.run_analysis.analyze``), writes them, and renders the analysis
-(``lit_ddp.present.end_of_fit``).
+(``lit_ddp.present.end_of_fit``): its tables printed, its row given to every logger.
 
     python -m lit_ddp.fit --config configs/mini_train_profile.yaml --devices 2   # its tables end the run
 
@@ -14,7 +14,7 @@ from typing import Optional, Protocol, Union
 from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
-from lit_ddp.callbacks.shared import say
+from lit_ddp.callbacks.shared import log_metrics, say
 from lit_ddp.present.end_of_fit import detail_asked, render
 from lit_ddp.records.schema import CommRecord, PhaseRecord
 from lit_ddp.run import console
@@ -33,7 +33,7 @@ class RecordKeeper(Protocol):
 class EndOfFit(LeanCallback):
     """Added to the Trainer by the first record keeper of a fit (``owner``), after every callback then in the
     Trainer: its ``on_train_end`` runs after theirs, when their records are on rank 0. There, and there only, the
-    run is analyzed, its records written, and its tables printed."""
+    run is analyzed, its records written, its tables printed and its row logged (at the fit's final ``global_step``)."""
 
     def __init__(self) -> None:
         self._keepers: dict[int, RecordKeeper] = {}
@@ -50,8 +50,11 @@ class EndOfFit(LeanCallback):
         phases = next((k.record for k in keepers if isinstance(k.record, PhaseRecord)), None)
         comm = next((k.record for k in keepers if isinstance(k.record, CommRecord)), None)
         written = [(Path(k.log_dir) / k.filename, k.record) for k in keepers if k.log_dir is not None]
-        for text in render(phases, comm, written, console.advice(trainer), detail_asked()):
+        rendered = render(phases, comm, written, console.advice(trainer), detail_asked())
+        for text in rendered.texts:
             say(trainer, text)
+        if rendered.logged:
+            log_metrics(trainer, rendered.logged, step=trainer.global_step)
 
 
 def owner(trainer: Trainer) -> EndOfFit:

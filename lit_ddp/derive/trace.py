@@ -5,10 +5,11 @@
 
 Reads the traces torch.profiler and Lightning's ``PyTorchProfiler`` write (``.json``, gzipped or not) with
 ``json`` alone, no torch, so any torch version's trace reads anywhere. The figures (span, busy, idle, compute,
-communication, overlap, the three waits), how each GPU op is given to a step, a phase (``PHASE_PATTERNS``) and a
-bucket, the collectives' bandwidth, and where they differ from HTA's: docs/traces.md. Memory per step and phase
-from a ``profile_memory=True`` trace: ``lit_ddp.derive.trace_memory``. The interval union and nccl-tests' bus
-factors it uses are ``lit_ddp.maths.intervals`` and ``lit_ddp.maths.bus_factors``.
+communication, overlap, the three waits), how each GPU op is given to a step, a phase (the ranges of
+``lit_ddp.records.phases``) and a bucket, the collectives' bandwidth, and where they differ from HTA's:
+docs/traces.md. Memory per step and phase from a ``profile_memory=True`` trace: ``lit_ddp.derive.trace_memory``.
+The interval union and nccl-tests' bus factors it uses are ``lit_ddp.maths.intervals`` and
+``lit_ddp.maths.bus_factors``.
 """
 
 import gzip
@@ -30,15 +31,8 @@ CPU_DEVICE = 0  # a [memory] event's "Device Type": c10's DeviceType (0 CPU, 1 C
 
 KERNEL_WAIT_US = 30.0  # HTA's default consecutive_kernel_delay
 GRADIENT = "gradient all-reduce"
+OTHER_COLLECTIVE = "other"  # a collective's kind when it is no gradient all-reduce (not the phase of that name)
 
-# Other tools' ranges, as the phase they hold (the tool's own are its phase table's, lit_ddp.records.phases).
-PHASE_PATTERNS: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(p, re.I), phase) for p, phase in (
-    (r"#+ *forward *#+", "forward"), (r"#+ *backward *#+", "backward"), (r"#+ *(optimizer|update) *#+", "update"),
-    (r"(\[pl\]\[profile\])?\[Strategy\]\w+\.training_step", "forward"),  # Lightning's PyTorchProfiler
-    (r"(\[pl\]\[profile\])?\[Strategy\]\w+\.backward", "backward"),
-    (r"(\[pl\]\[profile\])?\[LightningModule\]\w+\.optimizer_step", "update"),  # holds the closure's forward
-    (r"DistributedDataParallel\.forward", "forward"), (r"Optimizer\.step#\w+\.step", "update"),  # torch's own
-))  # fmt: skip
 _STEP = re.compile(r"(ProfilerStep|lit_ddp\.step)#(\d+)")
 _BUCKET = re.compile(re.escape(BUCKET_PREFIX) + r"(\d+)")
 _NCCL = re.compile(r"nccl\w*Kernel")
@@ -128,7 +122,7 @@ class Collective:
     duration_us: float
     algbw_gbps: Optional[float]
     busbw_gbps: Optional[float]
-    kind: str  # GRADIENT or "other"
+    kind: str  # GRADIENT or OTHER_COLLECTIVE
     group_size: Optional[int]
     phase: Optional[str]
     bucket: Optional[int]
@@ -215,19 +209,12 @@ def _parse(events: list) -> tuple[tuple[GpuOp, ...], tuple[Range, ...], tuple[Me
             kind = "communication" if nccl else "compute" if _GPU_CATS[cat] == "kernel" else "memory"
             ops.append(GpuOp(name, kind, int(args.get("stream", e.get("tid", -1))), start, end,
                              launches.get(args.get("correlation")), args))  # fmt: skip
-        elif cat in _RANGE_CATS and (_STEP.fullmatch(name) or _BUCKET.fullmatch(name) or _phase_of(name)):
+        elif cat in _RANGE_CATS and (_STEP.fullmatch(name) or _BUCKET.fullmatch(name) or phase_table.read_as(name)):
             ranges.append(Range(name, start, end))
     ops.sort(key=lambda op: op.start_us)
     ranges.sort(key=lambda r: r.start_us)
     memory.sort(key=lambda m: m.ts_us)
     return tuple(ops), tuple(ranges), tuple(memory)
-
-
-def _phase_of(name: str) -> Optional[str]:
-    own = phase_table.ranges().get(name)
-    if own is not None:
-        return own
-    return next((phase for pattern, phase in PHASE_PATTERNS if pattern.fullmatch(name)), None)
 
 
 def breakdown(ops: Sequence[GpuOp], kernel_wait_us: float = KERNEL_WAIT_US) -> Optional[Breakdown]:
@@ -237,20 +224,19 @@ def breakdown(ops: Sequence[GpuOp], kernel_wait_us: float = KERNEL_WAIT_US) -> O
     busy = merge((op.start_us, op.end_us) for op in ops)
     compute = merge((op.start_us, op.end_us) for op in ops if op.kind == "compute")
     comm = merge((op.start_us, op.end_us) for op in ops if op.kind == "communication")
-    waits = {"host": 0.0, "kernel": 0.0, "other": 0.0}
+    waits = {"host_wait_us": 0.0, "kernel_wait_us": 0.0, "other_wait_us": 0.0}  # the Breakdown's fields
     by_start = sorted(ops, key=lambda op: op.start_us)
     starts = [op.start_us for op in by_start]
     for before, after in zip(busy, busy[1:], strict=False):
         gap = after.start - before.end
         first = by_start[bisect_right(starts, after.start) - 1]  # an op that starts the busy stretch
         late = first.launch_us is not None and first.launch_us > before.end
-        waits["host" if late else "kernel" if gap < kernel_wait_us else "other"] += gap
+        waits["host_wait_us" if late else "kernel_wait_us" if gap < kernel_wait_us else "other_wait_us"] += gap
     span = busy[-1].end - busy[0].start
     comm_us = length(comm)
     overlap = length(compute) + comm_us - length(merge([*compute, *comm]))  # both at once
     return Breakdown(span, length(busy), span - length(busy), length(compute), length(busy) - length(compute),
-                     comm_us, overlap, 100 * overlap / comm_us if comm_us else None, waits["host"], waits["kernel"],
-                     waits["other"])  # fmt: skip
+                     comm_us, overlap, 100 * overlap / comm_us if comm_us else None, **waits)  # fmt: skip
 
 
 def combine(parts: Iterable[Breakdown]) -> Optional[Breakdown]:
@@ -286,7 +272,7 @@ def analyze_rank(trace: Trace, kernel_wait_us: float = KERNEL_WAIT_US) -> RankAn
     step_ranges = [r for r in trace.ranges if _STEP.fullmatch(r.name)]
     own = [r for r in step_ranges if r.name.startswith(STEP_PREFIX)]
     steps = _Lookup(own or step_ranges)  # the tool's own steps where it marked them
-    phases = _Lookup(r for r in trace.ranges if _phase_of(r.name))
+    phases = _Lookup(r for r in trace.ranges if phase_table.read_as(r.name))
     buckets = _Lookup(r for r in trace.ranges if _BUCKET.fullmatch(r.name))
     has_phases = bool(phases.ranges)
 
@@ -294,7 +280,7 @@ def analyze_rank(trace: Trace, kernel_wait_us: float = KERNEL_WAIT_US) -> RankAn
     for op in trace.ops:
         step, phase = steps.innermost(op.queued_us), phases.innermost(op.queued_us)
         number = None if step is None else int(_STEP.fullmatch(step.name).group(2))
-        named = _phase_of(phase.name) if phase else phase_table.REMAINDER if has_phases and step else None
+        named = phase_table.read_as(phase.name) if phase else phase_table.REMAINDER if has_phases and step else None
         placed.append(PlacedOp(op, number, named))
     numbers = sorted({int(_STEP.fullmatch(r.name).group(2)) for r in steps.ranges})
     last = steps.ranges[-1].start_us if len(numbers) > 1 else math.inf
@@ -358,5 +344,5 @@ def _collective(placed: PlacedOp, buckets: _Lookup, has_phases: bool, world_size
     gradient = name == "all_reduce" and (
         bucket or phase == phase_table.ALL_REDUCING or (not has_phases and step is not None)
     )
-    return Collective(step, name, nbytes, duration, algbw, busbw, GRADIENT if gradient else "other", group, phase,
-                      number, op.start_us)  # fmt: skip
+    kind = GRADIENT if gradient else OTHER_COLLECTIVE
+    return Collective(step, name, nbytes, duration, algbw, busbw, kind, group, phase, number, op.start_us)

@@ -22,6 +22,7 @@ from typing import Any, Optional
 from lit_ddp import _torch
 from lit_ddp.analysis.divergence import Collective, RankReport
 from lit_ddp.analysis.flight_recorder import Frame, collective_of, default_group, user_frame
+from lit_ddp.records import phases
 from lit_ddp.records.schema import CollectiveCall
 
 MARKS_KEPT = 256  # phase marks: some 40 steps
@@ -31,9 +32,8 @@ REPORTED = 16  # a rank's last collectives in its report
 def frame_of(tb: Optional[TracebackType] = None, frame: Optional[FrameType] = None) -> str:
     """The user's line of a traceback, or of a live stack (a signal handler's ``frame``)."""
     summary = traceback.extract_tb(tb) if tb is not None else traceback.extract_stack(frame) if frame else []
-    # A line of None or "" is read from the file by user_frame (mutants of these defaults are equivalent there, and
-    # `f.line and ""` too: a summary's line is that line of that file, read by linecache); a frame without a line
-    # number is at line 0, where there is no text to read.
+    # A line of "" is read from the file by user_frame; a frame without a line number is at line 0, where there is
+    # no text to read.
     return user_frame([Frame(f.filename, f.lineno or 0, f.name, f.line or "") for f in summary])
 
 
@@ -71,11 +71,10 @@ class CollectiveRecord:
         out = []
         buckets: dict[Optional[int], int] = {}
         for entry in default_group(entries):
-            # An entry without a time is before every mark (0, 1: the same); one without a name is no all-reduce
-            # ("", None, any default: none ends so). Mutants of the two defaults are equivalent.
+            # An entry without a time is before every mark; one without a name is no all-reduce.
             step, phase = self.at(int(entry.get("time_created_ns", 0)))
             bucket = None
-            if phase == "backward" and str(entry.get("profiling_name", "")).endswith("all_reduce"):
+            if phase == phases.ALL_REDUCING and str(entry.get("profiling_name", "")).endswith("all_reduce"):
                 bucket = buckets[step] = buckets.get(step, -1) + 1
             out.append((entry, collective_of(entry, step, phase, bucket)))
         return out

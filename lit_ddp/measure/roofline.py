@@ -16,6 +16,8 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import FlopCounterMode
 
+from lit_ddp.records import phases
+
 
 @dataclass(frozen=True)
 class StepFlops:
@@ -45,7 +47,7 @@ class StepFlopCounter:
 
     def __init__(self) -> None:
         self._counter: Optional[FlopCounterMode] = None
-        self._spans = {"backward": 0, "update": 0}
+        self._spans = {phases.BACKWARD: 0, phases.UPDATE: 0}
         self._since: dict[str, int] = {}
 
     @property
@@ -67,27 +69,27 @@ class StepFlopCounter:
             self._spans[span] += self._counter.get_total_flops() - since
 
     def backward_start(self) -> None:
-        self._open("backward")
+        self._open(phases.BACKWARD)
 
     def backward_end(self) -> None:
-        self._close("backward")
+        self._close(phases.BACKWARD)
 
     def update_start(self) -> None:
-        self._open("update")
+        self._open(phases.UPDATE)
 
     def update_end(self) -> None:
-        self._close("update")
+        self._close(phases.UPDATE)
 
     def stop(self) -> Optional[StepFlops]:
         """The step's FLOPs (None if it was not started); the count ends, also when the step failed."""
         counter = self._counter
         if counter is None:
             return None
-        self._close("update")  # an update without a step post-hook (or skipped by the grad scaler) ends here
+        self._close(phases.UPDATE)  # an update without a step post-hook (or skipped by the grad scaler) ends here
         self._counter = None
         counter.__exit__(None, None, None)
-        forward = counter.get_total_flops() - self._spans["backward"] - self._spans["update"]
-        return StepFlops(forward=forward, backward=self._spans["backward"])
+        forward = counter.get_total_flops() - sum(self._spans.values())
+        return StepFlops(forward=forward, backward=self._spans[phases.BACKWARD])
 
 
 def optimizer_update_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -76,8 +76,9 @@ def _cpu_headline(analysis: RunAnalysis, b: Bound) -> str:
         return (f"Can't tell what bounds the step: its largest part ({b.share[first]:.0%}) is rank 0's wait for a "
                 "later rank, and no rank is late steadily; run again to see whether it repeats")  # fmt: skip
     said = f"Bound by {_name(first)} ({b.share[first]:.0%})"
-    if first != "exposed":
-        return f"{said}: try {TRY[first]}; no figure here backs one change"
+    if first != "exposed":  # a phase added to the table names no change to try until TRY has one for it
+        tried = f"try {TRY[first]}; " if first in TRY else ""
+        return f"{said}: {tried}no figure here backs one change"
     step_ms, comm = analysis.step_ms, analysis.comm
     if analysis.savings:
         label, saved = max(analysis.savings.items(), key=lambda item: item[1])

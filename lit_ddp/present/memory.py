@@ -6,11 +6,10 @@ all-reduce table, and the line of a rank that ran out of memory.
 How each figure is measured and what it means: docs/memory.md.
 """
 
-from typing import Optional
-
+from lit_ddp.derive.memory import StepMemoryFigures
 from lit_ddp.formatting import CLI, Advice, fmt_bytes
 from lit_ddp.records import phases as phase_table
-from lit_ddp.records.schema import DDPMemory, PhaseRecord, Sketch, StepMemory
+from lit_ddp.records.schema import DDPMemory
 
 SOURCES = {
     "cuda_allocator": "the CUDA caching allocator: bytes of live tensors, its peak reset at each phase boundary",
@@ -19,54 +18,22 @@ SOURCES = {
 }
 
 
-def memory_summary(record: PhaseRecord, rank: int, name: str) -> Sketch:
-    """``name`` (``start``, ``peak.<phase>``, ``retained.<phase>``) on ``rank``: its summary, else over the steps
-    it kept."""
-    found = record.ranks[rank].memory_summaries.get(name)
-    if found is not None and found.count:
-        return found
-    return Sketch.of(_figure(m, name) for m in record.ranks[rank].memory if _figure(m, name) is not None)
-
-
-def _figure(row: StepMemory, name: str) -> Optional[int]:
-    if name == "start":
-        return row.start
-    kind, _, phase = name.partition(".")  # rpartition alike: "peak.backward" has one dot
-    return (row.peak if kind == "peak" else row.retained).get(phase)
-
-
-def has_memory(record: PhaseRecord) -> bool:
-    return any(r.memory for r in record.ranks)
-
-
-def highest_rank(record: PhaseRecord) -> int:
-    """The rank whose step peaks highest (median)."""
-    return max(range(len(record.ranks)), key=lambda r: memory_summary(record, r, "peak.step").median)
-
-
-def memory_cells(record: PhaseRecord) -> list[tuple[str, str]]:
+def memory_cells(memory: StepMemoryFigures) -> list[tuple[str, str]]:
     """Per phase (the phase table's order, then the step): the highest rank's median peak and median retained bytes."""
-    rank = highest_rank(record)
-    cells = []
-    for phase in phase_table.with_step():
-        peak, kept = (memory_summary(record, rank, f"{kind}.{phase}") for kind in ("peak", "retained"))
-        cells.append((fmt_bytes(peak.median) if peak.count else "-", fmt_bytes(kept.median) if kept.count else "-"))
-    return cells
+    return [tuple(fmt_bytes(kind[p].median) if kind[p].count else "-" for kind in (memory.peak, memory.retained))
+            for p in phase_table.with_step()]  # fmt: skip
 
 
-def memory_line(record: PhaseRecord) -> str:
+def memory_line(memory: StepMemoryFigures) -> str:
     """Under the phase table: whose bytes the memory columns are, over which steps, and the step's max."""
-    rank = highest_rank(record)
-    rows = record.ranks[rank].memory
-    steps = memory_summary(record, rank, "peak.step")
-    which = [m.step for m in rows]
+    which = memory.steps
     where = f"steps {which[0]}-{which[-1]}" if len(which) > 1 else f"step {which[0]}" if which else "no step"
-    over = f"{steps.count} step(s)" if record.memory_source == "cuda_allocator" else where
-    start = memory_summary(record, rank, "start")
+    step = memory.peak[phase_table.STEP]
+    over = f"{step.count} step(s)" if memory.source == "cuda_allocator" else where
     return (
-        f"Memory (rank {rank}, the highest; {over}; {SOURCES.get(record.memory_source, record.memory_source)}): "
+        f"Memory (rank {memory.rank}, the highest; {over}; {SOURCES.get(memory.source, memory.source)}): "
         f"peak = the most held at once in the phase, retained = held at its end; the step peaked at "
-        f"{fmt_bytes(steps.median)} median, {fmt_bytes(steps.max)} max, starting from {fmt_bytes(start.median)}"
+        f"{fmt_bytes(step.median)} median, {fmt_bytes(step.max)} max, starting from {fmt_bytes(memory.start.median)}"
     )
 
 

@@ -16,7 +16,7 @@ from lit_ddp.derive import stragglers
 from lit_ddp.derive.summaries import micro_batches, phase_summary
 from lit_ddp.formatting import fmt_bandwidth, fmt_ms, fmt_si, table
 from lit_ddp.present.bound import LEAD_SHARE, cpu_bound, steady_count
-from lit_ddp.present.memory import has_memory, memory_cells, memory_line
+from lit_ddp.present.memory import memory_cells, memory_line
 from lit_ddp.records import phases as step_phases
 from lit_ddp.records.schema import CommRecord, PhaseRecord, Sketch, StepRow
 
@@ -61,10 +61,10 @@ def phase_table(analysis: RunAnalysis, detail: bool = True) -> str:
     if busy:  # one row, one busy and one memory cell a phase
         header.append("GPU busy (rank 0)")
         rows = [(*row, fmt_ms(_busy_median(busy, phase))) for row, phase in zip(rows, names, strict=True)]
-    memory = has_memory(record)
-    if memory:  # the bytes of the rank whose step peaks highest (lit_ddp.present.memory)
+    memory = analysis.memory
+    if memory is not None:  # the bytes of the rank whose step peaks highest (lit_ddp.derive.memory)
         header += ["peak memory", "retained"]
-        rows = [(*row, *cells) for row, cells in zip(rows, memory_cells(record), strict=True)]
+        rows = [(*row, *cells) for row, cells in zip(rows, memory_cells(memory), strict=True)]
     n_steady = phase_summary(record, 0, "step").count
     clock = record.meta.clock + CLOCKS.get(record.meta.clock, "")
     precision = "" if record.meta.precision == DEFAULT_PRECISION else f", precision {record.meta.precision}"
@@ -76,7 +76,7 @@ def phase_table(analysis: RunAnalysis, detail: bool = True) -> str:
         why = ("for the GPU-busy column" if busy else "for the memory columns" if record.memory_source == "cpu_profiler"
                else "without completing a GPU-busy measurement")  # fmt: skip
         title += f" ({which} ran under the profiler {why}, left out of the others)"
-    text = title + ":\n" + table(tuple(header), rows) + ("\n" + memory_line(record) if memory and detail else "")
+    text = title + ":\n" + table(tuple(header), rows) + ("\n" + memory_line(memory) if memory and detail else "")
     text += _outside_lines(record) + _skipped_line(record)
     if record.roofline:
         text += "\n" + roofline_table(record, detail)

@@ -6,6 +6,7 @@ the tool opens for it, what it is, its colour). Every other list of phases is re
 Adding a phase is a row here and the hook that marks it (docs/architecture.md#the-phases).
 """
 
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Optional
@@ -22,14 +23,24 @@ class Phase:
     profiler_range: str  # the torch.profiler range PhaseTimer opens at ``opens`` (lit_ddp.measure.profiling)
     meaning: str  # what it is, as the verdict says it
     colour: str  # in the plots
+    # Other tools' profiler ranges that hold this phase, read back as it (lit_ddp.derive.trace): regular
+    # expressions, each matched against a range's whole name in any case.
+    read_from: tuple[str, ...] = ()
 
 
 # Read at call time (``table()``), never copied at import: a test swaps it for one with a phase more.
 TABLE: tuple[Phase, ...] = (
-    Phase("forward", "forward_start", "forward_end", "lit_ddp.forward", "the model's compute", "#4C72B0"),
+    Phase("forward", "forward_start", "forward_end", "lit_ddp.forward", "the model's compute", "#4C72B0",
+          read_from=(r"#+ *forward *#+",
+                     r"(\[pl\]\[profile\])?\[Strategy\]\w+\.training_step",  # Lightning's PyTorchProfiler
+                     r"DistributedDataParallel\.forward")),  # torch's own
     Phase("backward", "backward_start", "backward_end", "lit_ddp.backward",
-          "the model's compute, and the gradient all-reduce where backward does not hide it", "#DD8452"),
-    Phase("update", "update_start", "update_end", "lit_ddp.update", "the optimizer's step", "#55A868"),
+          "the model's compute, and the gradient all-reduce where backward does not hide it", "#DD8452",
+          read_from=(r"#+ *backward *#+", r"(\[pl\]\[profile\])?\[Strategy\]\w+\.backward")),
+    Phase("update", "update_start", "update_end", "lit_ddp.update", "the optimizer's step", "#55A868",
+          read_from=(r"#+ *(optimizer|update) *#+",
+                     r"(\[pl\]\[profile\])?\[LightningModule\]\w+\.optimizer_step",  # holds the closure's forward
+                     r"Optimizer\.step#\w+\.step")),  # torch's own
     Phase("data", "data_start", "end", "lit_ddp.data", "the input pipeline, outside DDP", "#937860"),
     Phase("other", None, None, "lit_ddp.other", "Python between the phases (Lightning's loop, callbacks, logging)",
           "#BBBBBB"),
@@ -38,8 +49,14 @@ STEP = "step"  # the whole step, beside its phases in every per-step row
 END = "end"  # the mark that ends a micro-batch (the next one's start)
 # The backward DDP all-reduces after: the last micro-batch's (the others run under no_sync), beside the phases.
 BACKWARD_LAST = "backward_last"
+# The roles some phases play beyond their row, each a name of the table's (tests/test_phase_table.py): what the
+# roofline counts (forward's and backward's FLOPs, the update's bytes), what the forecast's model builds a step of
+# (the three, and the rest as one), what the tuner judges an optimizer change on (the update).
+FORWARD = "forward"  # the model's forward, loss included
+BACKWARD = "backward"  # the model's backward
+UPDATE = "update"  # the optimizer's step
 REMAINDER = "other"  # the phase that is the step less the marked ones (no marks of its own)
-ALL_REDUCING = "backward"  # the phase DDP's gradient all-reduce runs in (its buckets' hand-overs, its wait)
+ALL_REDUCING = BACKWARD  # the phase DDP's gradient all-reduce runs in (its buckets' hand-overs, its wait)
 
 
 def table() -> tuple[Phase, ...]:
@@ -70,6 +87,28 @@ def boundaries() -> tuple[str, ...]:
 def ranges() -> dict[str, str]:
     """Profiler range -> phase."""
     return {p.profiler_range: p.name for p in TABLE}
+
+
+def read_as(profiler_range: str) -> Optional[str]:
+    """The phase a profiler range holds: the tool's own range's (``profiler_range``), else the first phase one of
+    whose ``read_from`` matches the whole name; None for a range of no phase."""
+    own, patterns = _readers()
+    found = own.get(profiler_range)
+    if found is not None:
+        return found
+    return next((phase for pattern, phase in patterns if pattern.fullmatch(profiler_range)), None)
+
+
+# The table's readers (its own ranges, the others' patterns compiled), made once for the table in use: a trace holds
+# many ranges, and a test swaps the table.
+_compiled: tuple[tuple[Phase, ...], dict[str, str], tuple[tuple[re.Pattern, str], ...]] = ((), {}, ())
+
+
+def _readers() -> tuple[dict[str, str], tuple[tuple[re.Pattern, str], ...]]:
+    global _compiled
+    if _compiled[0] is not TABLE:
+        _compiled = (TABLE, ranges(), tuple((re.compile(r, re.I), p.name) for p in TABLE for r in p.read_from))
+    return _compiled[1], _compiled[2]
 
 
 def range_of(name: str) -> str:

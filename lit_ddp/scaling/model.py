@@ -21,7 +21,8 @@ from lit_ddp.records.schema import load_run as load_record
 from lit_ddp.scaling.links import Topology, allreduce_ms
 
 MIB = 1024**2
-MODELLED = ("forward", phase_table.ALL_REDUCING, "update")  # the phases the model's step is built of
+# The phases the model's step is built of; it takes every other as one.
+MODELLED = (phase_table.FORWARD, phase_table.ALL_REDUCING, phase_table.UPDATE)
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ def measured(phases: Optional[PhaseRecord], comm: Optional[CommRecord], where: s
 
     buckets = tuple(Bucket(nbytes, max(m["ready"][b] for m in per_rank)) for b, nbytes in enumerate(comm.layout))
     return Measured(
-        forward_ms=slowest("forward"), update_ms=slowest("update"), other_ms=slowest("outside"),
+        forward_ms=slowest(phase_table.FORWARD), update_ms=slowest(phase_table.UPDATE), other_ms=slowest("outside"),
         tail_ms=max(0.0, slowest("tail")), buckets=buckets, world_size=comm.meta.world_size,
         rows_per_rank=phases.roofline.rows_per_rank if phases.roofline else None, compression=comm.compression,
         backward_ms=slowest(phase_table.ALL_REDUCING), exposed_ms=slowest("exposed_ms"), comm_ms=slowest("total_ms"),

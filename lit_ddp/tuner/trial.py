@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from lit_ddp.derive import noise
+from lit_ddp.records import phases
 from lit_ddp.tuner.knobs import Knobs
 
 # A change that may save under 2% of the step is not worth a line of config: "same" unless its whole interval is
@@ -74,8 +75,8 @@ class Comparison:
     speedup: noise.Interval
     word: str
     difference: noise.Interval = noise.Interval(math.nan, -math.inf, math.inf)
-    phase: str = "step"  # "update": an optimizer change, judged on the one phase it changes
-    phase_ms: Optional[tuple[float, float]] = None  # the update's medians, before and after (phase "update")
+    phase: str = phases.STEP  # phases.UPDATE: an optimizer change, judged on the one phase it changes
+    phase_ms: Optional[tuple[float, float]] = None  # the update's medians, before and after (phase UPDATE)
     floor_ms: Optional[float] = None  # the step without any all-reduce, in the same rounds (where measured)
     because: Optional["Comparison"] = None  # the verdict's: the optimizer change's own comparison, where it decides
 
@@ -95,7 +96,7 @@ def compare(before: Trial, after: Trial, confidence: float) -> Comparison:
     update = noise.difference_interval(before.update_ms, after.update_ms, confidence=confidence)
     medians = (statistics.median(before.update_ms), statistics.median(after.update_ms))
     return Comparison(before.median, after.median, _speedup(before.median, update),
-                      _word(update, MIN_GAIN * before.median), update, "update", medians)  # fmt: skip
+                      _word(update, MIN_GAIN * before.median), update, phases.UPDATE, medians)  # fmt: skip
 
 
 def _word(difference: noise.Interval, gain_ms: float) -> str:

@@ -12,6 +12,7 @@ from typing import Optional
 
 from lit_ddp.derive.noise import Interval
 from lit_ddp.formatting import fmt_bytes, fmt_ms, table
+from lit_ddp.records import phases
 from lit_ddp.tuner.knobs import Knobs
 from lit_ddp.tuner.search import CONFIDENCE, Outcome
 from lit_ddp.tuner.trial import Comparison, Trial, compare
@@ -38,8 +39,8 @@ def report(outcome: Outcome, rows: int) -> str:
             "0" if trial.max_dw == 0 else f"{trial.max_dw:.2g}" if trial.max_dw is not None else "-",
             "yes" if trial.in_sync else "NO",
         ))  # fmt: skip
-    header = ("configuration", "step", "95% interval", "steps", "update", "exposed comm", "samples/s", memory_title,
-              "loss", "max |Δw|", "in sync")  # fmt: skip
+    header = ("configuration", "step", "95% interval", "steps", phases.UPDATE, "exposed comm", "samples/s",
+              memory_title, "loss", "max |Δw|", "in sync")  # fmt: skip
     extra = f" (+{outcome.extra_rounds} where a call was close)" if outcome.extra_rounds else ""
     lines = [
         f"DDP tuning: {len(outcome.trials)} configuration(s) in interleaved rounds{extra}; step = the median step "
@@ -104,7 +105,7 @@ def verdict(outcome: Outcome) -> str:
             on = rest.label(base.knobs) if rest != base.knobs else "your configuration"
             steps += (f", which the step alone cannot tell; optimizer={best.knobs.optimizer} on top of {on} is "
                       f"faster beyond the noise in {_update(v.because)}")  # fmt: skip
-        elif v.phase == "update":
+        elif v.phase == phases.UPDATE:
             steps += f", faster beyond the noise in {_update(v)}"
         if v.word == "faster":
             said = f"Verdict: {label}: {steps}{memory}, measured by lit_ddp.tune"
@@ -115,7 +116,7 @@ def verdict(outcome: Outcome) -> str:
         knobs, c = outcome.script
         said += (f". In configure_optimizers, {knobs.optimizer}=True for the optimizer (a change to your script, which "
                  f"the config cannot carry): step {fmt_ms(c.before_ms)} -> {fmt_ms(c.after_ms)}, {_x(c.speedup)} "
-                 f"more{f', from {_update(c)}' if c.phase == 'update' else ''}, measured")  # fmt: skip
+                 f"more{f', from {_update(c)}' if c.phase == phases.UPDATE else ''}, measured")  # fmt: skip
     return said + _compression_hint(outcome)
 
 

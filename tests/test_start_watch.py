@@ -9,12 +9,13 @@ import time
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from lit_ddp.callbacks import LossMonitor
 from lit_ddp.lab.data import FixedBatchDataModule
 from lit_ddp.lab.module import LinearRegression
-from lit_ddp.run import start_watch
+from lit_ddp.run import rendezvous, start_watch
 from tests.runner import free_port
 
 
@@ -43,25 +44,26 @@ def _env_rendezvous(port: int) -> None:
         pass
 
 
-def _store_rendezvous(store) -> None:
-    try:
-        dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=timedelta(seconds=4))
+def _lit_ddp_rendezvous(port: int) -> None:
+    try:  # its meeting passed (patched out): torch's backend waits for rank 1 until the timeout
+        rendezvous.init_process_group("gloo", 0, 2, "127.0.0.1", port, timedelta(seconds=4), torch.device("cpu"),
+                                      timedelta(seconds=4), {}, 2)  # fmt: skip
     except Exception:
         pass
 
 
 @pytest.mark.timeout(60)
-def test_a_rank_in_torchs_rendezvous_is_read_from_its_stack_and_one_given_its_store_is_left_to_its_caller():
+def test_a_rank_in_torchs_rendezvous_is_read_from_its_stack_and_one_lit_ddp_holds_is_left_to_it(monkeypatch):
     port = free_port()
     waiting = _waits_in(_env_rendezvous, port)
     found = _stack_once_waiting(waiting)
     assert found is not None
     assert (found.rank, found.world_size, found.address, found.port, found.timeout_s) == (0, 2, "127.0.0.1", port, 4)
-    assert not found.store_given and found.launched == [] and found.started["world_size"] == 2
-    store = dist.TCPStore("127.0.0.1", free_port(), 2, is_master=True, wait_for_workers=False)
-    waiting_too = _waits_in(_store_rendezvous, store)
-    given = _stack_once_waiting(waiting_too)
-    assert given is not None and given.store_given  # LitDDPStrategy's: it meets its ranks itself
+    assert not found.caller_meets and found.launched == [] and found.started["world_size"] == 2
+    monkeypatch.setattr(rendezvous, "meet", lambda *args, **kwargs: None)
+    waiting_too = _waits_in(_lit_ddp_rendezvous, free_port())
+    held = _stack_once_waiting(waiting_too)
+    assert held is not None and held.caller_meets  # LitDDPStrategy's: it meets its ranks itself
     assert start_watch.rendezvous_of(sys._current_frames()[threading.get_ident()]) is None  # not in one
     for thread in (waiting, waiting_too):  # torch gives up at the timeout: nothing of theirs left for the next test
         thread.join(timeout=30)
@@ -73,7 +75,7 @@ def _watch_threads() -> list[threading.Thread]:
 
 @pytest.mark.timeout(120)
 def test_a_tool_callback_arms_the_watch_once_and_a_fit_leaves_no_thread_of_it(make_trainer, monkeypatch):
-    monkeypatch.setattr(start_watch, "_ARMED", None)
+    start_watch.disarm()  # an earlier test's watch (this process launched forked ranks: it never disarmed)
     monkeypatch.setattr(start_watch, "_OVER", None)  # this process as if it had made no Trainer yet
     callbacks = [LossMonitor(), LossMonitor()]
     assert len(_watch_threads()) == 1  # one a process, however many callbacks

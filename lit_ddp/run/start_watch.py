@@ -7,9 +7,9 @@ job ended) and hands the rank to its watchdog the moment the process group exist
 One daemon thread a process looks at the main thread twice a second: once that waits in torch's
 ``init_process_group`` (its arguments: rank, world size, timeout; the environment: the address; Lightning's strategy
 further out: the nodes and the ranks this process launched), the thread meets the others' in rank 0's store as
-``python -m lit_ddp.fit`` does (``lit_ddp.run.rendezvous.meet``), beside torch's own rendezvous. A rendezvous given
-its store (LitDDPStrategy meets its ranks itself) is left to its caller. The thread ends when it hands over, when
-the fit's ``setup`` starts the watchdog (``disarm``), or with the process: never during training. Why and how:
+``python -m lit_ddp.fit`` does (``lit_ddp.run.rendezvous.meet``), beside torch's own rendezvous. One whose caller
+meets its ranks itself (LitDDPStrategy, through ``lit_ddp.run.rendezvous``) is left to it. The thread ends when it
+hands over, when the fit's ``setup`` starts the watchdog (``disarm``), or with the process: never during training.
 docs/failures.md#the-watchdog-a-hang-named-as-it-happens.
 """
 
@@ -29,10 +29,10 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lit_ddp import _lightning
 from lit_ddp.errors import EXIT_FAILED, StartTimeoutError, prog
-from lit_ddp.run import watchdog
+from lit_ddp.run import rendezvous, watchdog
 from lit_ddp.run.rendezvous import meet
 
-POLL_S = 0.5  # how often the thread looks at the main thread (a stack walk: some µs)
+POLL_S = 0.5  # how often the thread looks at the main thread (a walk of its stack: 41 µs at 60 frames, here)
 # The line comes this long before torch's own error at the same timeout (torch's clock starts when its
 # rendezvous does, the thread's up to POLL_S later).
 MARGIN_S = 1.5
@@ -50,15 +50,17 @@ class Start(NamedTuple):
     ranks_per_node: int
     started: dict[str, Any]  # how it was started, for the line that names who never joined
     launched: list[int]  # the pids of the ranks this process started (Lightning's ``ddp`` launcher)
-    store_given: bool  # the caller made the store and meets its ranks itself (LitDDPStrategy)
+    caller_meets: bool  # the caller meets its ranks itself (LitDDPStrategy, through lit_ddp.run.rendezvous)
 
 
 def rendezvous_of(frame: Any) -> Optional[Start]:
     """The rendezvous the stack of ``frame`` waits in (innermost first), or None: not in ``init_process_group``."""
-    call, strategy = None, None
+    call, strategy, caller_meets = None, None, False
     while frame is not None:
         if call is None and frame.f_code is _INIT:
             call = dict(frame.f_locals)
+        # Its ``store`` local says nothing: torch sets it once its own rendezvous is over (the backend's may wait on).
+        caller_meets |= frame.f_globals.get("__name__") == rendezvous.__name__
         me = frame.f_locals.get("self")
         if call is not None and isinstance(me, DDPStrategy):
             strategy = me
@@ -70,14 +72,14 @@ def rendezvous_of(frame: Any) -> Optional[Start]:
     rank = call.get("rank", -1) if call.get("rank", -1) >= 0 else int(env.get("RANK", "0"))
     world_size = call.get("world_size", -1) if call.get("world_size", -1) > 0 else int(env.get("WORLD_SIZE", "1"))
     timeout = call.get("timeout") or dist.default_pg_timeout
-    given = call.get("store") is not None or call.get("init_method") not in (None, "env://")
+    caller_meets |= call.get("init_method") not in (None, "env://")
     per_node = strategy.num_processes if strategy is not None else int(env.get("LOCAL_WORLD_SIZE", world_size))
     started = {"host": socket.gethostname(), "world_size": world_size}
     if strategy is not None:
         started.update(num_nodes=strategy.num_nodes, devices=strategy.num_processes)
     launched = _lightning.launched_pids(strategy) if strategy is not None else []
     return Start(rank, world_size, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "0")),
-                 timeout.total_seconds(), max(per_node, 1), started, launched, given)  # fmt: skip
+                 timeout.total_seconds(), max(per_node, 1), started, launched, caller_meets)  # fmt: skip
 
 
 class StartWatch:
@@ -102,7 +104,7 @@ class StartWatch:
             if dist.is_available() and dist.is_initialized():
                 return self._hand_over()
             start = rendezvous_of(sys._current_frames().get(threading.main_thread().ident))
-            if start is not None and start.world_size > 1 and not start.store_given and not self._watched:
+            if start is not None and start.world_size > 1 and not start.caller_meets and not self._watched:
                 self._watched = True
                 self._watch(start)
 
@@ -124,6 +126,9 @@ class StartWatch:
                                  "never started, or is out of reach: start it, and check that this node reaches "
                                  f"{where} (a firewall, a partition)")  # fmt: skip
             return
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is not None:  # torchrun's store outlives a restart: each attempt meets afresh, as torch's own does
+            store = dist.PrefixStore(f"lit_ddp/attempt_{attempt}", store)
         try:
             meet(store, start.rank, start.world_size, deadline - time.monotonic(), start.started,
                  start.ranks_per_node, where, done=self._over)  # fmt: skip

@@ -12,6 +12,8 @@ from typing import Any, Optional
 from lit_ddp.analysis.divergence import RankReport, divergences
 from lit_ddp.analysis.flight_recorder import LIBRARIES, Frame
 
+WAITS_AT_BARRIER = "waits at Lightning's barrier after prepare_data (it opens when every rank has come)"
+FIX_PREPARE_DATA = "prepare_data runs on each node's local rank 0 only: no collective in it (share the data in setup)"
 FIX_SOME_RANKS = ("a collective called by some ranks only: rank_zero_only for work, never for collectives; "
                   "the same sync_dist keys on every rank")  # fmt: skip
 
@@ -42,9 +44,11 @@ def certain(states: dict[int, dict[str, Any]]) -> Optional[str]:
     if found and " diverged: " in found[0]:
         return f"{found[0]}{_out_of_step(reports, found[0])} -> {FIX_SOME_RANKS}"
     left = sorted(r for r, rep in reports.items() if rep.kind == "left")
+    held = sorted(r for r, rep in reports.items() if rep.kind == "barrier")
     waiting = sorted(r for r, rep in reports.items() if rep.kind == "collective")
-    # A rank that left had called only up to its last collective: one waiting in a later one waits for nothing.
-    last_call = {r: max((c.seq for c in reports[r].collectives), default=0) for r in left}
+    # A rank that left, or waits at Lightning's barrier around prepare_data (which opens only when every rank has
+    # come), calls nothing past its last collective: one waiting in a later one waits for nothing.
+    last_call = {r: max((c.seq for c in reports[r].collectives), default=0) for r in left + held}
     waiting = [
         r
         for r in waiting
@@ -53,6 +57,9 @@ def certain(states: dict[int, dict[str, Any]]) -> Optional[str]:
     if left and waiting:
         return (f"{'; '.join(_doing(states[r]) for r in waiting)}; {_ranks(left)} left (past the end of the "
                 f"script) and will never call it -> {FIX_SOME_RANKS}")  # fmt: skip
+    if held and waiting:
+        return (f"{'; '.join(_doing(states[r]) for r in waiting)}; {_ranks(held)} {WAITS_AT_BARRIER} and will never "
+                f"call it -> {FIX_PREPARE_DATA}; {FIX_SOME_RANKS}")  # fmt: skip
     return None
 
 
@@ -85,6 +92,8 @@ def _doing(state: dict[str, Any]) -> str:
     at = f" (step {rep.step}, {rep.phase})" if rep.step is not None else ""
     if rep.kind == "left":
         return f"rank {rep.rank} has left (past the end of its script)"
+    if rep.kind == "barrier":
+        return f"rank {rep.rank} {WAITS_AT_BARRIER}"
     if rep.kind == "collective" and rep.collectives:
         last = rep.collectives[-1]
         where = last.where or (rep.where if last.bucket is None else "")
@@ -101,7 +110,7 @@ def waiting_line(states: dict[int, dict[str, Any]], world_size: int) -> str:
     """``waiting 12 s: rank 0 has been at ...; rank 1 waits in all_reduce #24 ...; rank 2 sent no state``."""
     stopped = max((s["stopped_s"] for s in states.values()), default=0.0)
     # The ranks outside any collective first: the others wait for them.
-    order = sorted(states, key=lambda r: (_report(states[r]).kind == "collective", r))
+    order = sorted(states, key=lambda r: (_report(states[r]).kind in ("collective", "barrier"), r))
     parts = [_doing(states[r]) for r in order]
     silent = [r for r in range(world_size) if r not in states]
     if silent:
@@ -115,7 +124,7 @@ def _fix(states: dict[int, dict[str, Any]], silent: list[int]) -> str:
     if any(s.get("worker") for s in states.values()):
         return (" -> a DataLoader worker that does not return (its line above): the job ends at the process "
                 "group's timeout, the workers with it")  # fmt: skip
-    if "busy" in kinds and "collective" in kinds:
+    if "busy" in kinds and kinds & {"collective", "barrier"}:
         return (" -> the others wait for it: work (a checkpoint, an evaluation) ends and the job goes on; "
                 "work longer than the process group's timeout: raise timeout_s (work that never ends stops "
                 "there)")  # fmt: skip

@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 from torch.distributed import DistNetworkError
 
-from lit_ddp import _torch
+from lit_ddp import _lightning, _torch
 from lit_ddp.analysis.flight_recorder import Frame, user_frame
 from lit_ddp.analysis.stopped import certain, in_collective, waiting_line
 from lit_ddp.errors import EXIT_FAILED, prog
@@ -141,8 +141,9 @@ class Watchdog:
 
     # -- the thread --
     def start(self) -> None:
-        if self._thread is None:
+        if self._worker_file is None:  # on the main thread only: a watchdog the start watch began gets it at setup
             self._prepare_workers()
+        if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="lit_ddp-watchdog", daemon=True)
             self._thread.start()
 
@@ -226,6 +227,8 @@ class Watchdog:
         where = user_frame(frames)
         record = self.record or CollectiveRecord()
         kind = "left" if self.left else "collective" if in_collective(frames) else "busy"
+        if kind == "busy" and _lightning.waits_at_prepare_data_barrier(frame):
+            kind = "barrier"  # Lightning's own, on a group of its own: no collective of the job's until it opens
         report = record.report(self.rank, kind, "", where)
         if kind == "collective" and report.collectives and report.collectives[-1].bucket is None and where:
             report.collectives[-1].where = where  # the live stack's line: it waits there now

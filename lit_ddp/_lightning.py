@@ -14,6 +14,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NamedTuple, Optional
 
+from lightning.fabric.utilities import distributed as fabric_distributed
 from lightning.pytorch import Trainer
 from lightning.pytorch.loops.fetchers import _DataFetcher, _PrefetchDataFetcher
 from lightning.pytorch.loops.fit_loop import _FitLoop
@@ -76,6 +77,9 @@ PRIVATE_NAMES = [
     PrivateName(
         logged_results, "_ResultMetric", "a logged key as Lightning reduces it: its meta's name, hook (fx) and sync"
     ),
+    PrivateName(
+        fabric_distributed, "_InfiniteBarrier", "the barrier around prepare_data: the watchdog names a rank in it"
+    ),
 ]
 
 
@@ -131,6 +135,12 @@ def process_group_timeout(strategy: Any) -> Optional[timedelta]:
 def is_lightning_launcher(launcher: Any) -> bool:
     """The ``ddp`` (popen) and ``ddp_spawn``/``ddp_fork`` launchers start ranks themselves; torchrun/Slurm don't."""
     return isinstance(launcher, (_SubprocessScriptLauncher, _MultiProcessingLauncher))
+
+
+def waits_at_prepare_data_barrier(frame: Any) -> bool:
+    """``frame`` (a thread's innermost Python frame) waits in Lightning's barrier around ``prepare_data``: a gloo
+    group of its own with a 10,000-day timeout, which opens when every rank has come (``_InfiniteBarrier``)."""
+    return frame is not None and isinstance(frame.f_locals.get("self"), fabric_distributed._InfiniteBarrier)
 
 
 def launched_ranks(strategy: DDPStrategy) -> Optional[list]:

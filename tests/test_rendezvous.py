@@ -98,3 +98,26 @@ def test_under_lightnings_launcher_a_node_that_never_starts_is_named_in_one_line
         f"127.0.0.1:{env['MASTER_PORT']} in 15 s; joined: rank 0 (node 0, "
     ), result.stderr[-2000:]
     assert "lit-ddp-fit: waiting 10 s for rank 1 (node 1) to join" in result.stderr
+
+
+def test_a_watch_beside_torchs_rendezvous_stops_meeting_once_the_group_exists_and_names_a_rank_of_a_started_node(
+    monkeypatch, capsys
+):
+    """``done``: the process group exists (every rank came, whichever joined the watch's keys); a rank missing from a
+    node whose other ranks joined is named as one that never reached fit, not as a node that never started."""
+    from lit_ddp.errors import StartTimeoutError
+    from lit_ddp.run import rendezvous
+
+    store, now = Store(), [0.0]
+
+    def tick(seconds):
+        now[0] += 0.2
+
+    monkeypatch.setattr(rendezvous.time, "sleep", tick)
+    rendezvous.meet(store, 0, 2, 25.0, {"host": "a"}, 2, "127.0.0.1:29500", lambda: now[0], done=lambda: now[0] > 12)
+    assert 12 < now[0] < 13 and rendezvous.FAILED not in store.data  # said once at 10 s, then the group came
+    assert capsys.readouterr().err.startswith("lit_ddp: waiting 10 s for rank 1 (node 0) to join")
+    with pytest.raises(StartTimeoutError) as raised:
+        rendezvous.meet(Store(), 0, 2, 5.0, {"host": "a"}, 2, "127.0.0.1:29500", lambda: now[0])
+    assert str(raised.value).endswith("-> a rank that started on its node but never reached fit: what its script "
+                                      "does before (a slow read, a wait of its own; its log)")  # fmt: skip

@@ -25,7 +25,9 @@ CASES_DIR = Path(__file__).with_name("cases")
 PACKAGE = "benchmarks.hang_zoo.cases"
 GRACE_S = 60.0  # past the process group's timeout, for the ranks' own diagnosis and exit, before the runner kills
 SETTLE_S = 5.0  # after the job's exit: its children still ending are not counted as left
-NODES_PREFIX = "zoo-"  # the namespace nodes' names (LIT_DDP_NODES_PREFIX), apart from the tests' and the benchmarks'
+# The namespace nodes' names (nodes/cluster.sh's LIT_DDP_NODES_PREFIX): "zoo-", apart from the tests' and the
+# benchmarks', unless LIT_DDP_NODES_PREFIX says otherwise (two zoos at once on one machine).
+NODES_PREFIX = os.environ.get("LIT_DDP_NODES_PREFIX", "zoo-")
 CLUSTER_SH = ROOT / "nodes" / "cluster.sh"
 
 

@@ -12,6 +12,8 @@ from typing import Any, Optional
 from lit_ddp.analysis.divergence import RankReport, divergences
 from lit_ddp.analysis.flight_recorder import LIBRARIES, Frame
 
+WAITS_AT_BARRIER = "waits at Lightning's barrier after prepare_data (it opens when every rank has come)"
+FIX_PREPARE_DATA = "prepare_data runs on each node's local rank 0 only: no collective in it (share the data in setup)"
 FIX_SOME_RANKS = ("a collective called by some ranks only: rank_zero_only for work, never for collectives; "
                   "the same sync_dist keys on every rank")  # fmt: skip
 # A key that only some ranks log with sync_dist=True (Lightning#19604: in on_train_epoch_end, on rank 0 only).
@@ -56,9 +58,11 @@ def certain(states: dict[int, dict[str, Any]]) -> Optional[str]:
         fix = FIX_SYNC_KEY.format(keys=", ".join(keys)) if keys else FIX_SOME_RANKS
         return f"{found[0]}{_out_of_step(reports, found[0])} -> {fix}"
     left = sorted(r for r, rep in reports.items() if rep.kind == "left")
+    held = sorted(r for r, rep in reports.items() if rep.kind == "barrier")
     waiting = sorted(r for r, rep in reports.items() if rep.kind == "collective")
-    # A rank that left had called only up to its last collective: one waiting in a later one waits for nothing.
-    last_call = {r: max((c.seq for c in reports[r].collectives), default=0) for r in left}
+    # A rank that left, or waits at Lightning's barrier around prepare_data (which opens only when every rank has
+    # come), calls nothing past its last collective: one waiting in a later one waits for nothing.
+    last_call = {r: max((c.seq for c in reports[r].collectives), default=0) for r in left + held}
     waiting = [
         r
         for r in waiting
@@ -71,6 +75,9 @@ def certain(states: dict[int, dict[str, Any]]) -> Optional[str]:
         left_as = "; ".join([*stopped, *([f"{_ranks(gone)} left (past the end of the script)"] if gone else [])])
         fix = FIX_STOP if stopped else FIX_SOME_RANKS
         return f"{'; '.join(_doing(states[r]) for r in waiting)}; {left_as} and will never call it -> {fix}"
+    if held and waiting:
+        return (f"{'; '.join(_doing(states[r]) for r in waiting)}; {_ranks(held)} {WAITS_AT_BARRIER} and will never "
+                f"call it -> {FIX_PREPARE_DATA}; {FIX_SOME_RANKS}")  # fmt: skip
     return None
 
 
@@ -103,6 +110,8 @@ def _doing(state: dict[str, Any]) -> str:
     at = f" (step {rep.step}, {rep.phase})" if rep.step is not None else ""
     if rep.kind == "left":
         return f"rank {rep.rank} has left (past the end of its script)"
+    if rep.kind == "barrier":
+        return f"rank {rep.rank} {WAITS_AT_BARRIER}"
     if rep.kind == "collective" and rep.collectives:
         last = rep.collectives[-1]
         where = last.where or (rep.where if last.bucket is None else "")
@@ -119,7 +128,7 @@ def waiting_line(states: dict[int, dict[str, Any]], world_size: int) -> str:
     """``waiting 12 s: rank 0 has been at ...; rank 1 waits in all_reduce #24 ...; rank 2 sent no state``."""
     stopped = max((s["stopped_s"] for s in states.values()), default=0.0)
     # The ranks outside any collective first: the others wait for them.
-    order = sorted(states, key=lambda r: (_report(states[r]).kind == "collective", r))
+    order = sorted(states, key=lambda r: (_report(states[r]).kind in ("collective", "barrier"), r))
     parts = [_doing(states[r]) for r in order]
     silent = [r for r in range(world_size) if r not in states]
     if silent:
@@ -132,7 +141,7 @@ def _fix(states: dict[int, dict[str, Any]], silent: list[int]) -> str:
     kinds = {_report(s).kind for s in states.values()}
     if any(s.get("worker") for s in states.values()):
         return f" -> {FIX_WORKER} (the job ends at the process group's timeout, the workers with it)"
-    if "busy" in kinds and "collective" in kinds:
+    if "busy" in kinds and kinds & {"collective", "barrier"}:
         return (" -> the others wait for it: work (a checkpoint, an evaluation) ends and the job goes on; "
                 "work longer than the process group's timeout: raise timeout_s (work that never ends stops "
                 "there)")  # fmt: skip

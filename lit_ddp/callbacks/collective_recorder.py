@@ -23,13 +23,14 @@ from lit_ddp.measure import clock
 from lit_ddp.measure.collectives import CollectiveRecord
 from lit_ddp.measure.gradients import check_all_used
 from lit_ddp.records.schema import CollectiveCall
-from lit_ddp.run import console, hangs, watchdog
+from lit_ddp.run import console, hangs, start_watch, watchdog
 from lit_ddp.run.lean import LeanCallback
 
 
 class CollectiveRecorder(LeanCallback):
     """Marks each step's phases for the collective record, beats this rank's watchdog (``lit_ddp.run.watchdog``,
-    started in ``setup`` where LitDDPStrategy has not started it already), and diagnoses a failure on every rank it
+    started in ``setup`` where neither LitDDPStrategy nor the start watch, ``lit_ddp.run.start_watch``, has started
+    it already), and diagnoses a failure on every rank it
     reaches. It leaves the process group's timeout as the user set it: the watchdog names a hang long before."""
 
     def __init__(self) -> None:
@@ -47,6 +48,7 @@ class CollectiveRecorder(LeanCallback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        start_watch.disarm()  # it handed the rank to the watchdog at the process group's start, or ends here
         watch = watchdog.start(trainer.global_rank, trainer.world_size)
         watch.fit_over, watch.stopped = False, None  # a new fit in a process whose watchdog served one before
         watch.alive()

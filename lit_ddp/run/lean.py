@@ -8,6 +8,8 @@ from typing import Any
 
 from lightning.pytorch import Callback
 
+from lit_ddp.run import start_watch
+
 # Lightning's hooks of a callback that run for every batch (training, validation, test, predict).
 BATCH_HOOKS = (
     *("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step"),
@@ -22,9 +24,13 @@ class LeanCallback(Callback):
     ``fn = getattr(callback, hook_name); if callable(fn): with trainer.profiler.profile(...): fn(...)``), whether
     the hook does anything or not: the CLI's eight callbacks took some 0.2 ms of a host-bound step that way
     (docs/performance.md). Such a hook is ``None`` on the instance, which that dispatch passes over; a subclass
-    that overrides it, and ``super()`` calls to the class's own, are untouched."""
+    that overrides it, and ``super()`` calls to the class's own, are untouched.
+
+    Making one arms this process's start watch (``lit_ddp.run.start_watch``): in a script of one's own the tool's
+    first code in a rank, before the rendezvous."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "LeanCallback":
+        start_watch.arm()
         self = super().__new__(cls)
         for hook in BATCH_HOOKS:
             if getattr(cls, hook) is getattr(Callback, hook):

@@ -9,6 +9,7 @@ import json
 import socket
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -75,14 +76,18 @@ def init_process_group(backend: str, rank: int, world_size: int, address: str, p
 
 
 def meet(store: dist.Store, rank: int, world_size: int, start_timeout_s: float, started: dict[str, Any],
-         ranks_per_node: int, where: str, clock=time.monotonic) -> None:  # fmt: skip
+         ranks_per_node: int, where: str, clock=time.monotonic,
+         done: Callable[[], bool] = lambda: False) -> None:  # fmt: skip
     """Every rank joins; rank 0 waits for all, says who joined every ``PROGRESS_S`` while some have not, and at
     ``start_timeout_s`` raises ``StartTimeoutError`` naming the missing ranks and nodes (so does every rank that
-    joined)."""
+    joined). ``done``: the start is over by other means (a watch beside torch's own rendezvous: the process group
+    exists, so every rank came)."""
     store.set(f"{STARTED}{rank}", json.dumps({"rank": rank, **started}))
     store.add(JOINED, 1)
     begun, said = clock(), 0
     while True:
+        if done():
+            return
         if rank == 0 and store.add(JOINED, 0) >= world_size:
             store.set(ALL_ARRIVED, "1")
             return
@@ -119,9 +124,13 @@ def who_joined(store: dist.Store, world_size: int, ranks_per_node: int, where: s
     if not final:
         return (f"waiting {waited:.0f} s for {missing_text} to join rank 0's store at {where}; joined: "
                 f"{joined_text}")  # fmt: skip
-    return (f"{missing_text} never joined rank 0's store at {where} in {waited:.0f} s; joined: {joined_text} -> a "
-            f"node that never joined: start it with the same MASTER_ADDR and MASTER_PORT and its NODE_RANK, and "
-            f"check that it reaches {where} (a firewall, a partition)")  # fmt: skip
+    if all(node in {r // ranks_per_node for r in joined} for node in nodes):  # their nodes started: they did not
+        fix = ("a rank that started on its node but never reached fit: what its script does before (a slow read, a "
+               "wait of its own; its log)")  # fmt: skip
+    else:
+        fix = (f"a node that never joined: start it with the same MASTER_ADDR and MASTER_PORT and its NODE_RANK, and "
+               f"check that it reaches {where} (a firewall, a partition)")  # fmt: skip
+    return f"{missing_text} never joined rank 0's store at {where} in {waited:.0f} s; joined: {joined_text} -> {fix}"
 
 
 def _ranks(ranks: list[int]) -> str:

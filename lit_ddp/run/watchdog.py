@@ -143,8 +143,9 @@ class Watchdog:
 
     # -- the thread --
     def start(self) -> None:
-        if self._thread is None:
+        if self._worker_file is None:  # on the main thread only: a watchdog the start watch began gets it at setup
             self._prepare_workers()
+        if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="lit_ddp-watchdog", daemon=True)
             self._thread.start()
 
@@ -231,6 +232,8 @@ class Watchdog:
         where = user_frame(frames)
         record = self.record or CollectiveRecord()
         kind = "left" if self.left else "collective" if in_collective(frames) else "busy"
+        if kind == "busy" and _lightning.waits_at_prepare_data_barrier(frame):
+            kind = "barrier"  # Lightning's own, on a group of its own: no collective of the job's until it opens
         # A sync_dist key that Lightning reduces after its hook returned (an epoch's value, from its loop): the
         # stack's user line is the fit's; the hook's line that logged the key is the one to name.
         reduced = _lightning.reduced_on(frame) if kind == "collective" else None

@@ -1,0 +1,85 @@
+"""The start watch of a script of one's own (``lit_ddp.run.start_watch``): what it reads from a rank waiting in torch's
+rendezvous, and its thread's life (armed by a tool callback, gone when the fit's setup comes). The real runs, a rank
+that never joins and a collective in prepare_data, are the zoo's (tests/test_hang_zoo.py)."""
+
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lit_ddp.callbacks import LossMonitor
+from lit_ddp.lab.data import FixedBatchDataModule
+from lit_ddp.lab.module import LinearRegression
+from lit_ddp.run import rendezvous, start_watch
+from tests.runner import free_port
+
+
+def _waits_in(target, *args) -> threading.Thread:
+    thread = threading.Thread(target=target, args=args, daemon=True)
+    thread.start()
+    return thread
+
+
+def _stack_once_waiting(thread: threading.Thread, deadline_s: float = 10.0):
+    """``rendezvous_of`` the thread's stack, once it shows a rendezvous (or None at the deadline)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        found = start_watch.rendezvous_of(sys._current_frames().get(thread.ident))
+        if found is not None:
+            return found
+        time.sleep(0.05)
+    return None
+
+
+def _env_rendezvous(port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:  # rank 1 never comes: torch's own store gives up at the timeout
+        dist.init_process_group("gloo", rank=0, world_size=2, timeout=timedelta(seconds=4))
+    except Exception:
+        pass
+
+
+def _lit_ddp_rendezvous(port: int) -> None:
+    try:  # its meeting passed (patched out): torch's backend waits for rank 1 until the timeout
+        rendezvous.init_process_group("gloo", 0, 2, "127.0.0.1", port, timedelta(seconds=4), torch.device("cpu"),
+                                      timedelta(seconds=4), {}, 2)  # fmt: skip
+    except Exception:
+        pass
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_in_torchs_rendezvous_is_read_from_its_stack_and_one_lit_ddp_holds_is_left_to_it(monkeypatch):
+    port = free_port()
+    waiting = _waits_in(_env_rendezvous, port)
+    found = _stack_once_waiting(waiting)
+    assert found is not None
+    assert (found.rank, found.world_size, found.address, found.port, found.timeout_s) == (0, 2, "127.0.0.1", port, 4)
+    assert not found.caller_meets and found.launched == [] and found.started["world_size"] == 2
+    monkeypatch.setattr(rendezvous, "meet", lambda *args, **kwargs: None)
+    waiting_too = _waits_in(_lit_ddp_rendezvous, free_port())
+    held = _stack_once_waiting(waiting_too)
+    assert held is not None and held.caller_meets  # LitDDPStrategy's: it meets its ranks itself
+    assert start_watch.rendezvous_of(sys._current_frames()[threading.get_ident()]) is None  # not in one
+    for thread in (waiting, waiting_too):  # torch gives up at the timeout: nothing of theirs left for the next test
+        thread.join(timeout=30)
+
+
+def _watch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "lit_ddp-start-watch" and t.is_alive()]
+
+
+@pytest.mark.timeout(120)
+def test_a_tool_callback_arms_the_watch_once_and_a_fit_leaves_no_thread_of_it(make_trainer, monkeypatch):
+    start_watch.disarm()  # an earlier test's watch (this process launched forked ranks: it never disarmed)
+    monkeypatch.setattr(start_watch, "_OVER", None)  # this process as if it had made no Trainer yet
+    callbacks = [LossMonitor(), LossMonitor()]
+    assert len(_watch_threads()) == 1  # one a process, however many callbacks
+    make_trainer(devices=1, spawn=False, callbacks=callbacks).fit(LinearRegression(), FixedBatchDataModule())
+    assert _watch_threads() == []
+    LossMonitor()  # the start is over in this process: no new watch
+    assert _watch_threads() == []

@@ -43,8 +43,8 @@ def test_the_line_that_logged_a_key_is_the_hooks_line_that_quotes_it_or_its_only
 
 def test_a_stop_names_the_one_line_of_the_users_classes_that_sets_should_stop():
     assert Stopped(4, (Logs, Stops, StepSync)).text() == (
-        "stopped training at step 4 (trainer.should_stop set at test_user_source.py:21 training_step: "
+        "stopped training after step 4 (trainer.should_stop set at test_user_source.py:21 training_step: "
         "self.trainer.should_stop = batch_idx > 2)"
     )  # StepSync's own (lit_ddp's) and the callback's False and == are not the user's stop
-    assert Stopped(4, (Stops,)).text() == "stopped training at step 4"
+    assert Stopped(4, (Stops,)).text() == "stopped training after step 4"
     assert Stopped(4, (Logs, Logs)).text().endswith("= batch_idx > 2)")  # a class given twice is read once

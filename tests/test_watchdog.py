@@ -154,11 +154,27 @@ def test_a_collective_that_a_rank_which_left_never_called_ends_the_job_and_one_i
 
 
 def test_a_rank_that_stopped_on_its_own_should_stop_is_named_with_the_line_and_the_fix_to_decide_together():
-    left = {**state(1, "left", [bucket(30)], stopped_s=0.0), "stopped": "stopped training at step 4 (x)"}
+    left = {**state(1, "left", [bucket(30)], stopped_s=0.0), "stopped": "stopped training after step 4 (x)"}
     line = certain({0: state(0, "collective", [bucket(30), bucket(31)]), 1: left})
-    assert "; rank 1 left: it stopped training at step 4 (x) and will never call it -> a stop decided on some ranks " \
-           "only: decide it on every rank together, trainer.should_stop = trainer.strategy.reduce_boolean_decision(" \
-           "stop, all=False)" in line  # fmt: skip
+    assert "; rank 1 left: it stopped training after step 4 (x) and will never call it -> a stop decided on some " \
+           "ranks only: decide it on every rank together, trainer.should_stop = " \
+           "trainer.strategy.reduce_boolean_decision(stop, all=False)" in line  # fmt: skip
+
+
+def test_a_rank_that_stopped_alone_and_went_on_to_a_collective_after_its_fit_is_named_with_its_stop():
+    """Rank 1 stopped on its own should_stop and saves a checkpoint after fit (a barrier); rank 0 still trains."""
+    barrier = Collective(31, "barrier", [[]], "", 4, "the end of training", None, "s.py:20 <module>: x")
+    stopped = {**state(1, "collective", [bucket(30), barrier]), "stopped": "stopped training after step 4 (y)"}
+    line = certain({0: state(0, "collective", [bucket(30), bucket(31)]), 1: stopped})
+    assert line.startswith("collective #31 diverged: ")
+    assert line.endswith("; rank 1 stopped training after step 4 (y) -> a stop decided on some ranks only: decide "
+                         "it on every rank together, trainer.should_stop = trainer.strategy.reduce_boolean_decision("
+                         "stop, all=False)")  # fmt: skip
+    both = {
+        0: {**state(0, "collective", [bucket(30), bucket(31)]), "stopped": "stopped training after step 4"},
+        1: stopped,
+    }
+    assert "rank_zero_only" in certain(both)  # every rank stopped (EarlyStopping): the stop is not the cause
 
 
 def test_a_divergence_in_a_sync_dist_keys_reduction_ends_with_that_keys_fix():

@@ -56,7 +56,11 @@ def certain(states: dict[int, dict[str, Any]]) -> Optional[str]:
     if found and " diverged: " in found[0]:
         keys = sorted({repr(s["logged"]) for s in states.values() if s.get("logged")})
         fix = FIX_SYNC_KEY.format(keys=", ".join(keys)) if keys else FIX_SOME_RANKS
-        return f"{found[0]}{_out_of_step(reports, found[0])} -> {fix}"
+        # Ranks whose fit stopped on should_stop while others still train: that stop put them out of step (their
+        # next collective is whatever the script does after fit)
+        stopped = [r for r, state in states.items() if state.get("stopped")]
+        why = "".join(f"; rank {r} {states[r]['stopped']}" for r in stopped) if len(stopped) < len(states) else ""
+        return f"{found[0]}{_out_of_step(reports, found[0])}{why} -> {FIX_STOP if why else fix}"
     left = sorted(r for r, rep in reports.items() if rep.kind == "left")
     held = sorted(r for r, rep in reports.items() if rep.kind == "barrier")
     waiting = sorted(r for r, rep in reports.items() if rep.kind == "collective")

@@ -70,13 +70,13 @@ def logged_at(classes: Iterable[type], hook: str, key: str) -> str:
 class Stopped(NamedTuple):
     """A fit that ended on ``trainer.should_stop``: at which step, and the classes whose source may have set it."""
 
-    step: int
+    step: int  # the last step it trained (numbered as the collectives' record numbers them)
     owners: tuple[type, ...]  # the LightningModule's, the callbacks'
 
     def text(self) -> str:
-        """``stopped training at step 4 (trainer.should_stop set at case.py:15 training_step: ...)``: the line named
+        """``stopped training after step 3 (trainer.should_stop set at case.py:15 training_step: ...)``: the line named
         where the user's own classes hold one (one only) that sets ``should_stop`` to anything but False."""
         found = [line.where() for line in lines(self.owners) if SETS_SHOULD_STOP.search(line.text.split("#")[0])]
-        return f"stopped training at step {self.step}" + (
+        return f"stopped training after step {self.step}" + (
             f" (trainer.should_stop set at {found[0]})" if len(found) == 1 else ""
         )

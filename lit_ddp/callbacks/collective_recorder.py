@@ -116,7 +116,7 @@ class CollectiveRecorder(LeanCallback):
         # A stop on one rank alone leaves the others waiting in its next collective (Lightning#379): where it was
         # set is found in the source only if a peer is seen waiting for this rank.
         classes = (type(pl_module), *map(type, trainer.callbacks))
-        watchdog.fit_ended(Stopped(trainer.global_step, classes) if trainer.should_stop else None)
+        watchdog.fit_ended(Stopped(self._step, classes) if trainer.should_stop else None)  # the step it ended in
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:

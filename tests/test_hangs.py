@@ -77,6 +77,15 @@ def test_a_peers_error_becomes_the_whole_message_short_with_the_rank_s_own_chain
     error = RuntimeError("Connection closed by peer: " + "gloo " * 200)
     hangs._conclude(error, line)
     assert str(error) == line and "Connection closed by peer" in str(error.__cause__)
+    # Raised before training, where no user's line was on its stack (Lightning's zero-length loader check)
+    early = RankReport(
+        0, 2.0, "collective error", collectives=[Collective(13, "barrier", [[]], "", None, "before training")]
+    )
+    lightnings = RankReport(1, 1.0, "exception", "RuntimeError: `DataLoader` within local rank has zero length.")
+    assert hangs._raised_first(lightnings, early) == (
+        "rank 1 raised first: RuntimeError: `DataLoader` within local rank has zero length.; rank 0 waited for it in "
+        "collective #13 (barrier before training)"
+    )
 
 
 def test_ranks_that_agree_give_no_line():

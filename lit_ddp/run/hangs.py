@@ -150,8 +150,9 @@ def _raised_first(cause: RankReport, waiting: RankReport) -> str:
     waited = f"; rank {waiting.rank} waited for it"
     if waiting.collectives:
         last = waiting.collectives[-1]
-        waited += f" in collective #{last.seq} ({last.op} at step {last.step}, {last.phase})"
-    line = f"rank {cause.rank} raised first: {cause.error} ({cause.where}){waited}"
+        at = f"at step {last.step}, {last.phase}" if last.step is not None else last.phase  # "before training"
+        waited += f" in collective #{last.seq} ({last.op} {at})"
+    line = f"rank {cause.rank} raised first: {cause.error}{f' ({cause.where})' if cause.where else ''}{waited}"
     if len(line) > LINE_CHARS and ": " in cause.where:
         line = f"rank {cause.rank} raised first: {cause.error} ({cause.where.split(': ')[0]}){waited}"
     return line

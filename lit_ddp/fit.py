@@ -81,7 +81,8 @@ class LitDDPCLI(LightningCLI):
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as err:  # with the parser at hand: the option a mistyped one is nearest to
-            options = [f"--{key}" for key in parser.get_defaults().keys()]
+            # --devices is the shorthand (no default, so not among the defaults' keys)
+            options = ["--devices", *(f"--{key}" for key in parser.get_defaults().keys())]
             raise UsageError(one_line(err, options)) from err
 
     def instantiate_classes(self) -> None:

@@ -254,6 +254,7 @@ def test_bad_input_is_one_line_and_exit_2(args, names, capsys, monkeypatch, tmp_
 TYPOS = [
     (["--trainer.max_stpes", "3"], "unrecognized arguments: --trainer.max_stpes 3; did you mean --trainer.max_steps?"),
     (["--loss_monitor.every_n_stpes", "3"], "did you mean --loss_monitor.every_n_steps?"),
+    (["--devcies", "2"], "unrecognized arguments: --devcies 2; did you mean --devices?"),  # the shorthand too
     (["--model.dimm", "3"], "Option 'dimm' is not accepted; did you mean dim?"),
     (
         ["--trainer.strategy.init_args.timeout_ss", "3"],

@@ -87,7 +87,7 @@ def test_a_clock_that_is_off_by_100_s_changes_nothing(make_trainer, tmp_path):
     found, comm = fit(make_trainer, tmp_path, model, data, callbacks=[ShiftClock(rank=1, shift_s=100.0)])
     assert comm.clock_offset_s[1] == pytest.approx(100.0, abs=0.01)
     assert comm.clock_error_s[1] < 0.005  # half the fastest round trip on one machine
-    assert (found.rank, found.cause) == (1, "forward"), stragglers.verdict_line(found)
+    assert (found.rank, found.cause) == (1, "forward"), (found.steps, stragglers.verdict_line(found))
     assert 16.0 <= found.wait_ms[0] <= 60.0, found.wait_ms  # the 20 ms delay, less 20% for the clocks
     # Each step's start is on the rank's own clock, 100 s apart; less comm.json's offset, on rank 0's: the all-reduce
     # holds the ranks within a step of each other (the timeline's alignment, docs/traces.md).
@@ -212,6 +212,16 @@ def test_too_few_steps_to_tell_says_so_in_a_sentence():
     found = stragglers.find_straggler(record([[100.0 * s for s in range(4)], [100.0 * s + 25.0 for s in range(4)]],
                                              [[27.0] * 4, [2.0] * 4]))  # fmt: skip
     assert found.rank is None and found.steps == 3  # the first step is the warm-up
+    assert stragglers.verdict_line(found).startswith("no straggler: can't tell, 3 step(s) are too few ("), found
+
+
+def test_too_few_steps_to_tell_however_many_buckets():
+    """3 steady steps of 4 buckets, rank 1 late at every one (12 all-reduces): a step's buckets are late together
+    (one busy core), so they are not 12 samples; no one is named (a new user's 3-step run on a loaded machine was
+    told 'Bound by a straggler: rank 1 arrives 41.6 ms late' of two ranks doing the same work)."""
+    found = stragglers.find_straggler(late_at(3, late_ms=40.0, steps=4, buckets=4))
+    assert found.steps == 3 and found.share == 1.0 and found.late_ms == pytest.approx(40.0)
+    assert found.rank is None, stragglers.verdict_line(found)
     assert stragglers.verdict_line(found).startswith("no straggler: can't tell, 3 step(s) are too few ("), found
 
 

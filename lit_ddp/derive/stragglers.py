@@ -128,6 +128,8 @@ def straggler_of(found: Optional[Arrivals], comm: CommRecord, phases: Optional[P
     worst = max(range(n), key=found.caused.__getitem__)
     lateness = found.lateness[worst]
     late = noise.median_interval(lateness, confidence=noise.family_confidence(CONFIDENCE, n))
+    if len(found.steps) < noise.MIN_SAMPLES:  # a step's buckets move together: too few steps, however many buckets
+        late = noise.Interval(late.estimate, -math.inf, math.inf)
     share = sum(d > 0 for d in lateness) / len(lateness)
     # Late beyond the noise: the whole interval above the floor the clocks can tell; worth naming: its median
     # lateness above a share of the step (a property of the workload, so the bar stays put).

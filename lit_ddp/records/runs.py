@@ -19,4 +19,5 @@ def no_record(run_dir: Union[str, os.PathLike]) -> str:
         shown = ", ".join(str(p) for p in runs[-5:])
         more = f" (the last 5 of {len(runs)})" if len(runs) > 5 else ""
         return f"{run_dir} is a folder of runs: give one of {shown}{more}"
-    return f"{run_dir} holds neither phases.json nor comm.json: was PhaseTimer or CommMonitor on?"
+    return (f"{run_dir} holds neither phases.json nor comm.json: was PhaseTimer or CommMonitor on? (the CLI's "
+            "--config configs/mini_train_profile.yaml turns both on)")  # fmt: skip

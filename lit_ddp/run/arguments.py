@@ -278,7 +278,7 @@ def one_line(err: BaseException, options: Iterable[str] = ()) -> str:
 
 
 def _did_you_mean(word: str, choices: Iterable[str]) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.7)
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.8)  # 0.7 took --device_map for --devices
     return f"; did you mean {close[0]}?" if close else ""
 
 

@@ -24,6 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer import call as trainer_call
+from lightning.pytorch.trainer.connectors.logger_connector import result as logged_results
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 
 
@@ -73,6 +74,9 @@ PRIVATE_NAMES = [
     PrivateName(_PrefetchDataFetcher, "prefetch_batches", "how many it fetches ahead at each epoch's start"),
     PrivateName(_DataFetcher, "iterator", "the loader's iterator it refills from (emptied where the epoch ends)"),
     PrivateName(DDPStrategy, "_get_process_group_backend", "nccl or gloo, before the group is made (NCCL's dumps)"),
+    PrivateName(
+        logged_results, "_ResultMetric", "a logged key as Lightning reduces it: its meta's name, hook (fx) and sync"
+    ),
     PrivateName(
         fabric_distributed, "_InfiniteBarrier", "the barrier around prepare_data: the watchdog names a rank in it"
     ),
@@ -208,3 +212,28 @@ def disable_sigterm_broadcast(trainer: Trainer) -> None:
     if not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
         raise RuntimeError("lightning changed: _TrainingEpochLoop._broadcast_sigterm_tensor is gone")
     epoch_loop._broadcast_sigterm_tensor = lambda: None
+
+
+class Reduced(NamedTuple):
+    """A logged key that Lightning reduces across the ranks (``sync_dist=True``) where a thread waits."""
+
+    key: str  # as the user logged it: ``self.log("epoch_metric", ...)``
+    hook: str  # the hook it was logged in (``on_train_epoch_end``)
+    owners: tuple[type, ...]  # the classes that hook may be in: the LightningModule's, the callbacks'
+
+
+def reduced_on(frame: Any) -> Optional[Reduced]:
+    """The key whose ``sync_dist`` reduction a thread waits in (a ``_ResultMetric``'s ``update``, or its ``compute``
+    which Lightning runs after the hook returned, from its loop), read from the thread's stack, innermost first;
+    None where no such reduction is on it."""
+    reduced, trainer = None, None
+    while frame is not None and trainer is None:
+        owner = frame.f_locals.get("self")
+        if reduced is None and isinstance(owner, logged_results._ResultMetric):
+            reduced = owner.meta
+        trainer = owner if isinstance(owner, Trainer) else None
+        frame = frame.f_back
+    if reduced is None or not reduced.sync.should:
+        return None
+    owners = () if trainer is None else (type(trainer.lightning_module), *map(type, trainer.callbacks))
+    return Reduced(reduced.name, reduced.fx, owners)

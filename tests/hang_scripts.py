@@ -3,6 +3,7 @@
     python tests/hang_scripts.py logkeys                   # rank 1 logs a key rank 0 does not (lightning#19106)
     python tests/hang_scripts.py uneven_shards             # rank 0 has 8 batches an epoch, rank 1 5 (#3325)
     python tests/hang_scripts.py uneven_shards --uneven error
+    python tests/hang_scripts.py empty_shard               # rank 1's shard is empty (webdataset#188)
     python tests/hang_scripts.py raise --start-method popen    # Lightning's `ddp` launcher (or under torchrun)
 
 A plain ``Trainer`` with ``LitDDPStrategy(timeout_s=...)`` on 2 CPU ranks and the tool's callbacks; each rank
@@ -96,7 +97,13 @@ class Case(LightningModule):
             time.sleep(14)  # rank 0's own work (an evaluation, an upload), longer than the watchdog's 10 s: healthy
         elif self.case == "sleep_rank0" and self.global_step == self.fault_step and self.global_rank == 0:
             time.sleep(3600)  # rank 0 hosts the store: its server answers while this thread sleeps
+        elif self.case == "stop_rank1" and at_fault:
+            self.trainer.should_stop = True  # rank 1 alone (Lightning#379): rank 0 trains on
         return loss
+
+    def on_train_epoch_end(self) -> None:
+        if self.case == "epoch_end_log" and self.global_rank == 0:  # Lightning#19604: reduced after this hook
+            self.log("epoch_metric", torch.tensor(1.0), sync_dist=True)
 
     def on_train_end(self) -> None:
         # One write of the whole line: the ranks share the pipe, and print's text and newline can interleave.
@@ -108,8 +115,8 @@ class Case(LightningModule):
 
 
 def loader(case: str) -> DataLoader:
-    if case == "uneven_shards":
-        return DataLoader(Shard({0: 8, 1: 5}), batch_size=None)
+    if case in ("uneven_shards", "empty_shard"):
+        return DataLoader(Shard({0: 8, 1: 5 if case == "uneven_shards" else 0}), batch_size=None)
     # Sized: each rank its own rows, as a user who shards by hand does (use_distributed_sampler=False).
     if case == "stuck_worker":
         return DataLoader(RankSized({0: 32, 1: 32}, stuck=True), batch_size=4, num_workers=2)
@@ -119,8 +126,9 @@ def loader(case: str) -> DataLoader:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("case", choices=["logkeys", "log_dict", "gather_rank0", "raise", "sleep", "sleep_rank0",
-                                         "uneven_shards", "uneven_sized", "even", "log_dir_after_fit", "rank0_work",
-                                         "head_rank1", "setup_barrier", "stuck_worker"])  # fmt: skip
+                                         "uneven_shards", "empty_shard", "uneven_sized", "even", "log_dir_after_fit",
+                                         "rank0_work", "head_rank1", "setup_barrier", "stuck_worker", "stop_rank1",
+                                         "epoch_end_log"])  # fmt: skip
     parser.add_argument("--uneven", default="stop", choices=["stop", "error"])
     parser.add_argument("--timeout-s", type=float, default=20)
     parser.add_argument("--epochs", type=int, default=2)

@@ -144,6 +144,8 @@ def test_a_hung_rank_ends_the_job_after_the_timeout(tmp_path):
                      re.M), run.stderr[-2000:]  # fmt: skip
     assert run.stderr.rstrip().splitlines()[-1].startswith("lit-ddp-fit: rank 0 exited with code 1: ")  # the cause last
     assert "Step 2, Loss" not in run.stdout
+    # Rank 0 reporting its collective's timeout (its main thread joining the store's thread) is not "busy" elsewhere
+    assert "rank 0 has been" not in run.stderr and "_wait_for_tstate_lock" not in run.stderr, run.stderr[-2000:]
 
 
 @pytest.mark.slow

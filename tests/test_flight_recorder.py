@@ -13,6 +13,7 @@ from torch.multiprocessing import ProcessExitedException
 
 from lit_ddp import report
 from lit_ddp.analysis import flight_recorder
+from lit_ddp.analysis.stopped import FIX_DEAD
 from lit_ddp.run import hangs, launchers, lifecycle
 from tests import flight_dumps
 from tests.runner import run_module
@@ -117,6 +118,15 @@ def test_a_killed_rank_is_explained_by_the_dumps(dumps, tmp_path, capsys):
 
     assert lifecycle.exit_code(run, prog="lit_ddp") == 1
     assert capsys.readouterr().err == f"lit_ddp: rank 1 exited with signal SIGABRT: {why}\n"
+
+
+def test_a_rank_killed_with_nothing_to_explain_it_ends_with_where_to_look(capsys):
+    def run():
+        raise ProcessExitedException("process 1 terminated with signal SIGKILL", 1, 99, -9, "SIGKILL")
+
+    assert lifecycle.exit_code(run, prog="lit_ddp") == 1
+    assert capsys.readouterr().err == f"lit_ddp: rank 1 exited with signal SIGKILL -> {FIX_DEAD}\n"
+    assert "out-of-memory killer (dmesg)" in FIX_DEAD
 
 
 def test_nccl_is_told_to_dump_into_the_run_folder_where_the_user_said_nothing(tmp_path):

@@ -243,6 +243,8 @@ WATCHDOG_RUNS = {
     "log_dir_after_fit": ("tests.hang_scripts", "log_dir_after_fit", "--strategy", "ddp"),
     "rank0_work": ("tests.hang_scripts", "rank0_work", "--timeout-s", "40", "--epochs", "1"),
     "head_rank1": ("tests.hang_scripts", "head_rank1", "--strategy", "ddp"),
+    "stop_rank1": ("tests.hang_scripts", "stop_rank1", "--strategy", "ddp"),
+    "epoch_end_log": ("tests.hang_scripts", "epoch_end_log", "--strategy", "ddp"),
 }
 
 
@@ -430,6 +432,13 @@ def test_healthy_long_work_is_said_to_wait_and_goes_on(watchdog_runs):
         ("log_dir_after_fit", r"^lit_ddp: rank 0 waits in broadcast #\d+ .*\(hang_scripts.py:\d+ main: "
                               r"print\(trainer.log_dir\)\); rank 1 left \(past the end of the script\) and will "
                               r"never call it -> .*rank_zero_only"),
+        # Lightning reduces an epoch's value from its loop, after the hook: the hook's self.log line is named
+        ("epoch_end_log", r"^lit_ddp: collective #\d+ diverged: rank 0 called barrier at step \d+, the end of epoch 0 "
+                          r"\(hang_scripts.py:\d+ on_train_epoch_end: self.log\(\"epoch_metric\", .*sync_dist=True\)\);"
+                          r" rank 1 called .* -> a sync_dist key logged on some ranks only \('epoch_metric'\)"),
+        ("stop_rank1", r"^lit_ddp: rank 0 waits in all_reduce #\d+ .* at step 4, backward; rank 1 left: it stopped "
+                       r"training at step 4 \(trainer.should_stop set at hang_scripts.py:\d+ training_step: "
+                       r"self.trainer.should_stop = True\) and will never call it -> .*reduce_boolean_decision"),
     ],
 )  # fmt: skip
 def test_a_certain_divergence_ends_the_job_whatever_the_timeout(watchdog_runs, case, pattern):

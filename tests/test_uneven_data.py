@@ -19,6 +19,7 @@ def test_the_end_waits_for_a_count_that_is_exact():
     assert end_of_epoch([Ahead(3, False), Ahead(2, True)], LOOK_AHEAD) == 2
     assert end_of_epoch([Ahead(7, True), Ahead(3, False)], LOOK_AHEAD) is None  # the unsized rank may have 7
     assert end_of_epoch([Ahead(3, True), Ahead(3, False)], LOOK_AHEAD) == 3  # the sized one ends after 3
+    assert end_of_epoch([Ahead(3, False), Ahead(-1, True)], LOOK_AHEAD) == -1  # a rank with no batch: none
 
 
 def test_the_line_names_the_short_ranks_and_what_the_others_have():
@@ -78,6 +79,19 @@ def test_uneven_error_raises_on_every_rank_before_any_runs_out(tmp_path, case, m
     assert f"UnevenDataError: {message}" in result.stderr
     assert "Timed out" not in result.stderr  # ended by the decision, not by a collective's timeout
     assert not trained(result.stdout)  # no rank reached the end of training
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_rank_with_no_batch_at_all_is_named_as_uneven_data_and_every_rank_raises(tmp_path):
+    """Rank 1's shard is empty (webdataset#188): it never reaches an epoch's first batch, where rank 0 waits for its
+    count; it gives it at the epoch's end, and both ranks raise there, naming the data, not a collective."""
+    result = run_case(tmp_path, "empty_shard")
+    assert result.returncode == 1
+    line = "rank 1 runs out of data after 0 batches of epoch 0 (rank 0 has more): no batch at all -> a share of"
+    assert f"UnevenDataError: {line}" in result.stderr, result.stderr[-3000:]
+    assert "Timed out" not in result.stderr and "diverged" not in result.stderr
+    assert not trained(result.stdout)
 
 
 @pytest.mark.slow

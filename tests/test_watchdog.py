@@ -3,13 +3,20 @@ the real 2-rank runs are in tests/test_hangs.py (``hung_runs``)."""
 
 import itertools
 import json
+import threading
 
 import pytest
 
 from lit_ddp.analysis.divergence import Collective, RankReport
-from lit_ddp.analysis.stopped import certain, in_collective, waiting_line
+from lit_ddp.analysis.stopped import FIX_DEAD, FIX_PARTITION, certain, in_collective, waiting_line
 from lit_ddp.run import watchdog
 from lit_ddp.run.watchdog import COMPARE_AFTER_S, GRACE_S, Watchdog
+
+
+@pytest.fixture(autouse=True)
+def _not_failing(monkeypatch):
+    """Each test's process is not failing: a watchdog that ends (``end``, ``orphaned``) sets the flag for good."""
+    monkeypatch.setattr(watchdog.hangs, "FAILING", threading.Event())
 
 
 class Clock:
@@ -101,9 +108,17 @@ def test_a_rank_waiting_on_its_data_worker_names_the_worker():
     states = {1: state(1, "busy", [], "script.py:50 <module>: trainer.fit(model)", worker=worker)}
     assert waiting_line(states, 2) == (
         f"waiting 12 s: rank 1 waits for its {worker}, 12 s (step 3, training_step); rank 0 sent no state (still "
-        "moving, dead, or stuck holding the GIL) -> a DataLoader worker that does not return (its line above): the "
-        "job ends at the process group's timeout, the workers with it"
+        "moving, dead, or stuck holding the GIL) -> a DataLoader worker that does not return: its line above never "
+        "ends (a read without a timeout, a lock); DataLoader(timeout=...) raises instead of waiting (the job ends "
+        "at the process group's timeout, the workers with it)"
     )
+
+
+def test_ranks_that_sent_nothing_while_the_others_wait_in_a_collective_get_each_causes_fix():
+    line = waiting_line({0: state(0, "collective", [bucket(24)])}, 2)
+    fixes = f"dead: {FIX_DEAD}; cut off: {FIX_PARTITION}"
+    assert line.endswith(" -> rank 1 sent nothing: dead, stuck in C code holding the GIL (py-spy dump --pid shows "
+                         f"where), or cut off from rank 0's node; {fixes}")  # fmt: skip
 
 
 def test_two_ranks_nth_collectives_that_differ_end_the_job():
@@ -138,6 +153,22 @@ def test_a_collective_that_a_rank_which_left_never_called_ends_the_job_and_one_i
     assert certain({0: state(0, "collective", [bucket(30)]), 1: left}) is None  # #30: rank 1 called it; it completes
 
 
+def test_a_rank_that_stopped_on_its_own_should_stop_is_named_with_the_line_and_the_fix_to_decide_together():
+    left = {**state(1, "left", [bucket(30)], stopped_s=0.0), "stopped": "stopped training at step 4 (x)"}
+    line = certain({0: state(0, "collective", [bucket(30), bucket(31)]), 1: left})
+    assert "; rank 1 left: it stopped training at step 4 (x) and will never call it -> a stop decided on some ranks " \
+           "only: decide it on every rank together, trainer.should_stop = trainer.strategy.reduce_boolean_decision(" \
+           "stop, all=False)" in line  # fmt: skip
+
+
+def test_a_divergence_in_a_sync_dist_keys_reduction_ends_with_that_keys_fix():
+    barrier = Collective(24, "barrier", [[]], "", 3, "the end of epoch 0", None, "s.py:9 on_train_epoch_end: x")
+    states = {0: {**state(0, "collective", [bucket(23), barrier]), "logged": "epoch_metric"},
+              1: state(1, "collective", [bucket(23), bucket(24)])}  # fmt: skip
+    assert certain(states).endswith(" -> a sync_dist key logged on some ranks only ('epoch_metric'): log it on every "
+                                    "rank, or on one without sync_dist (rank_zero_only=True)")  # fmt: skip
+
+
 class Store:
     """The rendezvous store's calls the watchdog makes, in a dict."""
 
@@ -159,7 +190,8 @@ class Store:
 
 def test_the_lowest_rank_that_published_speaks_and_a_certain_divergence_ends_every_rank(monkeypatch, capsys):
     store, ended = Store(), []
-    monkeypatch.setattr(watchdog, "_exit", lambda: ended.append(True))
+    # Each rank's end, mocked: a process of its own, whose failing flag the next rank's does not share
+    monkeypatch.setattr(watchdog, "_exit", lambda: (ended.append(True), watchdog.hangs.FAILING.clear()))
     monkeypatch.setattr(watchdog.time, "sleep", lambda s: None)
     dogs = []
     for rank, collectives in ((0, [bucket(23), bucket(24)]), (1, [bucket(23)])):
@@ -194,6 +226,24 @@ def test_the_lowest_rank_that_published_speaks_and_a_certain_divergence_ends_eve
     dog.tick(24.0)
     assert json.loads(store.data[f"{watchdog.KEY}1"])["rank"] == 1 and f"{watchdog.KEY}0" not in store.data
     assert capsys.readouterr().err == "lit_ddp: moved on after 23 s\n"  # (ended is mocked: it went on)
+
+
+def test_a_rank_reporting_its_failure_says_nothing_of_its_own(monkeypatch, capsys):
+    """Rank 0's collective timed out and it compares the reports (``hangs.diagnose``: its main thread joins the
+    store's thread): read from its stack it looked busy "in threading.py _wait_for_tstate_lock, outside any
+    collective". Its last state stays in the store; the diagnosis speaks."""
+    store = Store()
+    dog, clock = stepped([0.0, 1.0])
+    dog.store = store
+    dog.state = lambda s: state(0, "busy", [bucket(23)], stopped_s=s)
+    watchdog.hangs.FAILING.set()
+    for t in (1.0 + COMPARE_AFTER_S, 11.0, 21.0):
+        clock.now = t
+        dog.tick(t)
+    assert store.data == {} and capsys.readouterr().err == "" and dog.lines == []
+    watchdog.hangs.FAILING.clear()  # (a process that fails ends: this one goes on for the test)
+    dog.tick(21.5)
+    assert f"{watchdog.KEY}0" in store.data
 
 
 def test_in_a_collective_is_read_from_the_main_threads_stack():

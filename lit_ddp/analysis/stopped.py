@@ -16,6 +16,18 @@ WAITS_AT_BARRIER = "waits at Lightning's barrier after prepare_data (it opens wh
 FIX_PREPARE_DATA = "prepare_data runs on each node's local rank 0 only: no collective in it (share the data in setup)"
 FIX_SOME_RANKS = ("a collective called by some ranks only: rank_zero_only for work, never for collectives; "
                   "the same sync_dist keys on every rank")  # fmt: skip
+# A key that only some ranks log with sync_dist=True (Lightning#19604: in on_train_epoch_end, on rank 0 only).
+FIX_SYNC_KEY = ("a sync_dist key logged on some ranks only ({keys}): log it on every rank, or on one without "
+                "sync_dist (rank_zero_only=True)")  # fmt: skip
+# A rank that set trainer.should_stop alone (Lightning#379): Lightning's loop stops where it is set, rank by rank.
+FIX_STOP = ("a stop decided on some ranks only: decide it on every rank together, trainer.should_stop = "
+            "trainer.strategy.reduce_boolean_decision(stop, all=False)")  # fmt: skip
+FIX_WORKER = ("a DataLoader worker that does not return: its line above never ends (a read without a timeout, a "
+              "lock); DataLoader(timeout=...) raises instead of waiting")  # fmt: skip
+FIX_DEAD = ("a rank that died: its own error is in its log; killed by a signal with none, look for the kernel's "
+            "out-of-memory killer (dmesg)")  # fmt: skip
+FIX_PARTITION = ("a node cut off (a partition): check that every node reaches MASTER_ADDR:MASTER_PORT and the "
+                 "others' addresses (a firewall, a route, a link down)")  # fmt: skip
 
 
 def in_collective(frames: list[Frame]) -> bool:
@@ -42,7 +54,9 @@ def certain(states: dict[int, dict[str, Any]]) -> Optional[str]:
     reports = {r: _report(s) for r, s in states.items()}
     found = divergences(reports, max(reports, default=0) + 1)
     if found and " diverged: " in found[0]:
-        return f"{found[0]}{_out_of_step(reports, found[0])} -> {FIX_SOME_RANKS}"
+        keys = sorted({repr(s["logged"]) for s in states.values() if s.get("logged")})
+        fix = FIX_SYNC_KEY.format(keys=", ".join(keys)) if keys else FIX_SOME_RANKS
+        return f"{found[0]}{_out_of_step(reports, found[0])} -> {fix}"
     left = sorted(r for r, rep in reports.items() if rep.kind == "left")
     held = sorted(r for r, rep in reports.items() if rep.kind == "barrier")
     waiting = sorted(r for r, rep in reports.items() if rep.kind == "collective")
@@ -55,8 +69,12 @@ def certain(states: dict[int, dict[str, Any]]) -> Optional[str]:
         if reports[r].collectives and reports[r].collectives[-1].seq > min(last_call.values(), default=0)
     ]
     if left and waiting:
-        return (f"{'; '.join(_doing(states[r]) for r in waiting)}; {_ranks(left)} left (past the end of the "
-                f"script) and will never call it -> {FIX_SOME_RANKS}")  # fmt: skip
+        # A rank that left on its own trainer.should_stop is named with where it stopped; the others, as gone.
+        stopped = [f"rank {r} left: it {states[r]['stopped']}" for r in left if states[r].get("stopped")]
+        gone = [r for r in left if not states[r].get("stopped")]
+        left_as = "; ".join([*stopped, *([f"{_ranks(gone)} left (past the end of the script)"] if gone else [])])
+        fix = FIX_STOP if stopped else FIX_SOME_RANKS
+        return f"{'; '.join(_doing(states[r]) for r in waiting)}; {left_as} and will never call it -> {fix}"
     if held and waiting:
         return (f"{'; '.join(_doing(states[r]) for r in waiting)}; {_ranks(held)} {WAITS_AT_BARRIER} and will never "
                 f"call it -> {FIX_PREPARE_DATA}; {FIX_SOME_RANKS}")  # fmt: skip
@@ -122,13 +140,12 @@ def _fix(states: dict[int, dict[str, Any]], silent: list[int]) -> str:
     """The likely cause's fix, in one line, from what the ranks do."""
     kinds = {_report(s).kind for s in states.values()}
     if any(s.get("worker") for s in states.values()):
-        return (" -> a DataLoader worker that does not return (its line above): the job ends at the process "
-                "group's timeout, the workers with it")  # fmt: skip
+        return f" -> {FIX_WORKER} (the job ends at the process group's timeout, the workers with it)"
     if "busy" in kinds and kinds & {"collective", "barrier"}:
         return (" -> the others wait for it: work (a checkpoint, an evaluation) ends and the job goes on; "
                 "work longer than the process group's timeout: raise timeout_s (work that never ends stops "
                 "there)")  # fmt: skip
     if silent and kinds == {"collective"}:
-        return (f" -> {_ranks(silent)} sent nothing: a dead rank, one stuck in C code holding the GIL, or one "
-                "cut off from rank 0's node (a partition): its log and its node")  # fmt: skip
+        return (f" -> {_ranks(silent)} sent nothing: dead, stuck in C code holding the GIL (py-spy dump --pid "
+                f"shows where), or cut off from rank 0's node; dead: {FIX_DEAD}; cut off: {FIX_PARTITION}")  # fmt: skip
     return ""

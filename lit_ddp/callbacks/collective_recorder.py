@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lit_ddp import _torch
+from lit_ddp.analysis.user_source import Stopped
 from lit_ddp.measure import clock
 from lit_ddp.measure.collectives import CollectiveRecord
 from lit_ddp.measure.gradients import check_all_used
@@ -49,7 +50,7 @@ class CollectiveRecorder(LeanCallback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         start_watch.disarm()  # it handed the rank to the watchdog at the process group's start, or ends here
         watch = watchdog.start(trainer.global_rank, trainer.world_size)
-        watch.fit_over = False  # a new fit in a process whose watchdog served one before
+        watch.fit_over, watch.stopped = False, None  # a new fit in a process whose watchdog served one before
         watch.alive()
 
     @staticmethod
@@ -112,7 +113,10 @@ class CollectiveRecorder(LeanCallback):
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.collective_record.mark(self._step, "the end of training")
-        watchdog.fit_ended()
+        # A stop on one rank alone leaves the others waiting in its next collective (Lightning#379): where it was
+        # set is found in the source only if a peer is seen waiting for this rank.
+        classes = (type(pl_module), *map(type, trainer.callbacks))
+        watchdog.fit_ended(Stopped(trainer.global_step, classes) if trainer.should_stop else None)
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:

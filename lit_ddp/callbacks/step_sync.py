@@ -285,6 +285,11 @@ class StepSync(LeanCallback):
         self._alive_at = time.monotonic()
 
     @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._even is not None:
+            self._even.epoch_end(trainer)  # a rank that had no batch this epoch gives its count here
+
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
         self._alive_at = time.monotonic()
         if not self._steps.ended(trainer):  # a micro-batch

@@ -25,6 +25,11 @@ from lit_ddp.errors import UnevenDataError
 
 Uneven = Literal["stop", "error"]
 SLOT = "even_epochs"  # StepSync's slot: [epoch, batches done, batches after them, counted exactly (0/1)]
+# The fixes a line ends with: a hang avoided (uneven="stop") still trains fewer batches than the data has.
+FIX_UNEVEN = ("as many batches on every rank: Lightning's DistributedSampler (use_distributed_sampler=True), or "
+              "shards split evenly")  # fmt: skip
+FIX_EMPTY = ("a share of the data on every rank: at least as many shards as ranks, or Lightning's DistributedSampler "
+             "(use_distributed_sampler=True)")  # fmt: skip
 
 
 class Ahead(NamedTuple):
@@ -91,11 +96,22 @@ class EvenEpochs:
         if self._restore is not None:  # the last epoch's cut, undone: this epoch's lengths may differ
             trainer.fit_loop.max_batches, trainer.val_check_batch = self._restore
             self._restore = None
-        mine = self._ahead(trainer)
+        self._rows = not self._count(trainer, self._ahead(trainer), trainer.fit_loop.epoch_loop.batch_idx + 1)
+
+    def epoch_end(self, trainer: Trainer) -> None:
+        """From StepSync's ``on_train_epoch_end``: a rank that had no batch at all this epoch (an empty shard,
+        webdataset#188) never reached the first batch's count, where the others wait for it; it gives its count
+        here, none (one before the current batch that it never had), and every rank raises at that count."""
+        if trainer.current_epoch == self._epoch:
+            return
+        self._epoch, self._trainer, self._rows = trainer.current_epoch, trainer, False
+        self._count(trainer, Ahead(-1, True), trainer.fit_loop.epoch_loop.batch_idx + 2)
+
+    def _count(self, trainer: Trainer, mine: Ahead, done: int) -> bool:
+        """The epoch's one gather of every rank's count, and the decision on it (``_decide``)."""
         row = torch.tensor([float(mine.batches), float(mine.exact)], dtype=torch.float64)
         gathered = trainer.strategy.all_gather(row.to(trainer.strategy.root_device)).cpu()
-        ahead = [Ahead(int(b), bool(e)) for b, e in gathered.tolist()]
-        self._rows = not self._decide(trainer, ahead, trainer.fit_loop.epoch_loop.batch_idx + 1)
+        return self._decide(trainer, [Ahead(int(b), bool(e)) for b, e in gathered.tolist()], done)
 
     def step_end(
         self, trainer: Trainer, put: Callable[[str, list[float], Callable[[int, Tensor], None]], None]
@@ -123,16 +139,18 @@ class EvenEpochs:
         line = uneven_line(ahead, done, end, trainer.current_epoch)
         if line is None:
             return True
+        if end < 0:  # a rank with no batch: an epoch no rank can train, whatever ``uneven`` says
+            raise UnevenDataError(f"{line}: no batch at all -> {FIX_EMPTY}")
         if self.uneven == "error":
             raise UnevenDataError(f"{line}; seen before step {trainer.global_step} (uneven='error'; 'stop' ends "
-                                  "every rank's epoch there)")  # fmt: skip
+                                  f"every rank's epoch there) -> {FIX_UNEVEN}")  # fmt: skip
         left = done + end - trainer.fit_loop.epoch_loop.batch_idx - 1  # the batches this rank still takes
         if left < 0:  # cannot be: the count came a step ahead of the end
             raise RuntimeError(f"lit_ddp: uneven data seen {-left} batch(es) too late ({line})")
         if self._restore is None:
             self._restore = (trainer.fit_loop.max_batches, trainer.val_check_batch)
         end_epoch_after(trainer, left)
-        self._say(f"{line}; every rank ends the epoch there")
+        self._say(f"{line}; every rank ends the epoch there (to train on every batch: {FIX_UNEVEN})")
         return True
 
 

@@ -29,6 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from lit_ddp import _torch
 from lit_ddp.analysis.divergence import RankReport, divergences, first_cause, never_arrived, ranks_named
 from lit_ddp.analysis.flight_recorder import dumps_divergence
+from lit_ddp.analysis.stopped import FIX_PARTITION
 from lit_ddp.measure.collectives import CollectiveRecord, frame_of
 from lit_ddp.run.roles import NamesPendingCollective
 
@@ -194,7 +195,8 @@ def diagnose(trainer: Trainer, exception: BaseException, ranks_per_node: Optiona
             _conclude(exception, f"{ranks_named(host_ranks, ranks_per_node)} lost at the collective of step "
                                 f"{report.step}: the rendezvous store they host did not answer for {ANSWER_S:g} s "
                                 "either (a network partition, or their node is down); "
-                                f"{ranks_named([rank], ranks_per_node)} waited there until the timeout")  # fmt: skip
+                                f"{ranks_named([rank], ranks_per_node)} waited there until the timeout -> "
+                                f"{FIX_PARTITION}")  # fmt: skip
         return
     lines = divergences(reports, world_size)
     if not lines:

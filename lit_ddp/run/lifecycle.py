@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from lit_ddp import _lightning, _torch
+from lit_ddp.analysis.stopped import FIX_DEAD
 from lit_ddp.errors import AGREED_ERRORS, EXIT_FAILED, EXIT_USAGE, PROG, Ending, UsageError, prog
 from lit_ddp.run import watchdog
 
@@ -93,7 +94,7 @@ def stop_launched_ranks(strategy, first_rank: int, wait_s: float = 1.0) -> None:
             break
         time.sleep(0.05)
     for dead in exited:
-        print(f"{prog()}: rank {dead.rank} exited with code {dead.code}", file=sys.stderr)
+        print(f"{prog()}: rank {dead.rank} exited with code {dead.code} -> {FIX_DEAD}", file=sys.stderr)
     strategy.launcher.kill(signal.SIGKILL)
 
 
@@ -220,7 +221,9 @@ def exit_code(run: Callable[[], Ending], prog: str = PROG) -> int:
     except ProcessExitedException as err:  # ... or died
         how = f"signal {err.signal_name}" if err.signal_name else f"code {err.exit_code}"
         why = getattr(err, "lit_ddp_diagnosis", None)  # what NCCL's Flight Recorder dumps show (run/launchers)
-        print(f"{prog}: rank {err.error_index} exited with {how}" + (f": {why}" if why else ""), file=sys.stderr)
+        # Its own cause is in its log, or (a signal and none) the kernel's: what the dumps show, else where to look
+        print(f"{prog}: rank {err.error_index} exited with {how}" + (f": {why}" if why else f" -> {FIX_DEAD}"),
+              file=sys.stderr)  # fmt: skip
         return EXIT_FAILED
     if ending is Ending.SIGTERM and rank_zero_only.rank == 0:
         print(f"{prog}: stopped by SIGTERM", file=sys.stderr)

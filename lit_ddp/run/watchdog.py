@@ -34,6 +34,7 @@ from typing import Any, Optional
 from torch.distributed import DistNetworkError
 
 from lit_ddp import _lightning, _torch
+from lit_ddp.analysis import user_source
 from lit_ddp.analysis.flight_recorder import Frame, user_frame
 from lit_ddp.analysis.stopped import certain, in_collective, waiting_line
 from lit_ddp.errors import EXIT_FAILED, prog
@@ -84,6 +85,7 @@ class Watchdog:
         self.alive_at = clock()  # the last progress that is not a step boundary
         self.left = False  # this process is past its script (at exit)
         self.fit_over = False  # its fit's training ended: what the rank does next is the user's, even alone
+        self.stopped: Optional[user_source.Stopped] = None  # its fit ended on ``trainer.should_stop``
         self.store: Optional[Any] = None  # the rendezvous store, once there is one
         self._since: Optional[float] = None  # the stop being reported: its last progress
         self._published_at = self._first_published_at = 0.0
@@ -176,6 +178,9 @@ class Watchdog:
         _exit()
 
     def tick(self, now: float) -> None:
+        if hangs.FAILING.is_set():  # its own failure is being reported (a collective's timeout: the ranks' reports
+            return  # compared, its stack in the store's thread's join), and that says what happened; its last state
+        # from before stays in the store for the others
         if self.store is None:
             self.store = _torch.default_store()
             if self.store is None:
@@ -229,6 +234,11 @@ class Watchdog:
         kind = "left" if self.left else "collective" if in_collective(frames) else "busy"
         if kind == "busy" and _lightning.waits_at_prepare_data_barrier(frame):
             kind = "barrier"  # Lightning's own, on a group of its own: no collective of the job's until it opens
+        # A sync_dist key that Lightning reduces after its hook returned (an epoch's value, from its loop): the
+        # stack's user line is the fit's; the hook's line that logged the key is the one to name.
+        reduced = _lightning.reduced_on(frame) if kind == "collective" else None
+        if reduced is not None and f" {reduced.hook}: " not in f" {where}":
+            where = user_source.logged_at(reduced.owners, reduced.hook, reduced.key)
         report = record.report(self.rank, kind, "", where)
         if kind == "collective" and report.collectives and report.collectives[-1].bucket is None and where:
             report.collectives[-1].where = where  # the live stack's line: it waits there now
@@ -237,6 +247,8 @@ class Watchdog:
             "stopped_s": stopped_s,
             "report": report.as_json(),
             "worker": self.worker(frame),
+            "logged": reduced.key if reduced is not None else "",
+            "stopped": self.stopped.text() if self.stopped is not None else "",
             "stack": [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames[-STACK_FRAMES:]],
         }
 
@@ -369,11 +381,12 @@ def beat(step: int) -> None:
         _WATCHDOG.beat(step)
 
 
-def fit_ended() -> None:
+def fit_ended(stopped: Optional[user_source.Stopped] = None) -> None:
     """Training ended (``CollectiveRecorder.on_train_end``): a rank's own work after it, alone (a file it writes, an
-    evaluation), is never ended for its peers having left."""
+    evaluation), is never ended for its peers having left. ``stopped``: it ended on ``trainer.should_stop``."""
     if _WATCHDOG is not None:
         _WATCHDOG.fit_over = True
+        _WATCHDOG.stopped = stopped
 
 
 def alive() -> None:

@@ -143,9 +143,6 @@ def test_other_tools_ranges_read_as_their_phase():
 NOT_THE_PHASE = {
     ("derive/trace.py", "other"): "a collective's kind beside the gradient all-reduce",
     ("run/arguments.py", "data"): "LightningCLI's data key",
-    # Issue 48's files, in its hands while this rule came in: both mean phases.ALL_REDUCING, and read it next.
-    ("analysis/flight_recorder.py", "backward"): "the phase a hang's collective was called in (to read the table)",
-    ("callbacks/collective_recorder.py", "backward"): "the all-reducing phase's mark (to read the table)",
 }
 
 

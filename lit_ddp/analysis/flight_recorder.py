@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 from lit_ddp.analysis.divergence import Collective, RankReport, divergences, never_arrived
+from lit_ddp.records import phases
 
 # Where library frames live: the user's line is the innermost frame outside them (and Python's own).
 LIT_DDP = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,7 +95,8 @@ def dump_report(rank: int, dump: dict[str, Any]) -> RankReport:
         if backward and (bucket < 0 or sizes == first_sizes):
             step, bucket, first_sizes = step + 1, -1, sizes
         bucket = bucket + 1 if backward else -1
-        phase = "backward" if backward else ("after the backward" if step >= 0 else "before the first backward")
+        outside = "after the backward" if step >= 0 else "before the first backward"
+        phase = phases.ALL_REDUCING if backward else outside
         phase = phase if framed else ""  # no stacks (a JSON dump): no backward to tell the phase by
         collectives.append(collective_of(entry, step if step >= 0 else None, phase, bucket if backward else None))
     last = collectives[-1] if collectives else None

@@ -22,6 +22,7 @@ from lit_ddp.analysis.user_source import Stopped
 from lit_ddp.measure import clock
 from lit_ddp.measure.collectives import CollectiveRecord
 from lit_ddp.measure.gradients import check_all_used
+from lit_ddp.records import phases
 from lit_ddp.records.schema import CollectiveCall
 from lit_ddp.run import console, hangs, start_watch, watchdog
 from lit_ddp.run.lean import LeanCallback
@@ -77,7 +78,7 @@ class CollectiveRecorder(LeanCallback):
 
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Any) -> None:
-        self.collective_record.mark(self._step, "backward")
+        self.collective_record.mark(self._step, phases.ALL_REDUCING)
 
     @override
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:

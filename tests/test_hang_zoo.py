@@ -75,7 +75,7 @@ def test_the_runner_reads_the_output_and_finds_and_kills_what_the_job_left(tmp_p
 # of one's own (lit_ddp.run.start_watch): prepare_data_barrier, rank1_never_joins, ok_long_prepare_data.
 PART = ("sync_dist_keys", "rank1_sleeps", "worker_stuck", "rank1_exits", "prepare_data_barrier", "rank1_never_joins",
         "ok_straggler", "ok_long_prepare_data")  # fmt: skip
-TIMEOUT_S = 60  # also the rendezvous': rank 1 takes up to 30 s to start with the part's five jobs at once
+TIMEOUT_S = 60  # also the rendezvous': rank 1 took up to 30 s to start with five of the part's jobs at once
 
 
 @pytest.fixture(scope="module")

@@ -455,6 +455,8 @@ def test_a_certain_divergence_ends_the_job_whatever_the_timeout(watchdog_runs, c
     code, _, stderr = watchdog_runs[case]
     assert code == 1
     assert re.search(pattern, stderr, re.M), stderr[-3000:]
+    # The line is the job's last: the speaking rank leaves once its peers saw it, before their collectives fail
+    assert re.search(pattern, last_line(stderr)), stderr[-3000:]
     assert "timeout is now" not in stderr  # the callbacks leave the user's timeout as it is
     assert "Timed out" not in stderr
 

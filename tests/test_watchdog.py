@@ -237,6 +237,7 @@ def test_the_lowest_rank_that_published_speaks_and_a_certain_divergence_ends_eve
     assert store.data[watchdog.ENDED_KEY] == dogs[1][0].ended  # the ranks at exit stop waiting
     dogs[1][0].tick(23.5)
     assert ended == [True, True, True] and capsys.readouterr().err == ""  # said already: rank 1 ends without a word
+    assert f"{watchdog.SEEN_KEY}1" in store.data  # and says it saw the line: the speaker waits for that to leave
     dog, clock = dogs[0]
     dog.beat(2)
     dog.tick(24.0)

@@ -28,7 +28,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, Optional
 
 from torch.distributed import DistNetworkError
@@ -56,7 +56,9 @@ PUBLISH_EVERY_S = 2.0  # while stopped: the state (a Flight Recorder read, a sta
 GRACE_S = 2.0  # after publishing, for the other ranks' states (they stopped within a step of each other)
 KEY = "lit_ddp/watch/"  # + rank: that rank's state, as JSON
 ENDED_KEY = "lit_ddp/watch/ended"  # the line a rank ended the job with: the ranks at exit stop waiting
-ENDING_S = 0.3  # from that key to the exit: the ranks at exit see it (they poll every 50 ms)
+SEEN_KEY = "lit_ddp/watch/seen/"  # + rank: a stopped peer saw the ended key and exits (its main thread says nothing)
+# From that key to the speaker's exit at most: a peer's next tick sees it (0.3 s let a peer print its traceback last)
+ENDING_S = 2 * POLL_S + 0.5
 SPEAKER_WAIT_S = 3.0  # a rank that found the ending waits this long for the lowest rank to say it
 SAID_KEPT = 32  # lines kept for the record: they come as a wait doubles, so a run says few
 STACK_FRAMES = 8  # of the main thread's stack, innermost last, in a rank's state
@@ -200,7 +202,7 @@ class Watchdog:
         states = self.states()  # every tick while stopped: a peer's new state is compared as soon as it is there
         ending = certain(states)
         if ending is not None:
-            return self.end(ending, speak=min(states) == self.rank)
+            return self.end(ending, speak=min(states) == self.rank, peers=set(states) - {self.rank})
         if action == "line" and min(states) == self.rank:
             self._printed = True
             self._say(waiting_line(states, self.world_size))
@@ -258,10 +260,11 @@ class Watchdog:
         self.said.append((self._step, host_now(), text))
         print(line, file=sys.stderr, flush=True)
 
-    def end(self, line: str, speak: bool = True) -> None:
+    def end(self, line: str, speak: bool = True, peers: Collection[int] = ()) -> None:
         """Ends this rank at once with ``line`` (a certain divergence): said (``speak``: the lowest rank that
         published; the others wait until it has, or say it themselves after ``SPEAKER_WAIT_S``), left for a
-        launching parent, the rank's own child processes (its DataLoader workers) ended first."""
+        launching parent, the rank's own child processes (its DataLoader workers) ended first. The speaker leaves
+        once the ``peers`` that published have seen the line (``ENDING_S`` at most), so that the line is the last."""
         self.ended = line
         hangs.FAILING.set()  # a SIGTERM from here on finds a rank that is ending, not hung
         if not speak:
@@ -270,11 +273,14 @@ class Watchdog:
                 while not self.store.check([ENDED_KEY]) and time.monotonic() < deadline:
                     time.sleep(0.1)
                 if self.store.check([ENDED_KEY]):
+                    self.store.set(f"{SEEN_KEY}{self.rank}", "1")
                     return _exit()
         self._say(line)
         with contextlib.suppress(Exception):  # the ranks at exit stop waiting for this one before its store goes
             self.store.set(ENDED_KEY, line)
-            time.sleep(ENDING_S)
+            deadline = time.monotonic() + ENDING_S
+            while peers and not self.store.check([f"{SEEN_KEY}{r}" for r in peers]) and time.monotonic() < deadline:
+                time.sleep(0.05)
         launcher = os.environ.get("LIT_DDP_LAUNCHER_PID")
         if launcher and int(launcher) != os.getpid():
             with open(ended_file(int(launcher)), "w") as file:

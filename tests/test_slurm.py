@@ -23,7 +23,7 @@ from lightning.pytorch import Callback
 
 from tests.runner import LONG_RUN, ROOT, start_fit, step_losses
 from tests.slurm_cluster import Cluster, bring_up, shut_down
-from tests.test_faults import alive
+from tests.test_faults import alive, left_behind
 from tests.trainers import assert_same_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
@@ -262,3 +262,29 @@ def test_bad_input_under_srun_fails_in_one_line_once(slurm, tmp_path, args, mess
     assert ours == [f"lit-ddp-fit: {message}"], result.stderr[-3000:]  # once, not once per task
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stdout == ""  # no rank started: not even the device map
+
+
+@pytest.mark.timeout(150)
+def test_a_task_that_never_reaches_fit_in_a_script_of_ones_own_is_named_and_the_step_ends(slurm, tmp_path,
+                                                                                          monkeypatch):  # fmt: skip
+    """The zoo's ``rank1_never_joins`` under srun: a user's script with the callbacks and a plain
+    ``DDPStrategy(timeout=20 s)``, whose task 1 sleeps before its Trainer (Lightning#10098). Rank 0's start watch
+    says who joined after 10 s, names rank 1 at the timeout less 1.5 s and exits 1; ``--kill-on-bad-exit``
+    (slurm/*.sbatch) then ends task 1, which srun would otherwise wait for as long as it sleeps (an hour)."""
+    monkeypatch.setenv("HANG_ZOO_TIMEOUT_S", "20")
+    monkeypatch.setenv("HANG_ZOO_DIR", str(tmp_path))  # rank 1 writes start-<its pid> there (hang_starts)
+    with slurm.job_name() as name:
+        result = slurm.srun(name, "benchmarks.hang_zoo.cases.rank1_never_joins", cwd=tmp_path, timeout=90,
+                            kill_on_bad_exit=True)  # fmt: skip
+        sleeper = [int(path.name.removeprefix("start-")) for path in tmp_path.glob("start-*")]
+        assert len(sleeper) == 1 and not left_behind(sleeper), "task 1 was left behind"
+    assert result.returncode != 0, result.stderr[-3000:]
+    assert srun_exits(result.stderr) == {0: "exit code 1", 1: "Terminated"}, result.stderr[-3000:]
+    ours = [line for line in result.stderr.splitlines() if line.startswith("lit_ddp:")]
+    assert len(ours) == 2, result.stderr[-3000:]
+    joined = r"joined: rank 0 \(node 0, host \S+, world_size 2, num_nodes 1, devices 2\)"
+    assert re.fullmatch(rf"lit_ddp: waiting 10 s for rank 1 \(node 0\) to join rank 0's store at \S+; {joined}",
+                        ours[0]), ours  # fmt: skip
+    assert re.fullmatch(rf"lit_ddp: rank 1 \(node 0\) never joined rank 0's store at \S+ in \d+ s; {joined} -> a rank "
+                        r"that started on its node but never reached fit: .*", ours[1]), ours  # fmt: skip
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]

@@ -87,6 +87,21 @@ class SignalJobAt(Callback):
             time.sleep(self.wait_s)
 
 
+class SleepBeforeFit(Callback):
+    """Task ``task`` of the srun step writes its pid to ``sleeper`` and sleeps ``seconds`` when the CLI makes this
+    callback, before its fit: a rank that never reaches the rendezvous (a slow read before the Trainer).
+
+    Args:
+        task: The task (``SLURM_PROCID``) that sleeps.
+        seconds: How long.
+    """
+
+    def __init__(self, task: int = 1, seconds: float = 3600.0) -> None:
+        if os.environ.get("SLURM_PROCID") == str(task):
+            Path("sleeper").write_text(str(os.getpid()))
+            time.sleep(seconds)
+
+
 def srun_exits(text: str) -> dict[int, str]:
     """What srun said of each task that did not exit 0: ``{task: "exit code 143"}`` or ``{task: "Killed"}``, from
     its ``srun: error: HOST: tasks 0-1: Exited with exit code 143`` lines (one per task, or one for several)."""
@@ -290,3 +305,22 @@ def test_a_task_that_never_reaches_fit_in_a_script_of_ones_own_is_named_and_the_
     assert re.fullmatch(rf"lit_ddp: rank 1 \(node 0\) never joined rank 0's store at \S+ in \d+ s; {joined} -> {fix}",
                         ours[1]), ours  # fmt: skip
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.timeout(150)
+def test_a_batch_job_whose_task_never_reaches_fit_ends_at_the_start_timeout(slurm, tmp_path):
+    """``slurm/ddp_cpu.sbatch`` with the CLI's 20 s timeout, task 1 asleep before its fit: rank 0 names it at the
+    timeout less 1.5 s and exits 1, and the job ends (the sbatch's ``--kill-on-bad-exit=1``), not an hour later."""
+    with slurm.job_name() as name:
+        job_id = slurm.sbatch(name, CPU_SBATCH, "--trainer.strategy.timeout_s", "20",
+                              "--trainer.callbacks+=tests.test_slurm.SleepBeforeFit", cwd=tmp_path)  # fmt: skip
+        fields = slurm.wait_until_gone(job_id, timeout=90)
+        assert not left_behind([int((tmp_path / "sleeper").read_text())]), "task 1 was left behind"
+    text = (tmp_path / f"slurm-{job_id}.out").read_text()
+    assert fields["JobState"] == "FAILED", (fields, text[-3000:])
+    assert srun_exits(text) == {0: "exit code 1", 1: "Terminated"}, text[-3000:]
+    ours = [line for line in text.splitlines() if line.startswith("lit-ddp-fit:")]
+    assert [line.split(" (node 0)")[0] for line in ours] == ["lit-ddp-fit: waiting 10 s for rank 1",
+                                                             "lit-ddp-fit: rank 1"], text[-3000:]  # fmt: skip
+    assert "never joined rank 0's store" in ours[1] and ours[1].endswith(SRUN_WAITS), ours
+    assert "Traceback" not in text, text[-3000:]

@@ -89,15 +89,19 @@ class Cluster:
             pytest.fail(f"sbatch exited with {result.returncode}: {result.stderr.strip()}")
         return int(result.stdout.strip().split(";")[0])
 
-    def srun_argv(self, name: str, *module_args: str) -> list[str]:
-        """``srun`` of ``python -m MODULE_ARGS`` as two tasks of job ``name``."""
-        return ["srun", f"--job-name={name}", *TWO_TASKS, sys.executable, "-m", *module_args]
+    def srun_argv(self, name: str, *module_args: str, kill_on_bad_exit: bool = False) -> list[str]:
+        """``srun`` of ``python -m MODULE_ARGS`` as two tasks of job ``name``; ``kill_on_bad_exit``: a task that
+        exits non-zero ends the others (slurm/*.sbatch set it)."""
+        options = ("--kill-on-bad-exit=1",) if kill_on_bad_exit else ()
+        return ["srun", f"--job-name={name}", *TWO_TASKS, *options, sys.executable, "-m", *module_args]
 
-    def srun(self, name: str, *module_args: str, cwd: Path, timeout: float = 90) -> subprocess.CompletedProcess:
+    def srun(self, name: str, *module_args: str, cwd: Path, timeout: float = 90,
+             kill_on_bad_exit: bool = False) -> subprocess.CompletedProcess:  # fmt: skip
         """``srun_argv`` to completion, with a hard timeout (its session killed then; the job itself is
         ``job_name``'s to cancel)."""
-        proc = subprocess.Popen(self.srun_argv(name, *module_args), cwd=cwd, env=self.env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(self.srun_argv(name, *module_args, kill_on_bad_exit=kill_on_bad_exit), cwd=cwd,
+                                env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)  # fmt: skip
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -21,9 +21,10 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
+from lit_ddp.run.start_watch import SRUN_WAITS
 from tests.runner import LONG_RUN, ROOT, start_fit, step_losses
 from tests.slurm_cluster import Cluster, bring_up, shut_down
-from tests.test_faults import alive
+from tests.test_faults import alive, left_behind
 from tests.trainers import assert_same_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
@@ -84,6 +85,21 @@ class SignalJobAt(Callback):
             subprocess.run(["scancel", f"--signal={self.signal}", os.environ["SLURM_JOB_ID"]], check=True, timeout=30)
         if trainer.global_rank in self.waiting:
             time.sleep(self.wait_s)
+
+
+class SleepBeforeFit(Callback):
+    """Task ``task`` of the srun step writes its pid to ``sleeper`` and sleeps ``seconds`` when the CLI makes this
+    callback, before its fit: a rank that never reaches the rendezvous (a slow read before the Trainer).
+
+    Args:
+        task: The task (``SLURM_PROCID``) that sleeps.
+        seconds: How long.
+    """
+
+    def __init__(self, task: int = 1, seconds: float = 3600.0) -> None:
+        if os.environ.get("SLURM_PROCID") == str(task):
+            Path("sleeper").write_text(str(os.getpid()))
+            time.sleep(seconds)
 
 
 def srun_exits(text: str) -> dict[int, str]:
@@ -262,3 +278,49 @@ def test_bad_input_under_srun_fails_in_one_line_once(slurm, tmp_path, args, mess
     assert ours == [f"lit-ddp-fit: {message}"], result.stderr[-3000:]  # once, not once per task
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stdout == ""  # no rank started: not even the device map
+
+
+@pytest.mark.timeout(150)
+def test_a_task_that_never_reaches_fit_in_a_script_of_ones_own_is_named_and_the_step_ends(slurm, tmp_path,
+                                                                                          monkeypatch):  # fmt: skip
+    """The zoo's ``rank1_never_joins`` under srun: a user's script with the callbacks and a plain
+    ``DDPStrategy(timeout=20 s)``, whose task 1 sleeps before its Trainer (Lightning#10098). Rank 0's start watch
+    says who joined after 10 s, names rank 1 at the timeout less 1.5 s and exits 1; ``--kill-on-bad-exit``
+    (slurm/*.sbatch) then ends task 1, which srun would otherwise wait for as long as it sleeps (an hour)."""
+    monkeypatch.setenv("HANG_ZOO_TIMEOUT_S", "20")
+    monkeypatch.setenv("HANG_ZOO_DIR", str(tmp_path))  # rank 1 writes start-<its pid> there (hang_starts)
+    with slurm.job_name() as name:
+        result = slurm.srun(name, "benchmarks.hang_zoo.cases.rank1_never_joins", cwd=tmp_path, timeout=90,
+                            kill_on_bad_exit=True)  # fmt: skip
+        sleeper = [int(path.name.removeprefix("start-")) for path in tmp_path.glob("start-*")]
+        assert len(sleeper) == 1 and not left_behind(sleeper), "task 1 was left behind"
+    assert result.returncode != 0, result.stderr[-3000:]
+    assert srun_exits(result.stderr) == {0: "exit code 1", 1: "Terminated"}, result.stderr[-3000:]
+    ours = [line for line in result.stderr.splitlines() if line.startswith("lit_ddp:")]
+    assert len(ours) == 2, result.stderr[-3000:]
+    joined = r"joined: rank 0 \(node 0, host \S+, world_size 2, num_nodes 1, devices 2\)"
+    assert re.fullmatch(rf"lit_ddp: waiting 10 s for rank 1 \(node 0\) to join rank 0's store at \S+; {joined}",
+                        ours[0]), ours  # fmt: skip
+    fix = rf"a rank that started on its node but never reached fit: .*; {re.escape(SRUN_WAITS)}"
+    assert re.fullmatch(rf"lit_ddp: rank 1 \(node 0\) never joined rank 0's store at \S+ in \d+ s; {joined} -> {fix}",
+                        ours[1]), ours  # fmt: skip
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.timeout(150)
+def test_a_batch_job_whose_task_never_reaches_fit_ends_at_the_start_timeout(slurm, tmp_path):
+    """``slurm/ddp_cpu.sbatch`` with the CLI's 20 s timeout, task 1 asleep before its fit: rank 0 names it at the
+    timeout less 1.5 s and exits 1, and the job ends (the sbatch's ``--kill-on-bad-exit=1``), not an hour later."""
+    with slurm.job_name() as name:
+        job_id = slurm.sbatch(name, CPU_SBATCH, "--trainer.strategy.timeout_s", "20",
+                              "--trainer.callbacks+=tests.test_slurm.SleepBeforeFit", cwd=tmp_path)  # fmt: skip
+        fields = slurm.wait_until_gone(job_id, timeout=90)
+        assert not left_behind([int((tmp_path / "sleeper").read_text())]), "task 1 was left behind"
+    text = (tmp_path / f"slurm-{job_id}.out").read_text()
+    assert fields["JobState"] == "FAILED", (fields, text[-3000:])
+    assert srun_exits(text) == {0: "exit code 1", 1: "Terminated"}, text[-3000:]
+    ours = [line for line in text.splitlines() if line.startswith("lit-ddp-fit:")]
+    assert [line.split(" (node 0)")[0] for line in ours] == ["lit-ddp-fit: waiting 10 s for rank 1",
+                                                             "lit-ddp-fit: rank 1"], text[-3000:]  # fmt: skip
+    assert "never joined rank 0's store" in ours[1] and ours[1].endswith(SRUN_WAITS), ours
+    assert "Traceback" not in text, text[-3000:]

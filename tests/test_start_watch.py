@@ -83,3 +83,27 @@ def test_a_tool_callback_arms_the_watch_once_and_a_fit_leaves_no_thread_of_it(ma
     assert _watch_threads() == []
     LossMonitor()  # the start is over in this process: no new watch
     assert _watch_threads() == []
+
+
+class _Exited(Exception):
+    pass
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("step_id, launched, says", [("0", [], True), (None, [], False), ("0", [2**22 + 7], False)],
+                         ids=["srun-task", "no-slurm", "launched-its-ranks"])  # fmt: skip
+def test_the_line_of_an_srun_task_says_that_srun_waits_for_the_others_unless_told(monkeypatch, capsys, step_id,
+                                                                                   launched, says):  # fmt: skip
+    """Under srun every rank is a task of Slurm's: rank 0's exit at the start's timeout ends the rank that never
+    joined only with ``--kill-on-bad-exit=1``; a process that launched its ranks ends them itself."""
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    if step_id is not None:
+        monkeypatch.setenv("SLURM_STEP_ID", step_id)
+    monkeypatch.setattr(start_watch.os, "_exit", lambda code: (_ for _ in ()).throw(_Exited(code)))
+    monkeypatch.setattr(start_watch.os, "kill", lambda pid, sig: None)
+    start = start_watch.Start(0, 2, "vm", 15003, 20.0, 2, {}, launched, False)
+    with pytest.raises(_Exited):
+        start_watch.StartWatch()._end(start, "rank 1 (node 0) never joined")
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("lit_ddp: rank 1 (node 0) never joined")
+    assert line.endswith(f"; {start_watch.SRUN_WAITS}") == says, line

@@ -36,6 +36,8 @@ POLL_S = 0.5  # how often the thread looks at the main thread (a walk of its sta
 # The line comes this long before torch's own error at the same timeout (torch's clock starts when its
 # rendezvous does, the thread's up to POLL_S later).
 MARGIN_S = 1.5
+# srun waits for every task by default: the ones that never joined would sleep on after this one's exit 1.
+SRUN_WAITS = "srun ends the other tasks at this exit only with --kill-on-bad-exit=1 (slurm/*.sbatch set it)"
 _INIT = inspect.unwrap(dist.init_process_group).__code__ if dist.is_available() else None
 
 
@@ -141,6 +143,8 @@ class StartWatch:
     def _end(self, start: Start, line: str) -> None:
         """The start failed: the first rank of each node says why, and every process of the job goes (the ranks
         this one launched first: one asleep before its ``fit`` would never notice)."""
+        if "SLURM_STEP_ID" in os.environ and not start.launched:  # srun started every rank, this one alone exits
+            line += f"; {SRUN_WAITS}"
         if start.rank % start.ranks_per_node == 0:
             print(f"{prog()}: {line}", file=sys.stderr, flush=True)
         for pid in start.launched:

@@ -3,6 +3,7 @@ the real 2-rank runs are in tests/test_hangs.py (``hung_runs``)."""
 
 import itertools
 import json
+import os
 import threading
 
 import pytest
@@ -329,3 +330,27 @@ def test_a_rank_stopped_in_training_exits_when_the_stores_host_is_gone_but_not_a
     clock.now = 20.0
     dog._run()  # returns at the error, either way
     assert orphaned == ([] if fit_over else [19.0])
+
+
+def test_the_launchers_file_holds_the_line_before_any_peer_can_see_it_and_exit(monkeypatch, tmp_path):
+    """Under ddp_spawn/ddp_fork the parent reads the ended file as soon as a rank exits, and a peer exits as soon as
+    it sees the ended key: written after the key, the parent raised a bare 'process 1 terminated with exit code 1'
+    as the job's last line (CI of 3c668b3, test_hangs' setup_barrier)."""
+    store, seen_at_key = Store(), []
+    launcher = os.getpid() + 1  # a parent that is not this process
+    monkeypatch.setenv("LIT_DDP_LAUNCHER_PID", str(launcher))
+    monkeypatch.setattr(watchdog, "ended_file", lambda pid: str(tmp_path / f"ended-{pid}"))
+    monkeypatch.setattr(watchdog, "_exit", lambda: watchdog.hangs.FAILING.clear())
+    monkeypatch.setattr(watchdog.time, "sleep", lambda s: None)
+
+    def set_key(key, value):
+        if key == watchdog.ENDED_KEY:
+            seen_at_key.append(os.path.exists(watchdog.ended_file(launcher)))
+        store.data[key] = value
+
+    monkeypatch.setattr(store, "set", set_key)
+    dog, _ = stepped([0.0, 1.0])
+    dog.store = store
+    dog.end("collective #24 diverged: ...", peers=[1])
+    assert seen_at_key == [True]
+    assert (tmp_path / f"ended-{launcher}").read_text() == "collective #24 diverged: ..."

@@ -276,15 +276,15 @@ class Watchdog:
                     self.store.set(f"{SEEN_KEY}{self.rank}", "1")
                     return _exit()
         self._say(line)
+        launcher = os.environ.get("LIT_DDP_LAUNCHER_PID")
+        if launcher and int(launcher) != os.getpid():  # before the key: a peer that sees it exits, and the parent
+            with open(ended_file(int(launcher)), "w") as file:  # reads this file as soon as a rank has exited
+                file.write(line)
         with contextlib.suppress(Exception):  # the ranks at exit stop waiting for this one before its store goes
             self.store.set(ENDED_KEY, line)
             deadline = time.monotonic() + ENDING_S
             while peers and not self.store.check([f"{SEEN_KEY}{r}" for r in peers]) and time.monotonic() < deadline:
                 time.sleep(0.05)
-        launcher = os.environ.get("LIT_DDP_LAUNCHER_PID")
-        if launcher and int(launcher) != os.getpid():
-            with open(ended_file(int(launcher)), "w") as file:
-                file.write(line)
         _exit()
 
     # -- DataLoader workers --

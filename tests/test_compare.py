@@ -265,7 +265,9 @@ def test_on_real_runs_two_of_one_job_call_nothing_and_a_10_ms_longer_forward_is_
     assert set(words(same).values()) <= {"same", "tell"}, same
     text = compare.compare_runs(a, b)
     found = words(text)
-    assert (found["forward"], found["backward"], found["update"]) == ("slower", "same", "same"), text
+    # The 10 ms is found, and no other phase is called; a noisy one may be "can't tell" (CI of ce30e50: backward
+    # 2.99 -> 2.07 ms, interval -7.83 to +3.50 ms)
+    assert found["forward"] == "slower" and {found["backward"], found["update"]} <= {"same", "tell"}, text
     (forward,) = [r for r in compare.compare([compare.Samples("forward", "ms", *(
         row_samples.run_samples(*run)["forward"][1] for run in (a, b)))])]  # fmt: skip
     assert 8.0 < forward.difference.estimate < 14.0, text  # the sleep, and no more than the machine adds to it

@@ -149,8 +149,12 @@ def test_markers_and_the_profiled_steps_kernels_on_the_same_clock(drawn):
         assert ranges, rank
         own = [e for e in ranges if e["name"] == "lit_ddp.forward"]
         assert len(own) == 3, own
-        for event, step in zip(sorted(own, key=lambda e: e["ts"]), (2, 3, 4), strict=True):
-            assert event["ts"] == pytest.approx(forward[rank, step]["ts"], abs=500.0)  # within 0.5 ms
+        apart = [event["ts"] - forward[rank, step]["ts"]
+                 for event, step in zip(sorted(own, key=lambda e: e["ts"]), (2, 3, 4), strict=True)]  # fmt: skip
+        # Within 0.5 ms at the median, and 10 ms each (a range and the record's mark are two reads of the clock,
+        # and a loaded CI machine once put 3.2 ms between them in one step, on torch 2.11; clocks left apart would
+        # be seconds off)
+        assert abs(statistics.median(apart)) <= 500.0 and max(map(abs, apart)) < 10_000.0, apart
 
 
 def test_the_collectives_of_the_record_each_with_its_op_size_and_sequence_number(drawn):

@@ -209,6 +209,7 @@ def test_the_lowest_rank_that_published_speaks_and_a_certain_divergence_ends_eve
     store, ended = Store(), []
     # Each rank's end, mocked: a process of its own, whose failing flag the next rank's does not share
     monkeypatch.setattr(watchdog, "_exit", lambda: (ended.append(True), watchdog.hangs.FAILING.clear()))
+    monkeypatch.setattr(watchdog.console, "silence", lambda: None)  # this process is pytest's
     monkeypatch.setattr(watchdog.time, "sleep", lambda s: None)
     dogs = []
     for rank, collectives in ((0, [bucket(23), bucket(24)]), (1, [bucket(23)])):
@@ -341,6 +342,7 @@ def test_the_launchers_file_holds_the_line_before_any_peer_can_see_it_and_exit(m
     monkeypatch.setenv("LIT_DDP_LAUNCHER_PID", str(launcher))
     monkeypatch.setattr(watchdog, "ended_file", lambda pid: str(tmp_path / f"ended-{pid}"))
     monkeypatch.setattr(watchdog, "_exit", lambda: watchdog.hangs.FAILING.clear())
+    monkeypatch.setattr(watchdog.console, "silence", lambda: None)
     monkeypatch.setattr(watchdog.time, "sleep", lambda s: None)
 
     def set_key(key, value):

@@ -222,3 +222,13 @@ def advice(trainer: Trainer) -> Advice:
     """How a suggestion reads where this run prints it: under ``python -m lit_ddp.fit`` (``setup`` ran in this
     process or the one that started it), as options; in a script, as the strategy class to construct."""
     return Advice(cli=CONSOLE_ENV in os.environ, strategy=type(trainer.strategy).__name__)
+
+
+def silence() -> None:
+    """Nothing more on this process's stdout and stderr: a line that ends the job is said, and what would follow is
+    the ranks leaving (a collective failing as its peers exit, "Connection closed by peer")."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)

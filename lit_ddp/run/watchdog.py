@@ -40,7 +40,7 @@ from lit_ddp.analysis.stopped import certain, in_collective, waiting_line
 from lit_ddp.errors import EXIT_FAILED, prog
 from lit_ddp.measure.clock import host_now
 from lit_ddp.measure.collectives import CollectiveRecord
-from lit_ddp.run import hangs
+from lit_ddp.run import console, hangs
 
 # At least this long without progress before a rank is said to wait: above a slow first step's usual share on 2
 # loaded CPU cores (3-6 s for the notes' model, docs/failures.md) and short enough that the line comes within 15 s.
@@ -57,8 +57,7 @@ GRACE_S = 2.0  # after publishing, for the other ranks' states (they stopped wit
 KEY = "lit_ddp/watch/"  # + rank: that rank's state, as JSON
 ENDED_KEY = "lit_ddp/watch/ended"  # the line a rank ended the job with: the ranks at exit stop waiting
 SEEN_KEY = "lit_ddp/watch/seen/"  # + rank: a stopped peer saw the ended key and exits (its main thread says nothing)
-# From that key to the speaker's exit at most: a peer's next tick sees it (0.3 s let a peer print its traceback last)
-ENDING_S = 2 * POLL_S + 0.5
+ENDING_S = 2 * POLL_S + 0.5  # from that key to the speaker's exit, at most: each stopped peer's next tick sees it
 SPEAKER_WAIT_S = 3.0  # a rank that found the ending waits this long for the lowest rank to say it
 SAID_KEPT = 32  # lines kept for the record: they come as a wait doubles, so a run says few
 STACK_FRAMES = 8  # of the main thread's stack, innermost last, in a rank's state
@@ -276,6 +275,7 @@ class Watchdog:
                     self.store.set(f"{SEEN_KEY}{self.rank}", "1")
                     return _exit()
         self._say(line)
+        console.silence()  # the last word: its main thread's collective fails as the peers leave, and says nothing
         launcher = os.environ.get("LIT_DDP_LAUNCHER_PID")
         if launcher and int(launcher) != os.getpid():  # before the key: a peer that sees it exits, and the parent
             with open(ended_file(int(launcher)), "w") as file:  # reads this file as soon as a rank has exited

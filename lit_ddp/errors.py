@@ -76,7 +76,12 @@ class UnevenDataError(RuntimeError):
 
 class StartTimeoutError(RuntimeError):
     """Ranks that never joined the rendezvous by the start's timeout, named with their node and the settings each
-    joined rank was started with; raised on every rank that joined."""
+    joined rank was started with; raised on every rank that joined. ``speaks``: this rank says it though it is not
+    rank 0 (rank 0 never came: the first rank of each node that waited for it)."""
+
+    def __init__(self, line: str, speaks: bool = False) -> None:
+        super().__init__(line)
+        self.speaks = speaks
 
 
 class RecordError(ValueError):
@@ -87,6 +92,7 @@ class ForecastError(ValueError):
     """An input the forecast cannot use (missing file or field, impossible topology); one line for the user."""
 
 
-# Raised on every rank at the same step, so one report (rank 0's) is enough; each with its exit code.
+# Raised on every rank at the same step, so one report (rank 0's, or a StartTimeoutError's that ``speaks``) is enough;
+# each with its exit code.
 AGREED_ERRORS = {SyncError: EXIT_FAILED, NonFiniteLossError: EXIT_FAILED, UnusedParametersError: EXIT_USAGE,
                  UnevenDataError: EXIT_FAILED, StartTimeoutError: EXIT_FAILED}  # fmt: skip

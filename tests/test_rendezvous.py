@@ -1,5 +1,6 @@
 """The loopback rendezvous: the ranks' start is not held to a collective's timeout."""
 
+import threading
 import time
 from datetime import timedelta
 
@@ -58,7 +59,9 @@ class Store:
         return self.data[key]
 
 
-def test_rank_0_says_who_joined_every_10_s_and_names_the_missing_node_at_the_start_timeout(monkeypatch, capsys):
+def test_rank_0_says_who_joined_at_5_s_then_every_10_s_and_names_the_missing_node_at_the_start_timeout(
+    monkeypatch, capsys
+):
     """4 ranks, 2 a node: node 0's joined, node 1's never do."""
     from lit_ddp.errors import StartTimeoutError
     from lit_ddp.run import rendezvous
@@ -77,7 +80,7 @@ def test_rank_0_says_who_joined_every_10_s_and_names_the_missing_node_at_the_sta
     assert line.startswith("ranks 2, 3 (node 1) never joined rank 0's store at 10.0.0.1:29500 in 25 s; joined: "
                            "ranks 0, 1 (node 0, host a, num_nodes 2) -> a node that never joined: ")  # fmt: skip
     said = capsys.readouterr().err.splitlines()
-    assert [s.split(" for ")[0] for s in said] == ["lit_ddp: waiting 10 s", "lit_ddp: waiting 20 s"]
+    assert [s.split(" for ")[0] for s in said] == ["lit_ddp: waiting 5 s", "lit_ddp: waiting 15 s"]
     assert store.data[rendezvous.FAILED] == line  # the other ranks that joined raise it too
     with pytest.raises(StartTimeoutError, match="never joined"):
         rendezvous.meet(store, 1, 4, 25.0, {}, 2, "10.0.0.1:29500", lambda: now[0])
@@ -97,7 +100,28 @@ def test_under_lightnings_launcher_a_node_that_never_starts_is_named_in_one_line
         "lit-ddp-fit: StartTimeoutError: rank 1 (node 1) never joined rank 0's store at "
         f"127.0.0.1:{env['MASTER_PORT']} in 15 s; joined: rank 0 (node 0, "
     ), result.stderr[-2000:]
-    assert "lit-ddp-fit: waiting 10 s for rank 1 (node 1) to join" in result.stderr
+    assert "lit-ddp-fit: waiting 5 s for rank 1 (node 1) to join" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_under_lightnings_launcher_a_node_whose_rank_0_never_starts_names_it_in_one_line(tmp_path):
+    """Node 1 started alone: nothing listens at MASTER_ADDR:MASTER_PORT. Its first rank (not rank 0, which never
+    came) names node 0, and the job exits 1 at the start's timeout; before, torch's client dialed past it in silence
+    and ended in a C++ traceback."""
+    from tests.runner import run_fit
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NODE_RANK": "1"}
+    result = run_fit("--trainer.num_nodes", "2", "--devices", "1", "--trainer.strategy.timeout_s", "8",
+                     cwd=tmp_path, env=env, timeout=150)  # fmt: skip
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"lit-ddp-fit: StartTimeoutError: rank 0 (node 0) never joined: its store at 127.0.0.1:{env['MASTER_PORT']} "
+        "did not answer rank 1 (node 1, host "
+    ), result.stderr[-2000:]
+    assert "-> a node that never started, or out of reach" in last
+    assert "lit-ddp-fit: waiting 5 s: rank 0 (node 0) has not joined" in result.stderr
 
 
 def test_a_watch_beside_torchs_rendezvous_stops_meeting_once_the_group_exists_and_names_a_rank_of_a_started_node(
@@ -115,9 +139,60 @@ def test_a_watch_beside_torchs_rendezvous_stops_meeting_once_the_group_exists_an
 
     monkeypatch.setattr(rendezvous.time, "sleep", tick)
     rendezvous.meet(store, 0, 2, 25.0, {"host": "a"}, 2, "127.0.0.1:29500", lambda: now[0], done=lambda: now[0] > 12)
-    assert 12 < now[0] < 13 and rendezvous.FAILED not in store.data  # said once at 10 s, then the group came
-    assert capsys.readouterr().err.startswith("lit_ddp: waiting 10 s for rank 1 (node 0) to join")
+    assert 12 < now[0] < 13 and rendezvous.FAILED not in store.data  # said once at 5 s, then the group came
+    assert capsys.readouterr().err.startswith("lit_ddp: waiting 5 s for rank 1 (node 0) to join")
     with pytest.raises(StartTimeoutError) as raised:
         rendezvous.meet(Store(), 0, 2, 5.0, {"host": "a"}, 2, "127.0.0.1:29500", lambda: now[0])
     assert str(raised.value).endswith("-> a rank that started on its node but never reached fit: what its script "
                                       "does before (a slow read, a wait of its own; its log)")  # fmt: skip
+
+
+def test_a_rank_whose_store_host_never_answers_says_so_at_5_s_then_every_10_s_and_names_node_0_at_the_start_timeout(
+    monkeypatch, capsys
+):
+    """Nothing listens at rank 0's address (its node never started): rank 2, the first of node 1, says so, names node
+    0 at the start's timeout with how this rank was started, and dials no more; rank 3 keeps quiet."""
+    from lit_ddp.errors import StartTimeoutError
+    from lit_ddp.run import rendezvous
+
+    now, port = [0.0], free_port()  # free: nothing listens there
+
+    def tick(seconds):
+        now[0] += 0.2
+
+    monkeypatch.setattr(rendezvous.time, "sleep", tick)
+    started = {"host": "b", "num_nodes": 2, "devices": 2}
+    with pytest.raises(StartTimeoutError) as raised:
+        rendezvous.reach("127.0.0.1", port, 2, 2, 25.0, started, clock=lambda: now[0])
+    assert str(raised.value).startswith(
+        f"rank 0 (node 0) never joined: its store at 127.0.0.1:{port} did not answer rank 2 (node 1, host b, "
+        "num_nodes 2, devices 2) in 25 s (Connection refused) -> a node that never started, or out of reach: start "
+        "node 0 (NODE_RANK 0) with the same MASTER_ADDR and MASTER_PORT"
+    )
+    said = capsys.readouterr().err.splitlines()
+    assert [s.split(":")[1] for s in said] == [" waiting 5 s", " waiting 15 s"]
+    assert said[0].endswith(f"rank 0 (node 0) has not joined, its store at 127.0.0.1:{port} does not answer rank 2 "
+                            "(node 1, host b, num_nodes 2, devices 2) (Connection refused)")  # fmt: skip
+    assert raised.value.speaks  # rank 0 never came: this rank says it (lit_ddp.run.lifecycle.exit_code)
+    now[0] = 0.0
+    with pytest.raises(StartTimeoutError) as quiet:
+        rendezvous.reach("127.0.0.1", port, 3, 2, 25.0, started, speak=False, clock=lambda: now[0])
+    assert capsys.readouterr().err == "" and not quiet.value.speaks
+    assert not rendezvous.reach("127.0.0.1", port, 3, 2, 25.0, started, done=lambda: now[0] > 3)  # the group came
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_dials_before_its_store_listens_reaches_it_once_it_does():
+    """Rank 0's node starts 1 s after this one: the dial waits for it, quietly, and the store then answers."""
+    from lit_ddp.run import rendezvous
+
+    port = free_port()
+    opened = threading.Timer(1.0, lambda: opened.store.append(dist.TCPStore("127.0.0.1", port, 2, is_master=True,
+                                                                            wait_for_workers=False)))  # fmt: skip
+    opened.store = []
+    opened.start()
+    assert rendezvous.reach("127.0.0.1", port, 1, 1, 30.0, {})
+    opened.join()
+    client = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=10))
+    client.set("k", "v")
+    assert opened.store[0].get("k") == b"v"

@@ -107,3 +107,19 @@ def test_the_line_of_an_srun_task_says_that_srun_waits_for_the_others_unless_tol
     line = capsys.readouterr().err.strip()
     assert line.startswith("lit_ddp: rank 1 (node 0) never joined")
     assert line.endswith(f"; {start_watch.SRUN_WAITS}") == says, line
+
+
+@pytest.mark.timeout(30)
+def test_a_watch_whose_rank_0_store_never_answers_ends_the_job_with_the_line_that_names_node_0(monkeypatch):
+    """A script's rank 1, alone on node 1: nothing listens at rank 0's address (node 0 never started). Its watch dials
+    (``rendezvous.reach``) until the start's timeout less ``MARGIN_S`` and ends the job with the line naming node 0,
+    before torch's own client, which dials past its timeout in silence."""
+    port = free_port()  # nothing listens there
+    start = start_watch.Start(1, 2, "127.0.0.1", port, start_watch.MARGIN_S + 2.0, 1, {"host": "b"}, [], False)
+    watch, ended = start_watch.StartWatch(), []
+    monkeypatch.setattr(watch, "_end", lambda start, line: ended.append(line))
+    watch._watch(start)
+    assert len(ended) == 1 and ended[0].startswith(
+        f"rank 0 (node 0) never joined: its store at 127.0.0.1:{port} did not answer rank 1 (node 1, host b) in 2 s "
+        "(Connection refused) -> a node that never started, or out of reach"
+    ), ended

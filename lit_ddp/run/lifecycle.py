@@ -194,7 +194,7 @@ def exit_code(run: Callable[[], Ending], prog: str = PROG) -> int:
     try:
         ending = run()
     except tuple(AGREED_ERRORS) as err:
-        if rank_zero_only.rank == 0:
+        if rank_zero_only.rank == 0 or getattr(err, "speaks", False):
             print(f"{prog}: {type(err).__name__}: {err}", file=sys.stderr)
         return AGREED_ERRORS[type(err)]
     except UsageError as err:

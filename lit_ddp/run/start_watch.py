@@ -1,6 +1,7 @@
 """The watch of a rank's start in a script of one's own: armed when a tool callback is made, it follows the rank
-through torch's rendezvous (who joined, every 10 s; one line naming who never did at the start's timeout, and the
-job ended) and hands the rank to its watchdog the moment the process group exists, before ``prepare_data``.
+through torch's rendezvous (who joined, 5 s into the wait and every 10 s after; one line naming who never did at the
+start's timeout, and the job ended) and hands the rank to its watchdog the moment the process group exists, before
+``prepare_data``.
 
     python -m benchmarks.hang_zoo --cases rank1_never_joins,prepare_data_barrier   # named, ended, nothing left
 
@@ -118,15 +119,18 @@ class StartWatch:
         the job with the line that names who never joined."""
         deadline = time.monotonic() + start.timeout_s - MARGIN_S
         where = f"{start.address}:{start.port}"
+        speaks = start.rank != 0 and start.rank % start.ranks_per_node == 0  # rank 0 dials its own store
         try:
+            if not rendezvous.reach(start.address, start.port, start.rank, start.ranks_per_node,
+                                    deadline - time.monotonic(), start.started, speaks, done=self._over):  # fmt: skip
+                return
             store = dist.TCPStore(start.address, start.port, is_master=False, wait_for_workers=False,
                                   timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))  # fmt: skip
-        except Exception:  # nothing answers at the address within the start's time
+        except StartTimeoutError as err:  # nothing answered at the address within the start's time
             if not self._over() and start.rank != 0:
-                self._end(start, f"rank {start.rank} (node {start.rank // start.ranks_per_node}): rank 0's store at "
-                                 f"{where} did not answer in {start.timeout_s - MARGIN_S:.0f} s -> the node of rank 0 "
-                                 "never started, or is out of reach: start it, and check that this node reaches "
-                                 f"{where} (a firewall, a partition)")  # fmt: skip
+                self._end(start, str(err))
+            return
+        except Exception:  # the store's host went as it answered: torch's own error ends this rank
             return
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
         if attempt is not None:  # torchrun's store outlives a restart: each attempt meets afresh, as torch's own does

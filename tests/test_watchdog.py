@@ -9,7 +9,17 @@ import threading
 import pytest
 
 from lit_ddp.analysis.divergence import Collective, RankReport
-from lit_ddp.analysis.stopped import FIX_DEAD, FIX_PARTITION, certain, in_collective, waiting_line
+from lit_ddp.analysis.stopped import (
+    FIX_DEAD,
+    FIX_PARTITION,
+    FIX_SHAPES,
+    FIX_SOME_RANKS,
+    FIX_SYNC_KEY,
+    FIX_UNEVEN_HOOK,
+    certain,
+    in_collective,
+    waiting_line,
+)
 from lit_ddp.run import watchdog
 from lit_ddp.run.watchdog import COMPARE_AFTER_S, GRACE_S, Watchdog
 
@@ -129,6 +139,38 @@ def test_two_ranks_nth_collectives_that_differ_end_the_job():
     assert line.startswith("collective #24 diverged: rank 0 called all_reduce Float[9]") and "rank_zero_only" in line
     late = {0: state(0, "collective", [bucket(23), bucket(24)]), 1: state(1, "busy", [bucket(23)])}
     assert certain(late) is None  # behind is not diverged
+
+
+def test_one_line_called_with_different_shapes_on_each_rank_gets_the_shapes_fix():
+    """Every rank's all_gather of its own outputs, 4 on rank 0 and 2 on rank 1: not a collective some ranks skip."""
+    where = "s.py:24 on_validation_epoch_end: self.all_gather(torch.stack(self.outputs))"
+    mine = [Collective(13, "all_gather", [[n]], "Float", None, "before training", None, where) for n in (4, 2)]
+    states = {r: state(r, "collective", [bucket(12), mine[r]]) for r in (0, 1)}
+    line = certain(states)
+    assert line.startswith("collective #13 diverged: rank 0 called all_gather Float[4]") and line.endswith(FIX_SHAPES)
+    elsewhere = Collective(13, "all_gather", [[2]], "Float", None, "before training", None, "s.py:30 f: x")
+    assert certain({**states, 1: state(1, "collective", [bucket(12), elsewhere])}).endswith(FIX_SOME_RANKS)
+
+
+def test_a_sync_dist_value_gets_the_fix_of_what_the_other_rank_does():
+    """The same self.log line on both ranks with a value of another dtype: the shapes' fix, not a key some ranks
+    skip; an epoch's value reduced while the other rank is still in the hook that logs it: its batches."""
+    log = "s.py:14 training_step: self.log('acc', acc, sync_dist=True)"
+    acc = [Collective(31, "all_reduce", [[]], dtype, 3, "training_step", None, log) for dtype in ("Float", "Double")]
+    states = {r: {**state(r, "collective", [bucket(30), acc[r]]), "logged": "acc", "logged_in": "training_step"}
+              for r in (0, 1)}  # fmt: skip
+    assert certain(states).endswith(FIX_SHAPES)
+    gather = Collective(62, "all_gather", [[1, 1]], "Float", 15, "validation", None,
+                        "s.py:17 validation_step: everyone = self.all_gather(preds)")  # fmt: skip
+    epoch = Collective(62, "barrier", [[]], "", 15, "validation", None, "s.py:18 validation_step: self.log('val')")
+    states = {
+        0: state(0, "collective", [bucket(61), gather]),
+        1: {**state(1, "collective", [bucket(61), epoch]), "logged": "val", "logged_in": "validation_step"},
+    }
+    assert certain(states).endswith(FIX_UNEVEN_HOOK.format(ranks="rank 0", hook="validation_step"))
+    elsewhere = Collective(62, "all_reduce", [[1]], "Long", 15, "the end of epoch 0", None, "s.py:30 <module>: fit")
+    states[0] = state(0, "collective", [bucket(61), elsewhere])  # Lightning#19604: a key only rank 1 logs
+    assert certain(states).endswith(FIX_SYNC_KEY.format(keys="'val'"))
 
 
 def test_a_divergence_names_where_the_ranks_went_out_of_step_before_it():

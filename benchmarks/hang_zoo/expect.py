@@ -15,6 +15,7 @@ from typing import Optional, Union
 CAUSES = {
     "collective on some ranks": r"diverged|rank_zero_only|called by some ranks|only on rank|never call",
     "sync_dist keys": r"diverged|sync_dist",
+    "different shapes": r"\bshapes?\b|all_gather_object",
     "unused parameters": r"find_unused_parameters|unused|not used",
     "uneven data": r"uneven|runs? out of (data|batches)|ran out of|fewer batches|more batches|its data ended",
     "stuck data worker": r"data ?loader worker|\bworker\b",

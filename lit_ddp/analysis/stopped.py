@@ -19,6 +19,12 @@ FIX_SOME_RANKS = ("a collective called by some ranks only: rank_zero_only for wo
 # A key that only some ranks log with sync_dist=True (Lightning#19604: in on_train_epoch_end, on rank 0 only).
 FIX_SYNC_KEY = ("a sync_dist key logged on some ranks only ({keys}): log it on every rank, or on one without "
                 "sync_dist (rank_zero_only=True)")  # fmt: skip
+# A rank that reduces an epoch's sync_dist value while another is still in the hook that logs it: more batches there
+FIX_UNEVEN_HOOK = ("uneven data, more batches on {ranks} (still in {hook}): as many batches on every rank: "
+                   "Lightning's DistributedSampler (use_distributed_sampler=True)")  # fmt: skip
+# The same line on every rank, with tensors of different shapes (an all_gather of each rank's own number of outputs)
+FIX_SHAPES = ("one collective with different shapes or dtypes on different ranks: the same shape everywhere (pad to "
+              "the largest after gathering the sizes, or all_gather_object for objects of any size)")  # fmt: skip
 # A rank that set trainer.should_stop alone (Lightning#379): Lightning's loop stops where it is set, rank by rank.
 FIX_STOP = ("a stop decided on some ranks only: decide it on every rank together, trainer.should_stop = "
             "trainer.strategy.reduce_boolean_decision(stop, all=False)")  # fmt: skip
@@ -54,8 +60,7 @@ def certain(states: dict[int, dict[str, Any]]) -> Optional[str]:
     reports = {r: _report(s) for r, s in states.items()}
     found = divergences(reports, max(reports, default=0) + 1)
     if found and " diverged: " in found[0]:
-        keys = sorted({repr(s["logged"]) for s in states.values() if s.get("logged")})
-        fix = FIX_SYNC_KEY.format(keys=", ".join(keys)) if keys else FIX_SOME_RANKS
+        fix = _divergence_fix(states, reports, found[0])
         # Ranks whose fit stopped on should_stop while others still train: that stop put them out of step (their
         # next collective is whatever the script does after fit)
         stopped = [r for r, state in states.items() if state.get("stopped")]
@@ -85,11 +90,34 @@ def certain(states: dict[int, dict[str, Any]]) -> Optional[str]:
     return None
 
 
+def _seq(line: str) -> int:
+    """The sequence number a divergence's line names: ``collective #13 diverged: ...``."""
+    return int(line.split("#", 1)[1].split(" ", 1)[0])
+
+
+def _divergence_fix(states: dict[int, dict[str, Any]], reports: dict[int, RankReport], line: str) -> str:
+    """The fix for the diverged collective of ``line``, by what each rank called there: every rank the same line
+    with different tensors (an all_gather of each rank's own number of outputs, a value of another dtype); a rank
+    reducing an epoch's sync_dist value while another is still in the hook that logs it (more batches there); a key
+    that only some ranks log; else a collective that only some ranks call."""
+    calls = {r: next((c for c in rep.collectives if c.seq == _seq(line)), None) for r, rep in reports.items()}
+    known = [c for c in calls.values() if c is not None]
+    if len(known) == len(calls) > 1 and known[0].where and len({(c.op, c.where) for c in known}) == 1:
+        return FIX_SHAPES
+    hooks = {s["logged_in"] for s in states.values() if s.get("logged") and s.get("logged_in")}
+    in_hook = sorted(r for r, c in calls.items() if c is not None and not states[r].get("logged")
+                     and any(f" {hook}: " in f" {c.where}" for hook in hooks))  # fmt: skip
+    if in_hook:
+        return FIX_UNEVEN_HOOK.format(ranks=_ranks(in_hook), hook=" or ".join(sorted(hooks)))
+    keys = sorted({repr(s["logged"]) for s in states.values() if s.get("logged")})
+    return FIX_SYNC_KEY.format(keys=", ".join(keys)) if keys else FIX_SOME_RANKS
+
+
 def _out_of_step(reports: dict[int, RankReport], line: str) -> str:
     """Where the ranks went out of step before the divergence ``line`` names: the last earlier collective that
     every rank called alike but from different lines (a user's barrier on rank 0 meets Lightning's on rank 1, and
     the next one differs), as ``; out of step since #4, barrier: rank 0 called it at ..., rank 1 at ...``."""
-    seq = int(line.split("#", 1)[1].split(" ", 1)[0])
+    seq = _seq(line)
     calls = [{c.seq: c for c in rep.collectives} for rep in reports.values()]
     for earlier in range(seq - 1, 0, -1):
         same = [by_seq.get(earlier) for by_seq in calls]

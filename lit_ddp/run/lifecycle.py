@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment, LightningEnvironment
@@ -25,8 +25,8 @@ from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from lit_ddp import _lightning, _torch
 from lit_ddp.analysis.stopped import FIX_DEAD
-from lit_ddp.errors import AGREED_ERRORS, EXIT_FAILED, EXIT_USAGE, PROG, Ending, UsageError, prog
-from lit_ddp.run import watchdog
+from lit_ddp.errors import AGREED_ERRORS, EXIT_FAILED, EXIT_USAGE, PROG, Ending, UsageError
+from lit_ddp.run import launched, watchdog
 
 # At exit, how long a rank waits in the store for the others to come there too, before it destroys its process
 # group all the same: longer than the watchdog takes to end a job whose rank waits in a collective nobody else
@@ -74,28 +74,14 @@ def follow_launcher(environment: ClusterEnvironment) -> None:
             os._exit(1)
 
 
-class ExitedRank(NamedTuple):
-    rank: int
-    code: int
-
-
 def stop_launched_ranks(strategy, first_rank: int, wait_s: float = 1.0) -> None:
     """On a failure in rank 0 of the ``ddp`` launcher: name the launched ranks that exited with an error, then
-    kill the rest. Lightning kills them only on KeyboardInterrupt, so a hung rank would outlive rank 0, whose
-    own error is often just "connection reset by peer". Waits up to ``wait_s`` for a dead rank to be reaped."""
+    kill the rest (``lit_ddp.run.launched``: once, whichever of the strategy and the callbacks comes first). Lightning
+    kills them only on KeyboardInterrupt, so a hung rank would outlive rank 0, whose own error is often just
+    "connection reset by peer". Waits up to ``wait_s`` for a dead rank to be reaped."""
     procs = _lightning.launched_ranks(strategy)
-    if not procs:
-        return
-    deadline = time.monotonic() + wait_s
-    while True:
-        exited = [ExitedRank(first_rank + i, p.poll()) for i, p in enumerate(procs)]
-        exited = [e for e in exited if e.code not in (None, 0)]
-        if exited or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    for dead in exited:
-        print(f"{prog()}: rank {dead.rank} exited with code {dead.code} -> {FIX_DEAD}", file=sys.stderr)
-    strategy.launcher.kill(signal.SIGKILL)
+    if procs:
+        launched.stop(procs, first_rank, wait_s)
 
 
 @contextmanager

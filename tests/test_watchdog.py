@@ -338,7 +338,7 @@ def test_a_watchdog_carried_over_by_a_fork_or_left_by_an_ended_fit_is_not_used(m
 
 def test_its_thread_ends_when_stopped(monkeypatch):
     dog = Watchdog(0, 2)
-    monkeypatch.setattr(dog, "_prepare_workers", lambda: None)  # no handler left in the test's process
+    monkeypatch.setattr(dog, "_prepare", lambda: None)  # no handler left in the test's process
     dog.start()
     assert dog._thread.is_alive()
     dog.stop()

@@ -129,20 +129,26 @@ def ranks_named(ranks: list[int], ranks_per_node: Optional[int] = None) -> str:
     return f"rank(s) {ranks} (node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))})"
 
 
-def never_arrived(reports: dict[int, RankReport], world_size: int, place: str,
-                  ranks_per_node: Optional[int] = None) -> Optional[str]:  # fmt: skip
+def never_arrived(reports: dict[int, RankReport], world_size: int, place: str, ranks_per_node: Optional[int] = None,
+                  seen: Optional[dict[int, tuple[str, str]]] = None) -> Optional[str]:  # fmt: skip
     """The ranks that sent no report, named at ``place`` (the collective the others waited in), with that
-    collective from the others' records when they agree on it: late, not diverged. None when every rank sent one."""
+    collective from the others' records when they agree on it: late, not diverged. None when every rank sent one.
+    ``seen``: what a peer on its host read of a silent rank (``lit_ddp.run.frozen``), as (doing, fix): said
+    instead of "sent no report" when it covers every silent rank."""
     silent = [r for r in range(world_size) if r not in reports]
     if not silent or not reports:
         return None
     line = (f"{ranks_named(silent, ranks_per_node)} never arrived at {place}; "
             f"{ranks_named(sorted(reports), ranks_per_node)} waited there until the timeout")  # fmt: skip
+    read = seen is not None and all(r in seen for r in silent)
+    instead = "; ".join(f"rank {r} {seen[r][0]}" for r in silent) if read else ""
     lasts = [rep.collectives[-1] for rep in reports.values() if rep.collectives]
     if lasts and len(lasts) == len(reports) and all(c.seq == lasts[0].seq and c.same_call(lasts[0]) for c in lasts):
-        line += (f" (in collective #{lasts[0].seq}, {_place(lasts[0])}; {ranks_named(silent)} sent no report: late, "
-                 "not diverged)")  # fmt: skip
-    return line
+        instead = instead or f"{ranks_named(silent)} sent no report: late, not diverged"
+        line += f" (in collective #{lasts[0].seq}, {_place(lasts[0])}; {instead})"
+    elif instead:
+        line += f"; {instead}"
+    return line + (f" -> {seen[silent[0]][1]}" if read else "")
 
 
 def first_cause(reports: dict[int, RankReport]) -> Optional[RankReport]:

@@ -156,16 +156,20 @@ def _doing(state: dict[str, Any]) -> str:
     return f"rank {rep.rank} has been {where} for {state['stopped_s']:.0f} s{at}, outside any collective"
 
 
-def waiting_line(states: dict[int, dict[str, Any]], world_size: int) -> str:
-    """``waiting 12 s: rank 0 has been at ...; rank 1 waits in all_reduce #24 ...; rank 2 sent no state``."""
+def waiting_line(states: dict[int, dict[str, Any]], world_size: int,
+                 seen: Optional[dict[int, tuple[str, str]]] = None) -> str:  # fmt: skip
+    """``waiting 12 s: rank 0 has been at ...; rank 1 waits in all_reduce #24 ...; rank 2 sent no state``.
+    ``seen``: what a peer on its host read of a rank that sent none (``lit_ddp.run.frozen``), as (doing, fix)."""
     stopped = max((s["stopped_s"] for s in states.values()), default=0.0)
+    seen = seen or {}
     # The ranks outside any collective first: the others wait for them.
     order = sorted(states, key=lambda r: (_report(states[r]).kind in ("collective", "barrier"), r))
-    parts = [_doing(states[r]) for r in order]
-    silent = [r for r in range(world_size) if r not in states]
+    parts = [f"rank {r} {doing}" for r, (doing, _) in sorted(seen.items())] + [_doing(states[r]) for r in order]
+    silent = [r for r in range(world_size) if r not in states and r not in seen]
     if silent:
         parts.append(f"{_ranks(silent)} sent no state (still moving, dead, or stuck holding the GIL)")
-    return f"waiting {stopped:.0f} s: " + "; ".join(parts) + _fix(states, silent)
+    fix = f" -> {next(iter(seen.values()))[1]}" if seen and not silent else _fix(states, silent)
+    return f"waiting {stopped:.0f} s: " + "; ".join(parts) + fix
 
 
 def _fix(states: dict[int, dict[str, Any]], silent: list[int]) -> str:

@@ -17,14 +17,14 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lit_ddp import _torch
+from lit_ddp import _lightning, _torch
 from lit_ddp.analysis.user_source import Stopped
 from lit_ddp.measure import clock
 from lit_ddp.measure.collectives import CollectiveRecord
 from lit_ddp.measure.gradients import check_all_used
 from lit_ddp.records import phases
 from lit_ddp.records.schema import CollectiveCall
-from lit_ddp.run import console, hangs, start_watch, watchdog
+from lit_ddp.run import console, frozen, hangs, launched, lifecycle, start_watch, watchdog
 from lit_ddp.run.lean import LeanCallback
 
 
@@ -53,6 +53,9 @@ class CollectiveRecorder(LeanCallback):
         watch = watchdog.start(trainer.global_rank, trainer.world_size)
         watch.fit_over, watch.stopped = False, None  # a new fit in a process whose watchdog served one before
         watch.alive()
+        launched.remember(_lightning.launched_ranks(trainer.strategy), trainer.global_rank + 1)
+        if trainer.world_size > 1:  # where a peer on this host reads it, should its Python stop (run/frozen.py)
+            frozen.publish(_torch.default_store(), trainer.global_rank, watch.workers.dump_file)
 
     @staticmethod
     def calls_of(trainer: Trainer, steps: Collection[int]) -> list[CollectiveCall]:
@@ -122,6 +125,8 @@ class CollectiveRecorder(LeanCallback):
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         hangs.diagnose(trainer, exception)
+        # Under Lightning's own DDPStrategy nothing else stops the ranks rank 0 launched (LitDDPStrategy does too)
+        lifecycle.stop_launched_ranks(trainer.strategy, first_rank=trainer.global_rank + 1)
 
 
 def _clocks_together(tries: int = 5) -> tuple[float, int]:

@@ -31,6 +31,7 @@ from lit_ddp.analysis.divergence import RankReport, divergences, first_cause, ne
 from lit_ddp.analysis.flight_recorder import dumps_divergence
 from lit_ddp.analysis.stopped import FIX_PARTITION
 from lit_ddp.measure.collectives import CollectiveRecord, frame_of
+from lit_ddp.run import frozen
 from lit_ddp.run.roles import NamesPendingCollective
 
 WAIT_S = 5.0  # for the other ranks that failed to fail too and leave their reports
@@ -203,7 +204,8 @@ def diagnose(trainer: Trainer, exception: BaseException, ranks_per_node: Optiona
     if not lines:
         where = next((w for c in trainer.callbacks if isinstance(c, NamesPendingCollective) and (w := c.waiting_for())),
                      f"the collective of step {report.step}")  # fmt: skip
-        line = never_arrived(reports, world_size, where, ranks_per_node)
+        seen = frozen.read(store, [r for r in range(world_size) if r not in reports])  # on this host, from /proc
+        line = never_arrived(reports, world_size, where, ranks_per_node, seen)
         lines = [line] if line else []
     cause = first_cause(reports)
     if cause is not None and cause.kind == "exception" and cause.rank != rank:

@@ -14,13 +14,12 @@ ending ``<the diverged line> -> <fix>`` (exit 1 on every rank, their DataLoader 
 parent ends with it in its ProcessExitedException).
 """
 
+import atexit
 import contextlib
-import faulthandler
 import itertools
 import json
 import multiprocessing
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -31,16 +30,17 @@ from collections import deque
 from collections.abc import Callable, Collection
 from typing import Any, Optional
 
+from lightning.pytorch import Callback
 from torch.distributed import DistNetworkError
 
 from lit_ddp import _lightning, _torch
 from lit_ddp.analysis import user_source
-from lit_ddp.analysis.flight_recorder import Frame, user_frame
+from lit_ddp.analysis.flight_recorder import LIBRARIES, Frame, user_frame
 from lit_ddp.analysis.stopped import certain, in_collective, waiting_line
 from lit_ddp.errors import EXIT_FAILED, prog
 from lit_ddp.measure.clock import host_now
 from lit_ddp.measure.collectives import CollectiveRecord
-from lit_ddp.run import console, hangs
+from lit_ddp.run import aborts, console, data_workers, frozen, hangs, launched
 
 # At least this long without progress before a rank is said to wait: above a slow first step's usual share on 2
 # loaded CPU cores (3-6 s for the notes' model, docs/failures.md) and short enough that the line comes within 15 s.
@@ -59,9 +59,11 @@ ENDED_KEY = "lit_ddp/watch/ended"  # the line a rank ended the job with: the ran
 SEEN_KEY = "lit_ddp/watch/seen/"  # + rank: a stopped peer saw the ended key and exits (its main thread says nothing)
 ENDING_S = 2 * POLL_S + 0.5  # from that key to the speaker's exit, at most: each stopped peer's next tick sees it
 SPEAKER_WAIT_S = 3.0  # a rank that found the ending waits this long for the lowest rank to say it
+# A thread's abort held this long at most (lit_ddp.run.aborts): the peers publish COMPARE_AFTER_S after their last
+# progress, this rank's next tick compares, and the ranks end within SPEAKER_WAIT_S; twice that on a loaded machine.
+ABORT_HOLD_S = 2 * (COMPARE_AFTER_S + 2 * POLL_S + SPEAKER_WAIT_S)
 SAID_KEPT = 32  # lines kept for the record: they come as a wait doubles, so a run says few
 STACK_FRAMES = 8  # of the main thread's stack, innermost last, in a rank's state
-WORKER_SIGNAL = signal.SIGUSR2  # a DataLoader worker writes its stack on it (faulthandler, inherited at fork)
 
 
 class Watchdog:
@@ -96,9 +98,10 @@ class Watchdog:
         # ... with the step and the host clock's time (the record's StepRow.start_s clock), for the fit's record
         self.said: deque[tuple[Optional[int], float, str]] = deque(maxlen=SAID_KEPT)
         self.ended: Optional[str] = None  # the line the job ended with
+        self.aborting = False  # a thread of this rank aborts, held (lit_ddp.run.aborts): compare now
         self._thread: Optional[threading.Thread] = None
         self._stopped = threading.Event()
-        self._worker_file: Optional[Any] = None
+        self.workers = data_workers.Workers()  # the DataLoader worker its main thread waits on
         self.pid = os.getpid()  # a forked child inherits this object, but not its thread: it makes its own
 
     # -- on the training thread: one clock read per step, nothing else --
@@ -127,7 +130,7 @@ class Watchdog:
         (stopped ``COMPARE_AFTER_S``: publish and compare, at most every ``PUBLISH_EVERY_S``), ``"line"``
         (stopped past ``limit_s``: publish, compare and print the waiting line; then each time the wait doubled)."""
         last = self.last_progress()
-        stopped = now - last
+        stopped = max(now - last, COMPARE_AFTER_S if self.aborting else 0.0)  # an abort: it will not move again
         if stopped < COMPARE_AFTER_S or (self._since is not None and self._since != last):
             return "moved" if self._since is not None else ""
         if self._since is None:  # a new stop
@@ -144,11 +147,24 @@ class Watchdog:
 
     # -- the thread --
     def start(self) -> None:
-        if self._worker_file is None:  # on the main thread only: a watchdog the start watch began gets it at setup
-            self._prepare_workers()
+        if not self.workers.prepared:  # on the main thread only: a watchdog the start watch began gets it at setup
+            self._prepare()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="lit_ddp-watchdog", daemon=True)
             self._thread.start()
+
+    def _prepare(self) -> None:
+        """On the main thread, before any DataLoader worker is forked."""
+        self.workers.prepare()
+        aborts.install(self._on_abort, ABORT_HOLD_S)
+
+    def _on_abort(self) -> bool:
+        """In a thread that aborts (``lit_ddp.run.aborts``): whether to hold it for this watchdog's comparison; no
+        where the rank is past its fit or its script, alone, stopped, or another process's."""
+        if self.left or self.fit_over or self._stopped.is_set() or self.world_size < 2 or os.getpid() != self.pid:
+            return False
+        self.aborting = True
+        return True
 
     def stop(self, wait_s: float = 0.0) -> None:
         """The thread ends at its next poll (at teardown, before the process group and its store go); ``wait_s``:
@@ -204,7 +220,7 @@ class Watchdog:
             return self.end(ending, speak=min(states) == self.rank, peers=set(states) - {self.rank})
         if action == "line" and min(states) == self.rank:
             self._printed = True
-            self._say(waiting_line(states, self.world_size))
+            self._say(waiting_line(states, self.world_size, frozen.read_silent(self.store, states, self.world_size)))
 
     def publish(self, stopped_s: float) -> None:
         self.store.set(f"{KEY}{self.rank}", json.dumps(self.state(stopped_s)))
@@ -241,14 +257,18 @@ class Watchdog:
         if reduced is not None and f" {reduced.hook}: " not in f" {where}":
             where = user_source.logged_at(reduced.owners, reduced.hook, reduced.key)
         report = record.report(self.rank, kind, "", where)
-        if kind == "collective" and report.collectives and report.collectives[-1].bucket is None and where:
-            report.collectives[-1].where = where  # the live stack's line: it waits there now
+        if kind == "collective" and report.collectives and report.collectives[-1].bucket is None:
+            called = _callback_of(frame) if reduced is None else ""  # where the user's line is trainer.fit, or none
+            at = f"{called} under {where}" if called and where else called or where  # the live stack: it waits there
+            report.collectives[-1].where = at or report.collectives[-1].where
         return {
+            "aborting": self.aborting,
             "rank": self.rank,
             "stopped_s": stopped_s,
             "report": report.as_json(),
-            "worker": self.worker(frame),
+            "worker": self.workers.waited_on(frame),
             "logged": reduced.key if reduced is not None else "",
+            "logged_in": reduced.hook if reduced is not None else "",
             "stopped": self.stopped.text() if self.stopped is not None else "",
             "stack": [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames[-STACK_FRAMES:]],
         }
@@ -266,6 +286,9 @@ class Watchdog:
         once the ``peers`` that published have seen the line (``ENDING_S`` at most), so that the line is the last."""
         self.ended = line
         hangs.FAILING.set()  # a SIGTERM from here on finds a rank that is ending, not hung
+        # The main thread's collective fails as the peers leave, and it may reach the interpreter's end first, where
+        # a live gloo group aborts (exit 134, pytorch#190489): there, the exit is this one (registered last, run first)
+        atexit.register(_exit)
         if not speak:
             deadline = time.monotonic() + SPEAKER_WAIT_S
             with contextlib.suppress(Exception):  # the speaker's store is gone: it has said it and ended
@@ -287,61 +310,21 @@ class Watchdog:
                 time.sleep(0.05)
         _exit()
 
-    # -- DataLoader workers --
-    def _prepare_workers(self) -> None:
-        """A worker forked from this rank inherits faulthandler's handler: on ``WORKER_SIGNAL`` it writes its
-        stack into this rank's file, whatever it is stuck in; and it dies with this rank (Linux)."""
-        if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
-            return
-        self._worker_file = tempfile.TemporaryFile("w+")
-        faulthandler.register(WORKER_SIGNAL, file=self._worker_file, all_threads=False)
-        os.register_at_fork(after_in_child=_die_with_parent)
 
-    def worker(self, frame) -> str:
-        """``DataLoader worker 0 (pid 123) at data.py:20 __getitem__: time.sleep(3600)``, where the main thread
-        waits for a batch from a worker process; ``""`` otherwise."""
-        while frame is not None:
-            waits = _torch.loader_waits_for(frame.f_locals.get("self"))
-            if waits is not None:
-                worker_id, pid = waits
-                return f"DataLoader worker {worker_id} (pid {pid}){self._worker_line(pid)}"
-            frame = frame.f_back
-        return ""
-
-    def _worker_line(self, pid: int) -> str:
-        if self._worker_file is None:
-            return ""
-        self._worker_file.seek(0)
-        self._worker_file.truncate()
-        os.kill(pid, WORKER_SIGNAL)
-        time.sleep(0.2)
-        self._worker_file.seek(0)
-        frames = [Frame(path, int(line), name) for path, line, name in _faulthandler_frames(self._worker_file.read())]
-        where = user_frame(frames[::-1])  # faulthandler lists the innermost first
-        return f" at {where}" if where else ""
-
-
-def _faulthandler_frames(text: str) -> list[tuple[str, str, str]]:
-    """``  File "x.py", line 20 in __getitem__`` lines, as (path, line, name)."""
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line.startswith('File "') and " line " in line and " in " in line:
-            path, _, rest = line[6:].partition('", line ')
-            number, _, name = rest.partition(" in ")
-            out.append((path, number.strip(), name.strip()))
-    return out
-
-
-def _die_with_parent() -> None:
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+def _callback_of(frame) -> str:
+    """``ModelCheckpoint.file_exists``: the innermost method of a callback of Lightning's (or lit_ddp's) that the
+    thread's stack is in, inside the user's innermost frame; ``""`` for none (a hook of the user's names it better)."""
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(LIBRARIES):
+        if isinstance(owner := frame.f_locals.get("self"), Callback):
+            return f"{type(owner).__name__}.{frame.f_code.co_name}"
+        frame = frame.f_back
+    return ""
 
 
 def _exit() -> None:
     for child in multiprocessing.active_children():  # its DataLoader workers, which may be stuck themselves
         child.kill()
+    launched.stop_all()  # rank 0 of Lightning's ddp launcher: the ranks it started, frozen ones too
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(EXIT_FAILED)

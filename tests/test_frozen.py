@@ -1,0 +1,121 @@
+"""A rank whose Python cannot run, read by a peer on its host (``lit_ddp.run.frozen``): a real process in a call that
+holds the GIL, stopped, dead; the lines that say it; and the zoo's case under Lightning's ``ddp`` launcher (slow),
+named with its line and no process left behind (``lit_ddp.run.launched``)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from benchmarks.hang_zoo.run import load, run_case
+from lit_ddp.analysis.divergence import RankReport, never_arrived
+from lit_ddp.analysis.stopped import FIX_DEAD, waiting_line
+from lit_ddp.run import frozen, watchdog
+
+HOLDS = """\
+import faulthandler, os, signal, tempfile
+dump = tempfile.TemporaryFile("w+")
+faulthandler.register(signal.SIGUSR2, file=dump, all_threads=False)  # as the watchdog does for its workers
+
+
+def crunch():
+    print(f"/proc/{os.getpid()}/fd/{dump.fileno()}", flush=True)
+    return sum(range(10**12))
+
+
+crunch()
+"""
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """A process in one long C call that holds the GIL, and its faulthandler file's path."""
+    script = tmp_path / "holds.py"
+    script.write_text(HOLDS)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    path = proc.stdout.readline().strip()
+    time.sleep(0.2)  # from its print into the sum: a few bytecodes
+    yield proc, path
+    proc.kill()
+    proc.wait(timeout=10)
+
+
+def wait_for_state(pid: int, state: str) -> None:
+    while frozen._state(pid) != state:
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(30)
+def test_a_process_in_a_call_that_holds_the_gil_is_read_at_its_line_then_stopped_then_dead(holder):
+    proc, path = holder
+    seen = frozen.look(proc.pid, path, stopped_s=12.0)
+    assert seen == frozen.Seen("has been at holds.py:8 crunch: return sum(range(10**12)) for 12 s, outside any "
+                               "collective, in a call that holds the GIL (its own watchdog cannot run)",
+                               frozen.FIX_GIL)  # fmt: skip
+    assert frozen.look(proc.pid, path, stack=False) is None  # its watchdog published: its Python runs
+    os.kill(proc.pid, signal.SIGSTOP)
+    wait_for_state(proc.pid, "T")  # a signal's delivery is not at once
+    assert frozen.look(proc.pid, path).doing == f"(pid {proc.pid}) is stopped (state T: SIGSTOP, Ctrl-Z or a debugger)"
+    proc.kill()
+    wait_for_state(proc.pid, "Z")  # a zombie until its parent reaps it, then nothing at all
+    seen = frozen.look(proc.pid, path)
+    assert seen == frozen.Seen(f"(pid {proc.pid}) is gone: it died", FIX_DEAD)
+    proc.wait(timeout=10)
+    assert frozen.look(proc.pid, path) == seen
+
+
+@pytest.mark.timeout(30)
+def test_a_peer_reads_the_silent_ranks_on_its_host_that_published(holder):
+    proc, path = holder
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=5))
+    store.set(f"{frozen.KEY}1", f'{{"host": "{os.uname().nodename}", "pid": {proc.pid}, "file": "{path}"}}')
+    store.set(f"{frozen.KEY}2", f'{{"host": "elsewhere", "pid": {proc.pid}, "file": "{path}"}}')
+    seen = frozen.read(store, [1, 2, 3], stopped_s=10.0)
+    assert list(seen) == [1] and seen[1].doing.startswith("has been at holds.py:8 crunch: ")  # 2: other host; 3: none
+    store.set(f"{frozen.STATE_KEY}1", "{}")  # its watchdog's state is there: a rank whose Python runs, not read
+    assert frozen.read(store, [1]) == {}
+    assert frozen.STATE_KEY == watchdog.KEY
+
+
+def test_the_lines_say_what_was_read_instead_of_sent_nothing():
+    grads = {
+        "seq": 24,
+        "op": "all_reduce",
+        "sizes": [[9]],
+        "dtype": "Float",
+        "step": 3,
+        "phase": "backward",
+        "bucket": 0,
+    }
+    report = RankReport.from_json({"rank": 0, "failed_at": 0.0, "kind": "collective", "collectives": [grads]})
+    state = {"rank": 0, "stopped_s": 12.0, "report": report.as_json(), "stack": []}
+    seen = {1: ("has been at x.py:3 f: y() for 12 s, outside any collective, in a call that holds the GIL", "fix it")}
+    assert waiting_line({0: state}, 2, seen) == (
+        "waiting 12 s: rank 1 has been at x.py:3 f: y() for 12 s, outside any collective, in a call that holds the "
+        "GIL; rank 0 waits in all_reduce #24 Float[9] (DDP gradient bucket 0) at step 3, backward -> fix it"
+    )
+    assert "sent no state" in waiting_line({0: state}, 3, seen)  # rank 2 not read: its words stay, and their fix
+    assert never_arrived({0: report}, 2, "the collective of step 3", seen=seen) == (
+        "rank(s) [1] never arrived at the collective of step 3; rank(s) [0] waited there until the timeout (in "
+        "collective #24, all_reduce Float[9] (DDP gradient bucket 0) at step 3, backward; rank 1 has been at x.py:3 "
+        "f: y() for 12 s, outside any collective, in a call that holds the GIL) -> fix it"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_rank_that_holds_the_gil_is_named_at_its_line_and_left_running_by_none():
+    """Lightning's ``ddp`` launcher with lit_ddp's callbacks: rank 1 in ``sum(range(10**11))`` is named by rank 0's
+    watchdog, the timeout's line says the same, and rank 0 kills it when it fails (Lightning would not)."""
+    result = run_case(load("rank1_holds_the_gil"), timeout_s=15, settle_s=2.0)
+    assert result.code == 1 and result.left == 0, result.output[-3000:]
+    assert result.verdict.named_at is not None and not result.verdict.problems, result.output[-3000:]
+    last = [line for line in result.output.splitlines() if "never arrived" in line][-1]
+    assert "rank 1 has been at rank1_holds_the_gil.py:16 training_step: sum(range(10**11))" in last, last
+    assert "exited with code" not in result.output  # it was killed, not named as dead

@@ -39,13 +39,16 @@ def test_without_cuda_it_exits_2_in_one_line_and_writes_nothing(tmp_path, how):
     assert "lightning" not in result.stderr  # refused before Lightning's import
 
 
-def test_help_names_the_three_commands():
-    result = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert "{fetch,run,check}" in result.stdout
-    bad = subprocess.run([sys.executable, SCRIPT, "run", "out", "--only", "suite,nope"], capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
-    assert bad.returncode == 2 and bad.stderr.splitlines()[-1].endswith("--only: unknown step(s) nope")
+def test_help_names_the_three_commands(capsys):
+    """In this process: the script's own start is the refusal test's, above."""
+    with pytest.raises(SystemExit) as shown:
+        gpu_check.parse_args(["--help"])
+    assert shown.value.code == 0
+    assert "{fetch,run,check}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as refused:
+        gpu_check.parse_args(["run", "out", "--only", "suite,nope"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith("--only: unknown step(s) nope")
 
 
 def test_the_steps_run_the_gpu_tests_first_and_fit_the_budget_with_their_grace():

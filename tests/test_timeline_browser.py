@@ -2,7 +2,7 @@
 offline from npm) in Debian's headless Chromium, loads with no error, nests everywhere, and draws every rank's
 tracks; a screenshot of each rank's phases and all-reduce goes to the test's folder.
 
-    npm ci --prefix tests/browser && pytest tests/test_timeline_browser.py -n 0     # .ci/run installs both
+    npm ci --prefix tests/browser && pytest tests/test_timeline_browser.py -m browser -n 0     # .ci/run installs both
 """
 
 import json
@@ -16,7 +16,7 @@ import pytest
 from lit_ddp import write_timeline
 from tests.runner import ROOT
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.slow]  # 10-26 s of Chromium: CI, with every marker
 
 BROWSER = ROOT / "tests" / "browser"
 CHROMIUM = os.environ.get("LIT_DDP_CHROMIUM", "/usr/bin/chromium")

@@ -15,6 +15,7 @@ from lit_ddp.analysis.stopped import (
     FIX_SHAPES,
     FIX_SOME_RANKS,
     FIX_SYNC_KEY,
+    FIX_UNEVEN_COUNTS,
     FIX_UNEVEN_HOOK,
     certain,
     in_collective,
@@ -171,6 +172,31 @@ def test_a_sync_dist_value_gets_the_fix_of_what_the_other_rank_does():
     elsewhere = Collective(62, "all_reduce", [[1]], "Long", 15, "the end of epoch 0", None, "s.py:30 <module>: fit")
     states[0] = state(0, "collective", [bucket(61), elsewhere])  # Lightning#19604: a key only rank 1 logs
     assert certain(states).endswith(FIX_SYNC_KEY.format(keys="'val'"))
+
+
+def test_a_loop_with_more_batches_on_some_ranks_is_named_uneven_data_with_each_ranks_count():
+    """torchtitan#1618: rank 0 gathers its fourth validation batch while rank 1, out of its three, is back in
+    training (no sync_dist key to tell it). Not where the ranks with fewer batches call from the loop's hook too:
+    there the loop has not ended on them (a key some ranks log), nor with the counts equal or unknown."""
+    gather = Collective(40, "all_gather", [[2, 4]], "Float", 7, "validation", None,
+                        "s.py:21 validation_step: everyone = self.all_gather(preds)")  # fmt: skip
+    states = {
+        0: {**state(0, "collective", [bucket(39), gather]), "batches": {"training": 8, "validation": 4}},
+        1: {**state(1, "collective", [bucket(39), bucket(40)]), "batches": {"training": 8, "validation": 3}},
+    }
+    told = FIX_UNEVEN_COUNTS.format(loop="validation", ranks="rank 0", counts="4 on rank 0, 3 on rank 1",
+                                    hook="validation_step")  # fmt: skip
+    assert certain(states).endswith(told)
+    # More training batches on rank 1: its bucket (a training batch's) against rank 0's validation, which began
+    ahead = {0: {**states[0], "batches": {"training": 7, "validation": 4}},
+             1: {**states[1], "batches": {"training": 8, "validation": 4}}}  # fmt: skip
+    assert "more training batches on rank 1 (7 on rank 0, 8 on rank 1; still in training_step)" in certain(ahead)
+    # Rank 1 still in validation_step (a line of its own there): the loop has not ended on it
+    own = Collective(40, "all_reduce", [[1]], "Float", 7, "validation", None, "s.py:25 validation_step: f(x)")
+    inside = {**states, 1: {**states[1], "report": state(1, "collective", [bucket(39), own])["report"]}}
+    assert certain(inside).endswith(FIX_SOME_RANKS)
+    for batches in ({"training": 8, "validation": 3}, {"training": 8}):  # equal, or unknown (an iterable dataset)
+        assert certain({**states, 0: {**states[0], "batches": batches}}).endswith(FIX_SOME_RANKS)
 
 
 def test_a_divergence_names_where_the_ranks_went_out_of_step_before_it():

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lit_ddp.callbacks import LossMonitor, StepSync
 
@@ -47,6 +47,19 @@ class Rows(Dataset):
     def __getitem__(self, i: int) -> Any:
         x = torch.full((DIM,), (i % 16) / 16)
         return x, x.sum(0, keepdim=True)
+
+
+class NoPadding(Sampler):
+    """A sampler of one's own that does not pad: every ``world``-th row from ``rank`` (13 rows give 7 and 6)."""
+
+    def __init__(self, rows: int, rank: int, world: int) -> None:
+        self.rows = list(range(rank, rows, world))
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
 
 
 def loader(rows: int = 64, **kwargs: Any) -> DataLoader:

@@ -7,9 +7,10 @@ Pure: a state is the JSON a rank put in the rendezvous store. docs/failures.md#t
 """
 
 import os
+import re
 from typing import Any, Optional
 
-from lit_ddp.analysis.divergence import RankReport, divergences
+from lit_ddp.analysis.divergence import Collective, RankReport, divergences
 from lit_ddp.analysis.flight_recorder import LIBRARIES, Frame
 
 WAITS_AT_BARRIER = "waits at Lightning's barrier after prepare_data (it opens when every rank has come)"
@@ -22,6 +23,10 @@ FIX_SYNC_KEY = ("a sync_dist key logged on some ranks only ({keys}): log it on e
 # A rank that reduces an epoch's sync_dist value while another is still in the hook that logs it: more batches there
 FIX_UNEVEN_HOOK = ("uneven data, more batches on {ranks} (still in {hook}): as many batches on every rank: "
                    "Lightning's DistributedSampler (use_distributed_sampler=True)")  # fmt: skip
+# Ranks whose loop has more batches than another's (each rank's count, as its fit's loop saw it): the others left it.
+FIX_UNEVEN_COUNTS = ("uneven data, more {loop} batches on {ranks} ({counts}; still in {hook}): as many batches on "
+                     "every rank: Lightning's DistributedSampler (use_distributed_sampler=True), or a sampler of one's "
+                     "own that pads (or drops) to an equal share")  # fmt: skip
 # The same line on every rank, with tensors of different shapes (an all_gather of each rank's own number of outputs)
 FIX_SHAPES = ("one collective with different shapes or dtypes on different ranks: the same shape everywhere (pad to "
               "the largest after gathering the sizes, or all_gather_object for objects of any size)")  # fmt: skip
@@ -104,6 +109,9 @@ def _divergence_fix(states: dict[int, dict[str, Any]], reports: dict[int, RankRe
     known = [c for c in calls.values() if c is not None]
     if len(known) == len(calls) > 1 and known[0].where and len({(c.op, c.where) for c in known}) == 1:
         return FIX_SHAPES
+    uneven = _uneven(states, calls)
+    if uneven:
+        return uneven
     hooks = {s["logged_in"] for s in states.values() if s.get("logged") and s.get("logged_in")}
     in_hook = sorted(r for r, c in calls.items() if c is not None and not states[r].get("logged")
                      and any(f" {hook}: " in f" {c.where}" for hook in hooks))  # fmt: skip
@@ -111,6 +119,37 @@ def _divergence_fix(states: dict[int, dict[str, Any]], reports: dict[int, RankRe
         return FIX_UNEVEN_HOOK.format(ranks=_ranks(in_hook), hook=" or ".join(sorted(hooks)))
     keys = sorted({repr(s["logged"]) for s in states.values() if s.get("logged")})
     return FIX_SYNC_KEY.format(keys=", ".join(keys)) if keys else FIX_SOME_RANKS
+
+
+# A fit's loops, each with the hook a batch of it runs in: a DDP gradient bucket is the training batch's
+STEP_HOOKS = {"training": "training_step", "validation": "validation_step"}
+_HOOK = re.compile(r"(?:^|\s)\S+:\d+ (\w+): ")  # ``s.py:17 validation_step: everyone = ...``
+
+
+def _hook(call: Optional[Collective]) -> str:
+    if call is None:
+        return ""
+    if call.bucket is not None:
+        return STEP_HOOKS["training"]
+    found = _HOOK.search(call.where)
+    return found.group(1) if found else ""
+
+
+def _uneven(states: dict[int, dict[str, Any]], calls: dict[int, Optional[Collective]]) -> Optional[str]:
+    """FIX_UNEVEN_COUNTS where a loop has more batches on some ranks (the states' ``batches``, each rank's own
+    count) and the divergence is its end: the ranks with the most still call from its hook, the others no more (or
+    reduce an epoch's value that it logged). None where a count is unknown (an iterable dataset) or equal."""
+    for loop, hook in STEP_HOOKS.items():
+        counts = {r: s.get("batches", {}).get(loop) for r, s in states.items()}
+        if None in counts.values() or len(set(counts.values())) < 2:
+            continue
+        most = max(counts.values())
+        more = sorted(r for r, n in counts.items() if n == most)
+        fewer_out = all(_hook(calls[r]) != hook or states[r].get("logged") for r in counts if r not in more)
+        if fewer_out and all(_hook(calls[r]) == hook for r in more):
+            told = ", ".join(f"{n} on rank {r}" for r, n in sorted(counts.items()))
+            return FIX_UNEVEN_COUNTS.format(loop=loop, ranks=_ranks(more), counts=told, hook=hook)
+    return None
 
 
 def _out_of_step(reports: dict[int, RankReport], line: str) -> str:

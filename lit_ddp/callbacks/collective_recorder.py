@@ -75,6 +75,10 @@ class CollectiveRecorder(LeanCallback):
         watch.alive()
 
     @override
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        watchdog.count_batches("training", trainer.num_training_batches)
+
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._step = trainer.global_step
         self.collective_record.mark(self._step, "training_step")
@@ -109,6 +113,8 @@ class CollectiveRecorder(LeanCallback):
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.collective_record.mark(self._step, "validation")
+        if not trainer.sanity_checking:
+            watchdog.count_batches("validation", sum(trainer.num_val_batches))
 
     @override
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:

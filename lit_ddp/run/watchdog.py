@@ -89,6 +89,7 @@ class Watchdog:
         self.left = False  # this process is past its script (at exit)
         self.fit_over = False  # its fit's training ended: what the rank does next is the user's, even alone
         self.stopped: Optional[user_source.Stopped] = None  # its fit ended on ``trainer.should_stop``
+        self.batches: dict[str, int] = {}  # each loop's batches on this rank, where known (``count_batches``)
         self.store: Optional[Any] = None  # the rendezvous store, once there is one
         self._since: Optional[float] = None  # the stop being reported: its last progress
         self._published_at = self._first_published_at = 0.0
@@ -269,6 +270,7 @@ class Watchdog:
             "worker": self.workers.waited_on(frame),
             "logged": reduced.key if reduced is not None else "",
             "logged_in": reduced.hook if reduced is not None else "",
+            "batches": self.batches,
             "stopped": self.stopped.text() if self.stopped is not None else "",
             "stack": [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames[-STACK_FRAMES:]],
         }
@@ -376,6 +378,14 @@ def fit_ended(stopped: Optional[user_source.Stopped] = None) -> None:
     if _WATCHDOG is not None:
         _WATCHDOG.fit_over = True
         _WATCHDOG.stopped = stopped
+
+
+def count_batches(loop: str, batches: float) -> None:
+    """The number of batches of a fit's ``loop`` ("training", "validation") on this rank, as it begins: a
+    divergence at its end names uneven data with each rank's count (``stopped.FIX_UNEVEN_COUNTS``). An iterable
+    dataset's (inf) is not known."""
+    if _WATCHDOG is not None and batches != float("inf"):
+        _WATCHDOG.batches[loop] = int(batches)
 
 
 def alive() -> None:

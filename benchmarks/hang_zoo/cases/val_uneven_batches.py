@@ -3,25 +3,12 @@ predictions are gathered with ``self.all_gather``; rank 1 goes on to reduce the 
 gathers its fourth batch ("Validation stuck when trainers have different data size", Lightning#20561)."""
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader
 
 from benchmarks.hang_zoo.expect import Hang
-from benchmarks.hang_zoo.user import Net, Rows, hang_starts, loader, trainer
+from benchmarks.hang_zoo.user import Net, NoPadding, Rows, hang_starts, loader, trainer
 
 EXPECT = Hang(rank=0, line="self.all_gather(preds)", cause="uneven data", certain=True)
-
-
-class NoPadding(Sampler):
-    """Every ``world``-th row from ``rank``: 13 rows give 7 and 6."""
-
-    def __init__(self, rows: int, rank: int, world: int) -> None:
-        self.rows = list(range(rank, rows, world))
-
-    def __iter__(self):
-        return iter(self.rows)
-
-    def __len__(self) -> int:
-        return len(self.rows)
 
 
 class Case(Net):

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from benchmarks.hang_zoo.run import load, run_case
 from lit_ddp.analysis.divergence import RankReport, never_arrived
-from lit_ddp.analysis.stopped import FIX_DEAD, waiting_line
+from lit_ddp.analysis.stopped import FIX_DEAD, FIX_LOCK, waiting_line
 from lit_ddp.run import frozen, watchdog
 
 HOLDS = """\
@@ -106,6 +107,45 @@ def test_the_lines_say_what_was_read_instead_of_sent_nothing():
         "collective #24, all_reduce Float[9] (DDP gradient bucket 0) at step 3, backward; rank 1 has been at x.py:3 "
         "f: y() for 12 s, outside any collective, in a call that holds the GIL) -> fix it"
     )
+
+
+@pytest.mark.skipif(frozen.FUTEX is None or not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/syscall"),
+                    reason="reads /proc/self/task/<tid>/syscall on x86_64 or aarch64 Linux")  # fmt: skip
+def test_a_thread_that_waits_on_a_lock_with_no_timeout_is_told_from_one_that_sleeps_or_may_wake():
+    """Real threads of this process: a Lock's acquire, an Event's and a queue's wait with no timeout (futex with a
+    null timeout) are lock waits; time.sleep and an Event's wait with a timeout are not."""
+    import queue
+
+    held, never, empty = threading.Lock(), threading.Event(), queue.Queue()
+    held.acquire()
+    waits = {
+        "lock": held.acquire,
+        "event": never.wait,
+        "queue": empty.get,
+        "sleep": lambda: time.sleep(3),
+        "timed": lambda: never.wait(3),
+    }
+    threads = {name: threading.Thread(target=wait, daemon=True) for name, wait in waits.items()}
+    for thread in threads.values():
+        thread.start()
+    time.sleep(0.3)
+    seen = {name: frozen.waits_on_lock(thread.native_id) for name, thread in threads.items()}
+    assert seen == {"lock": True, "event": True, "queue": True, "sleep": False, "timed": False}
+    assert not frozen.waits_on_lock(threading.get_native_id())  # this thread runs: "running", not a syscall
+    held.release(), never.set(), empty.put(None)
+
+
+def test_a_rank_on_a_lock_is_said_to_wait_on_it_with_the_locks_fix():
+    report = RankReport(1, 0.0, "busy", "", "s.py:19 training_step: with LOCK:", 3, "training_step", [])
+    waiting = RankReport(0, 0.0, "collective", "", "", 3, "backward", [])
+    states = {0: {"rank": 0, "stopped_s": 12.0, "report": waiting.as_json(), "stack": []},
+              1: {"rank": 1, "stopped_s": 12.0, "report": report.as_json(), "stack": [], "on_lock": True}}  # fmt: skip
+    line = waiting_line(states, 2)
+    assert ("rank 1 has been at s.py:19 training_step: with LOCK: for 12 s (step 3, training_step), outside any "
+            "collective, in a wait with no timeout on a lock of its own process") in line, line  # fmt: skip
+    assert line.endswith(f" -> {FIX_LOCK}")
+    states[1]["on_lock"] = False
+    assert FIX_LOCK not in waiting_line(states, 2)
 
 
 @pytest.mark.slow

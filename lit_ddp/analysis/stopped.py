@@ -37,6 +37,10 @@ FIX_WORKER = ("a DataLoader worker that does not return: its line above never en
               "lock); DataLoader(timeout=...) raises instead of waiting")  # fmt: skip
 FIX_DEAD = ("a rank that died: its own error is in its log; killed by a signal with none, look for the kernel's "
             "out-of-memory killer (dmesg)")  # fmt: skip
+# A rank outside any collective whose main thread waits in futex() with no timeout (lit_ddp.run.frozen.waits_on_lock)
+FIX_LOCK = ("a wait with no timeout on a lock, event, queue or thread of its own process: where no thread will "
+            "release it (a deadlock, a holder that died), py-spy dump --pid shows every thread's stack, the holder's "
+            "among them; a timeout on the wait raises instead")  # fmt: skip
 FIX_PARTITION = ("a node cut off (a partition): check that every node reaches MASTER_ADDR:MASTER_PORT and the "
                  "others' addresses (a firewall, a route, a link down)")  # fmt: skip
 
@@ -192,7 +196,8 @@ def _doing(state: dict[str, Any]) -> str:
     if state.get("worker"):
         return f"rank {rep.rank} waits for its {state['worker']}, {state['stopped_s']:.0f} s{at}"
     where = f"at {rep.where}" if rep.where else "in " + (state["stack"][-1] if state["stack"] else "no frame")
-    return f"rank {rep.rank} has been {where} for {state['stopped_s']:.0f} s{at}, outside any collective"
+    on_lock = ", in a wait with no timeout on a lock of its own process" if state.get("on_lock") else ""
+    return f"rank {rep.rank} has been {where} for {state['stopped_s']:.0f} s{at}, outside any collective{on_lock}"
 
 
 def waiting_line(states: dict[int, dict[str, Any]], world_size: int,
@@ -216,6 +221,8 @@ def _fix(states: dict[int, dict[str, Any]], silent: list[int]) -> str:
     kinds = {_report(s).kind for s in states.values()}
     if any(s.get("worker") for s in states.values()):
         return f" -> {FIX_WORKER} (the job ends at the process group's timeout, the workers with it)"
+    if "busy" in kinds and kinds & {"collective", "barrier"} and any(s.get("on_lock") for s in states.values()):
+        return f" -> {FIX_LOCK}"
     if "busy" in kinds and kinds & {"collective", "barrier"}:
         return (" -> the others wait for it: work (a checkpoint, an evaluation) ends and the job goes on; "
                 "work longer than the process group's timeout: raise timeout_s (work that never ends stops "

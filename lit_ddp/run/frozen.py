@@ -9,11 +9,13 @@ and faulthandler's file in the store once, at setup (``publish``: the watchdog's
 reached through /proc). A rank on the same host that finds it silent (``read``) looks at /proc/<pid>: gone or a
 zombie, it died; state T, it is stopped (SIGSTOP, Ctrl-Z, a debugger); else it sends the workers' signal, on which
 faulthandler's C handler, which needs no GIL, writes the main thread's stack into that file. A rank alone on its host
-is read by nobody: its peers, elsewhere, still say it sent no state.
+is read by nobody: its peers, elsewhere, still say it sent no state. A rank's own main thread outside any collective
+that waits in ``futex()`` with no timeout waits on a lock of its process (``waits_on_lock``, ``stopped.FIX_LOCK``).
 """
 
 import json
 import os
+import platform
 import re
 import signal
 import socket
@@ -31,6 +33,9 @@ FIX_GIL = ("one call that holds the GIL this long (a C extension's loop, a built
            "split it; py-spy dump --native --pid shows its C frames")  # fmt: skip
 FIX_D = "a read from a disk or a network file system that does not answer: check the mount (dmesg)"
 FIX_STOPPED = "a stopped process: kill -CONT it, or let the debugger that holds it go on"
+FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())  # the futex syscall's number, where known
+LOCK_READS = 3  # a thread seen in futex() with no timeout this many times, LOCK_READ_S apart: it waits on a lock
+LOCK_READ_S = 0.02
 _FRAME = re.compile(r'File "(.+)", line (\d+) in (\S+)')
 
 
@@ -98,6 +103,24 @@ def look(pid: int, path: str, stopped_s: Optional[float] = None, stack: bool = T
     for_s = f" for {stopped_s:.0f} s" if stopped_s is not None else ""
     return Seen(f"has been at {where}{for_s}, outside any collective, in a call that holds the GIL (its own watchdog "
                 "cannot run)", FIX_GIL)  # fmt: skip
+
+
+def waits_on_lock(tid: int) -> bool:
+    """Whether this process's thread ``tid`` waits in the kernel on a lock with no timeout: Python's locks, and the
+    events, queues, conditions and joins built on them, wait in ``futex()`` with a null timeout (the syscall's fourth
+    argument in /proc/self/task/<tid>/syscall); ``time.sleep``, a socket's read, the GIL's timed wait and a wait with
+    a timeout do not. False where /proc does not tell (not Linux, another architecture, no access)."""
+    for read in range(LOCK_READS):
+        try:
+            with open(f"/proc/self/task/{tid}/syscall") as file:
+                words = file.read().split()
+        except OSError:
+            return False
+        if FUTEX is None or len(words) < 5 or words[0] != str(FUTEX) or int(words[4], 16) != 0:
+            return False
+        if read < LOCK_READS - 1:
+            time.sleep(LOCK_READ_S)
+    return True
 
 
 def _state(pid: int) -> str:

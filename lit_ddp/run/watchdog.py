@@ -271,6 +271,7 @@ class Watchdog:
             "logged": reduced.key if reduced is not None else "",
             "logged_in": reduced.hook if reduced is not None else "",
             "batches": self.batches,
+            "on_lock": kind == "busy" and frozen.waits_on_lock(threading.main_thread().native_id),
             "stopped": self.stopped.text() if self.stopped is not None else "",
             "stack": [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames[-STACK_FRAMES:]],
         }

@@ -222,6 +222,18 @@ def test_a_collective_that_a_rank_which_left_never_called_ends_the_job_and_one_i
     assert certain({0: state(0, "collective", [bucket(30)]), 1: left}) is None  # #30: rank 1 called it; it completes
 
 
+def test_a_test_loop_with_more_batches_on_a_rank_whose_peer_left_is_uneven_data():
+    """trainer.test with 4 batches on rank 0 and 3 on rank 1: rank 1 ended its test and its script, rank 0 gathers
+    its fourth batch. With the counts equal, a rank that left is a collective some ranks skip."""
+    gather = Collective(31, "all_gather", [[1]], "Float", 4, "test", None, "s.py:9 test_step: self.all_gather(y)")
+    waits = {**state(0, "collective", [bucket(30), gather]), "batches": {"training": 8, "test": 4}}
+    left = {**state(1, "left", [bucket(30)], stopped_s=0.0), "batches": {"training": 8, "test": 3}}
+    told = FIX_UNEVEN_COUNTS.format(loop="test", ranks="rank 0", counts="4 on rank 0, 3 on rank 1", hook="test_step")
+    assert certain({0: waits, 1: left}).endswith(f"will never call it -> {told}")
+    even = {**left, "batches": {"training": 8, "test": 4}}
+    assert certain({0: waits, 1: even}).endswith(f"will never call it -> {FIX_SOME_RANKS}")
+
+
 def test_a_rank_that_stopped_on_its_own_should_stop_is_named_with_the_line_and_the_fix_to_decide_together():
     left = {**state(1, "left", [bucket(30)], stopped_s=0.0), "stopped": "stopped training after step 4 (x)"}
     line = certain({0: state(0, "collective", [bucket(30), bucket(31)]), 1: left})
@@ -424,3 +436,16 @@ def test_the_launchers_file_holds_the_line_before_any_peer_can_see_it_and_exit(m
     dog.end("collective #24 diverged: ...", peers=[1])
     assert seen_at_key == [True]
     assert (tmp_path / f"ended-{launcher}").read_text() == "collective #24 diverged: ..."
+
+
+@pytest.mark.parametrize("hook", ["on_validation_batch_end", "on_test_batch_end", "on_predict_batch_end"])
+def test_an_evaluation_batch_is_progress_for_the_watchdog(monkeypatch, hook):
+    """A long validation, test or predict moves batch by batch: without it, a healthy test of 20 one-second batches
+    was said to have been at its line for 10 s (the zoo's ok_long_test)."""
+    from lit_ddp.callbacks.collective_recorder import CollectiveRecorder
+
+    dog = Watchdog(0, 2, clock=lambda: 100.0)
+    monkeypatch.setattr(watchdog, "_WATCHDOG", dog)
+    dog.alive_at = 0.0
+    getattr(CollectiveRecorder(), hook)(None, None, None, None, 0)
+    assert dog.alive_at == 100.0

@@ -91,7 +91,8 @@ def certain(states: dict[int, dict[str, Any]]) -> Optional[str]:
         stopped = [f"rank {r} left: it {states[r]['stopped']}" for r in left if states[r].get("stopped")]
         gone = [r for r in left if not states[r].get("stopped")]
         left_as = "; ".join([*stopped, *([f"{_ranks(gone)} left (past the end of the script)"] if gone else [])])
-        fix = FIX_STOP if stopped else FIX_SOME_RANKS
+        calls = {r: reports[r].collectives[-1] if r in waiting else None for r in states}  # the left call none
+        fix = FIX_STOP if stopped else _uneven(states, calls) or FIX_SOME_RANKS
         return f"{'; '.join(_doing(states[r]) for r in waiting)}; {left_as} and will never call it -> {fix}"
     if held and waiting:
         return (f"{'; '.join(_doing(states[r]) for r in waiting)}; {_ranks(held)} {WAITS_AT_BARRIER} and will never "
@@ -126,7 +127,8 @@ def _divergence_fix(states: dict[int, dict[str, Any]], reports: dict[int, RankRe
 
 
 # A fit's loops, each with the hook a batch of it runs in: a DDP gradient bucket is the training batch's
-STEP_HOOKS = {"training": "training_step", "validation": "validation_step"}
+STEP_HOOKS = {"training": "training_step", "validation": "validation_step", "test": "test_step",
+              "predict": "predict_step"}  # fmt: skip
 _HOOK = re.compile(r"(?:^|\s)\S+:\d+ (\w+): ")  # ``s.py:17 validation_step: everyone = ...``
 
 

@@ -121,6 +121,24 @@ class CollectiveRecorder(LeanCallback):
         watchdog.alive()
 
     @override
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.collective_record.mark(self._step, "test")
+        watchdog.count_batches("test", sum(trainer.num_test_batches))
+
+    @override
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.collective_record.mark(self._step, "predict")
+        watchdog.count_batches("predict", sum(trainer.num_predict_batches))
+
+    @override
+    def on_test_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        watchdog.alive()  # a test's batch is progress, as a validation's is
+
+    @override
+    def on_predict_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        watchdog.alive()
+
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.collective_record.mark(self._step, "the end of training")
         # A stop on one rank alone leaves the others waiting in its next collective (Lightning#379): where it was

@@ -382,7 +382,7 @@ def fit_ended(stopped: Optional[user_source.Stopped] = None) -> None:
 
 
 def count_batches(loop: str, batches: float) -> None:
-    """The number of batches of a fit's ``loop`` ("training", "validation") on this rank, as it begins: a
+    """The number of batches of a ``loop`` ("training", "validation", "test", "predict") on this rank, as it begins: a
     divergence at its end names uneven data with each rank's count (``stopped.FIX_UNEVEN_COUNTS``). An iterable
     dataset's (inf) is not known."""
     if _WATCHDOG is not None and batches != float("inf"):

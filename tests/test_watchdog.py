@@ -11,7 +11,9 @@ import pytest
 from lit_ddp.analysis.divergence import Collective, RankReport
 from lit_ddp.analysis.stopped import (
     FIX_DEAD,
+    FIX_EVEN_SHARES,
     FIX_PARTITION,
+    FIX_PREDICT_SHARES,
     FIX_SHAPES,
     FIX_SOME_RANKS,
     FIX_SYNC_KEY,
@@ -175,28 +177,46 @@ def test_a_sync_dist_value_gets_the_fix_of_what_the_other_rank_does():
 
 
 def test_a_loop_with_more_batches_on_some_ranks_is_named_uneven_data_with_each_ranks_count():
-    """torchtitan#1618: rank 0 gathers its fourth validation batch while rank 1, out of its three, is back in
-    training (no sync_dist key to tell it). Not where the ranks with fewer batches call from the loop's hook too:
-    there the loop has not ended on them (a key some ranks log), nor with the counts equal or unknown."""
+    """torchtitan#1618: rank 0 gathers its fourth validation batch (3 done) while rank 1, its three done, is back in
+    training (no sync_dist key to tell it). Not where the ranks with fewer batches still call from the loop's hook,
+    nor before the rank with more is past their count (a collective of its own), nor with a rank whose loop ended
+    early, nor with the counts equal or unknown; predict's fix is its own (its sampler does not pad)."""
     gather = Collective(40, "all_gather", [[2, 4]], "Float", 7, "validation", None,
                         "s.py:21 validation_step: everyone = self.all_gather(preds)")  # fmt: skip
+    counted = {0: ({"training": 8, "validation": 4}, {"training": 8, "validation": 3}),
+               1: ({"training": 8, "validation": 3}, {"training": 8, "validation": 3})}  # fmt: skip
     states = {
-        0: {**state(0, "collective", [bucket(39), gather]), "batches": {"training": 8, "validation": 4}},
-        1: {**state(1, "collective", [bucket(39), bucket(40)]), "batches": {"training": 8, "validation": 3}},
+        0: {**state(0, "collective", [bucket(39), gather]), "batches": counted[0][0], "done": counted[0][1]},
+        1: {**state(1, "collective", [bucket(39), bucket(40)]), "batches": counted[1][0], "done": counted[1][1]},
     }
     told = FIX_UNEVEN_COUNTS.format(loop="validation", ranks="rank 0", counts="4 on rank 0, 3 on rank 1",
-                                    hook="validation_step")  # fmt: skip
+                                    hook="validation_step", fix=FIX_EVEN_SHARES)  # fmt: skip
     assert certain(states).endswith(told)
-    # More training batches on rank 1: its bucket (a training batch's) against rank 0's validation, which began
-    ahead = {0: {**states[0], "batches": {"training": 7, "validation": 4}},
-             1: {**states[1], "batches": {"training": 8, "validation": 4}}}  # fmt: skip
+    # More training batches on rank 1: its bucket (a training batch's, its eighth) against rank 0's validation
+    ahead = {
+        0: {**states[0], "batches": {"training": 7, "validation": 4}, "done": {"training": 7, "validation": 0}},
+        1: {**states[1], "batches": {"training": 8, "validation": 4}, "done": {"training": 7, "validation": 0}},
+    }
     assert "more training batches on rank 1 (7 on rank 0, 8 on rank 1; still in training_step)" in certain(ahead)
     # Rank 1 still in validation_step (a line of its own there): the loop has not ended on it
     own = Collective(40, "all_reduce", [[1]], "Float", 7, "validation", None, "s.py:25 validation_step: f(x)")
     inside = {**states, 1: {**states[1], "report": state(1, "collective", [bucket(39), own])["report"]}}
     assert certain(inside).endswith(FIX_SOME_RANKS)
+    # Rank 0's gather at its second batch (1 done): a collective of its own, however the counts differ
+    early = {**states, 0: {**states[0], "done": {"training": 8, "validation": 1}}}
+    assert certain(early).endswith(FIX_SOME_RANKS)
+    # Rank 1 left its validation after 2 of its 3 (an error, a stop): not its data's end
+    cut = {**states, 1: {**states[1], "done": {"training": 8, "validation": 2}}}
+    assert certain(cut).endswith(FIX_SOME_RANKS)
+    # Rank 0 reduces an epoch's value it logged (its line is the hook's self.log): a key, not a batch more
+    logged = {**states, 0: {**states[0], "logged": "val_acc", "logged_in": "validation_step"}}
+    assert FIX_EVEN_SHARES not in certain(logged)
     for batches in ({"training": 8, "validation": 3}, {"training": 8}):  # equal, or unknown (an iterable dataset)
         assert certain({**states, 0: {**states[0], "batches": batches}}).endswith(FIX_SOME_RANKS)
+    predict = Collective(40, "all_gather", [[1]], "Float", 7, "predict", None, "s.py:30 predict_step: g(y)")
+    predicts = {r: {**states[r], "batches": {"predict": 4 - r}, "done": {"predict": 3}} for r in (0, 1)}
+    predicts[0]["report"] = state(0, "collective", [bucket(39), predict])["report"]
+    assert certain(predicts).endswith(f"still in predict_step): {FIX_PREDICT_SHARES}")
 
 
 def test_a_divergence_names_where_the_ranks_went_out_of_step_before_it():
@@ -226,9 +246,12 @@ def test_a_test_loop_with_more_batches_on_a_rank_whose_peer_left_is_uneven_data(
     """trainer.test with 4 batches on rank 0 and 3 on rank 1: rank 1 ended its test and its script, rank 0 gathers
     its fourth batch. With the counts equal, a rank that left is a collective some ranks skip."""
     gather = Collective(31, "all_gather", [[1]], "Float", 4, "test", None, "s.py:9 test_step: self.all_gather(y)")
-    waits = {**state(0, "collective", [bucket(30), gather]), "batches": {"training": 8, "test": 4}}
-    left = {**state(1, "left", [bucket(30)], stopped_s=0.0), "batches": {"training": 8, "test": 3}}
-    told = FIX_UNEVEN_COUNTS.format(loop="test", ranks="rank 0", counts="4 on rank 0, 3 on rank 1", hook="test_step")
+    waits = {**state(0, "collective", [bucket(30), gather]), "batches": {"training": 8, "test": 4},
+             "done": {"training": 8, "test": 3}}  # fmt: skip
+    left = {**state(1, "left", [bucket(30)], stopped_s=0.0), "batches": {"training": 8, "test": 3},
+            "done": {"training": 8, "test": 3}}  # fmt: skip
+    told = FIX_UNEVEN_COUNTS.format(loop="test", ranks="rank 0", counts="4 on rank 0, 3 on rank 1", hook="test_step",
+                                    fix=FIX_EVEN_SHARES)  # fmt: skip
     assert certain({0: waits, 1: left}).endswith(f"will never call it -> {told}")
     even = {**left, "batches": {"training": 8, "test": 4}}
     assert certain({0: waits, 1: even}).endswith(f"will never call it -> {FIX_SOME_RANKS}")

@@ -23,10 +23,13 @@ FIX_SYNC_KEY = ("a sync_dist key logged on some ranks only ({keys}): log it on e
 # A rank that reduces an epoch's sync_dist value while another is still in the hook that logs it: more batches there
 FIX_UNEVEN_HOOK = ("uneven data, more batches on {ranks} (still in {hook}): as many batches on every rank: "
                    "Lightning's DistributedSampler (use_distributed_sampler=True)")  # fmt: skip
-# Ranks whose loop has more batches than another's (each rank's count, as its fit's loop saw it): the others left it.
-FIX_UNEVEN_COUNTS = ("uneven data, more {loop} batches on {ranks} ({counts}; still in {hook}): as many batches on "
-                     "every rank: Lightning's DistributedSampler (use_distributed_sampler=True), or a sampler of one's "
-                     "own that pads (or drops) to an equal share")  # fmt: skip
+# Ranks whose loop has more batches than another's (each rank's count, as its loop began): the others left it.
+FIX_UNEVEN_COUNTS = "uneven data, more {loop} batches on {ranks} ({counts}; still in {hook}): {fix}"
+FIX_EVEN_SHARES = ("as many batches on every rank: Lightning's DistributedSampler (use_distributed_sampler=True), or a "
+                   "sampler of one's own that pads (or drops) to an equal share")  # fmt: skip
+# Lightning's predict sampler does not pad (UnrepeatedDistributedSamplerWrapper): its ranks may differ by a batch.
+FIX_PREDICT_SHARES = ("no collective in predict_step: Lightning's predict sampler does not pad, so ranks may have a "
+                      "batch more or less; gather the predictions after trainer.predict")  # fmt: skip
 # The same line on every rank, with tensors of different shapes (an all_gather of each rank's own number of outputs)
 FIX_SHAPES = ("one collective with different shapes or dtypes on different ranks: the same shape everywhere (pad to "
               "the largest after gathering the sizes, or all_gather_object for objects of any size)")  # fmt: skip
@@ -38,9 +41,9 @@ FIX_WORKER = ("a DataLoader worker that does not return: its line above never en
 FIX_DEAD = ("a rank that died: its own error is in its log; killed by a signal with none, look for the kernel's "
             "out-of-memory killer (dmesg)")  # fmt: skip
 # A rank outside any collective whose main thread waits in futex() with no timeout (lit_ddp.run.frozen.waits_on_lock)
-FIX_LOCK = ("a wait with no timeout on a lock, event, queue or thread of its own process: where no thread will "
-            "release it (a deadlock, a holder that died), py-spy dump --pid shows every thread's stack, the holder's "
-            "among them; a timeout on the wait raises instead")  # fmt: skip
+FIX_LOCK = ("a wait with no timeout on a lock, event, queue or thread of its own process: work that a thread ends "
+            "goes on; where none will (a deadlock, a holder that died), py-spy dump --pid shows every thread's stack, "
+            "the holder's among them, and a timeout on the wait raises instead")  # fmt: skip
 FIX_PARTITION = ("a node cut off (a partition): check that every node reaches MASTER_ADDR:MASTER_PORT and the "
                  "others' addresses (a firewall, a route, a link down)")  # fmt: skip
 
@@ -142,19 +145,24 @@ def _hook(call: Optional[Collective]) -> str:
 
 
 def _uneven(states: dict[int, dict[str, Any]], calls: dict[int, Optional[Collective]]) -> Optional[str]:
-    """FIX_UNEVEN_COUNTS where a loop has more batches on some ranks (the states' ``batches``, each rank's own
-    count) and the divergence is its end: the ranks with the most still call from its hook, the others no more (or
-    reduce an epoch's value that it logged). None where a count is unknown (an iterable dataset) or equal."""
+    """FIX_UNEVEN_COUNTS where a loop has more batches on some ranks (the states' ``batches``, each rank's count as
+    the loop began, and ``done``, those it finished) and the divergence is its end: the others finished all of theirs
+    and no longer call from its hook (or reduce a value it logged, after it), while the ranks with the most, past
+    every other's count, still do. None where a count is unknown (an iterable dataset) or equal."""
     for loop, hook in STEP_HOOKS.items():
         counts = {r: s.get("batches", {}).get(loop) for r, s in states.items()}
-        if None in counts.values() or len(set(counts.values())) < 2:
+        done = {r: s.get("done", {}).get(loop) for r, s in states.items()}
+        if None in counts.values() or None in done.values() or len(set(counts.values())) < 2:
             continue
         most = max(counts.values())
         more = sorted(r for r, n in counts.items() if n == most)
-        fewer_out = all(_hook(calls[r]) != hook or states[r].get("logged") for r in counts if r not in more)
-        if fewer_out and all(_hook(calls[r]) == hook for r in more):
+        fewer = [r for r in counts if r not in more]
+        ended = all(done[r] >= counts[r] and (_hook(calls[r]) != hook or states[r].get("logged")) for r in fewer)
+        past = all(done[r] >= max(counts[f] for f in fewer) for r in more)
+        if ended and past and all(_hook(calls[r]) == hook and not states[r].get("logged") for r in more):
             told = ", ".join(f"{n} on rank {r}" for r, n in sorted(counts.items()))
-            return FIX_UNEVEN_COUNTS.format(loop=loop, ranks=_ranks(more), counts=told, hook=hook)
+            fix = FIX_PREDICT_SHARES if loop == "predict" else FIX_EVEN_SHARES
+            return FIX_UNEVEN_COUNTS.format(loop=loop, ranks=_ranks(more), counts=told, hook=hook, fix=fix)
     return None
 
 

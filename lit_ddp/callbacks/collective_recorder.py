@@ -52,6 +52,7 @@ class CollectiveRecorder(LeanCallback):
         start_watch.disarm()  # it handed the rank to the watchdog at the process group's start, or ends here
         watch = watchdog.start(trainer.global_rank, trainer.world_size)
         watch.fit_over, watch.stopped = False, None  # a new fit in a process whose watchdog served one before
+        watch.batches, watch.done = {}, {}  # and its loops' counts
         watch.alive()
         launched.remember(_lightning.launched_ranks(trainer.strategy), trainer.global_rank + 1)
         if trainer.world_size > 1:  # where a peer on this host reads it, should its Python stop (run/frozen.py)
@@ -105,6 +106,7 @@ class CollectiveRecorder(LeanCallback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         self.collective_record.mark(self._step, "the end of the step")
         watchdog.beat(trainer.global_step)
+        watchdog.batch_done("training")
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -118,7 +120,8 @@ class CollectiveRecorder(LeanCallback):
 
     @override
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        watchdog.alive()
+        watchdog.batch_done("validation")
+        watchdog.alive()  # an evaluation's batch is progress
 
     @override
     def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -132,11 +135,13 @@ class CollectiveRecorder(LeanCallback):
 
     @override
     def on_test_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        watchdog.alive()  # a test's batch is progress, as a validation's is
+        watchdog.batch_done("test")
+        watchdog.alive()  # an evaluation's batch is progress
 
     @override
     def on_predict_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        watchdog.alive()
+        watchdog.batch_done("predict")
+        watchdog.alive()  # an evaluation's batch is progress
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

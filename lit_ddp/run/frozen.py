@@ -34,7 +34,7 @@ FIX_GIL = ("one call that holds the GIL this long (a C extension's loop, a built
 FIX_D = "a read from a disk or a network file system that does not answer: check the mount (dmesg)"
 FIX_STOPPED = "a stopped process: kill -CONT it, or let the debugger that holds it go on"
 FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())  # the futex syscall's number, where known
-LOCK_READS = 3  # a thread seen in futex() with no timeout this many times, LOCK_READ_S apart: it waits on a lock
+LOCK_READS = 3  # a thread seen in one futex() with no timeout this many times, LOCK_READ_S apart, waits on a lock
 LOCK_READ_S = 0.02
 _FRAME = re.compile(r'File "(.+)", line (\d+) in (\S+)')
 
@@ -110,6 +110,7 @@ def waits_on_lock(tid: int) -> bool:
     events, queues, conditions and joins built on them, wait in ``futex()`` with a null timeout (the syscall's fourth
     argument in /proc/self/task/<tid>/syscall); ``time.sleep``, a socket's read, the GIL's timed wait and a wait with
     a timeout do not. False where /proc does not tell (not Linux, another architecture, no access)."""
+    seen = set()
     for read in range(LOCK_READS):
         try:
             with open(f"/proc/self/task/{tid}/syscall") as file:
@@ -118,9 +119,10 @@ def waits_on_lock(tid: int) -> bool:
             return False
         if FUTEX is None or len(words) < 5 or words[0] != str(FUTEX) or int(words[4], 16) != 0:
             return False
+        seen.add(words[1])  # the futex's address: a busy consumer's fresh waits would show others
         if read < LOCK_READS - 1:
             time.sleep(LOCK_READ_S)
-    return True
+    return len(seen) == 1
 
 
 def _state(pid: int) -> str:

@@ -89,7 +89,8 @@ class Watchdog:
         self.left = False  # this process is past its script (at exit)
         self.fit_over = False  # its fit's training ended: what the rank does next is the user's, even alone
         self.stopped: Optional[user_source.Stopped] = None  # its fit ended on ``trainer.should_stop``
-        self.batches: dict[str, int] = {}  # each loop's batches on this rank, where known (``count_batches``)
+        self.batches: dict[str, int] = {}  # each loop's batches on this rank where known, and how many it finished
+        self.done: dict[str, int] = {}
         self.store: Optional[Any] = None  # the rendezvous store, once there is one
         self._since: Optional[float] = None  # the stop being reported: its last progress
         self._published_at = self._first_published_at = 0.0
@@ -271,6 +272,7 @@ class Watchdog:
             "logged": reduced.key if reduced is not None else "",
             "logged_in": reduced.hook if reduced is not None else "",
             "batches": self.batches,
+            "done": self.done,
             "on_lock": kind == "busy" and frozen.waits_on_lock(threading.main_thread().native_id),
             "stopped": self.stopped.text() if self.stopped is not None else "",
             "stack": [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames[-STACK_FRAMES:]],
@@ -382,11 +384,15 @@ def fit_ended(stopped: Optional[user_source.Stopped] = None) -> None:
 
 
 def count_batches(loop: str, batches: float) -> None:
-    """The number of batches of a ``loop`` ("training", "validation", "test", "predict") on this rank, as it begins: a
-    divergence at its end names uneven data with each rank's count (``stopped.FIX_UNEVEN_COUNTS``). An iterable
-    dataset's (inf) is not known."""
+    """A ``loop``'s ("training", "validation", "test", "predict") batches on this rank as it begins (an iterable
+    dataset's, inf, is unknown): a divergence at its end is uneven data, each rank's count said (``stopped``)."""
     if _WATCHDOG is not None and batches != float("inf"):
-        _WATCHDOG.batches[loop] = int(batches)
+        _WATCHDOG.batches[loop], _WATCHDOG.done[loop] = int(batches), 0
+
+
+def batch_done(loop: str) -> None:  # one of its batches ended: one dict update
+    if _WATCHDOG is not None:
+        _WATCHDOG.done[loop] = _WATCHDOG.done.get(loop, 0) + 1
 
 
 def alive() -> None:

@@ -5,6 +5,7 @@ script lines it prints, its one-line refusals, and real short tunes on 2 CPU ran
 import dataclasses
 import json
 import textwrap
+import time
 from datetime import timedelta
 
 import pytest
@@ -338,4 +339,9 @@ def test_a_powersgd_start_step_of_ones_own_is_when_torchs_powersgd_starts_compre
             compressed.append(bool(configured.state.error_dict))
         assert compressed == [False] * 4 + [True] * 2
     finally:
+        # gloo's worker thread drops its last all-reduce work (whose tensors need the GIL to be freed) under the
+        # group's mutex a moment after the step; freeing DDP's reducer then, the group's destructor waits for that
+        # mutex with the GIL held: a deadlock (seen once in .ci/run, both native stacks read with py-spy). Giving
+        # the GIL up for a moment lets the worker finish first.
+        time.sleep(0.2)
         dist.destroy_process_group()

@@ -4,7 +4,10 @@ the real 2-rank runs are in tests/test_hangs.py (``hung_runs``)."""
 import itertools
 import json
 import os
+import sys
 import threading
+import time
+import traceback
 
 import pytest
 
@@ -377,6 +380,36 @@ def test_in_a_collective_is_read_from_the_main_threads_stack():
     assert not in_collective([user])
     assert not in_collective([Frame(torch_dist, 1, "barrier"), user])  # the user's frame is innermost
     assert in_collective([user, Frame("/x/site-packages/torch/autograd/graph.py", 9, "_engine_run_backward")])
+
+
+@pytest.mark.parametrize("how", ["event", "queue", "child"])
+def test_a_wait_on_an_event_a_queue_or_a_child_process_is_not_a_collectives(how, tmp_path):
+    """Their ``.wait()`` has Python below it (threading's, queue's, subprocess's frames): only a ``.wait()`` that is
+    the innermost frame (a Work's: C below it) is a collective's. Read from a real thread's real stack."""
+    import queue
+    import subprocess
+
+    from lit_ddp.analysis.flight_recorder import Frame
+
+    event, box = threading.Event(), queue.Queue()
+    child = subprocess.Popen(["sleep", "30"]) if how == "child" else None
+    waits = {"event": lambda: event.wait(), "queue": lambda: box.get(), "child": lambda: child.wait()}[how]
+    thread = threading.Thread(target=waits, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.3)
+        stack = traceback.extract_stack(sys._current_frames()[thread.ident])
+        frames = [Frame(f.filename, f.lineno or 0, f.name, f.line or "") for f in stack]
+        assert any(".wait()" in f.line or ".get()" in f.line for f in frames)  # the user's line is a wait
+        assert not in_collective(frames)
+        assert in_collective([*frames[:-2], Frame(frames[-1].filename, 1, "wait", "work.wait()")])  # innermost
+    finally:
+        event.set()
+        box.put(None)
+        if child is not None:
+            child.kill()
+            child.wait()
+        thread.join(5)
 
 
 def test_a_watchdog_carried_over_by_a_fork_or_left_by_an_ended_fit_is_not_used(monkeypatch):

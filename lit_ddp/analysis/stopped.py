@@ -50,12 +50,13 @@ FIX_PARTITION = ("a node cut off (a partition): check that every node reaches MA
 
 def in_collective(frames: list[Frame]) -> bool:
     """The main thread waits in a collective: its innermost frames are torch.distributed's, or DDP's backward
-    (its gradient all-reduce), or a ``.wait()`` on a collective's work."""
-    for frame in reversed(frames):
+    (its gradient all-reduce), or the innermost is a ``.wait()`` on a collective's work (a C call: no frame below
+    it). A ``.wait()`` with Python below it is an event's, a queue's, a thread's or a process's, not a collective's."""
+    for depth, frame in enumerate(reversed(frames)):
         path = frame.filename.replace(os.sep, "/")
         if "/torch/distributed/" in path or path.endswith("/torch/autograd/graph.py"):
             return True
-        if ".wait()" in (frame.line or ""):
+        if depth == 0 and ".wait()" in (frame.line or ""):
             return True
         if not os.path.abspath(frame.filename).startswith(LIBRARIES):
             return False  # the user's own frame: whatever it calls below is not torch.distributed's

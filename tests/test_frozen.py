@@ -71,6 +71,26 @@ def test_a_process_in_a_call_that_holds_the_gil_is_read_at_its_line_then_stopped
 
 
 @pytest.mark.timeout(30)
+def test_a_process_without_faulthandlers_handler_is_not_sent_its_signal(holder, tmp_path):
+    """A rank past its faulthandler (its interpreter finalizing after an error) would be killed by the signal, and
+    its death read as a signal's (a new user's case: exit -12, "look for the out-of-memory killer")."""
+    proc, _ = holder
+    assert frozen.catches(proc.pid, frozen.DUMP_SIGNAL)
+    plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.5)  # into its sleep, past the interpreter's start
+        assert not frozen.catches(plain.pid, frozen.DUMP_SIGNAL)
+        (tmp_path / "dump").write_text("")
+        assert frozen.look(plain.pid, str(tmp_path / "dump")) is None
+        time.sleep(0.3)
+        assert plain.poll() is None  # not killed by SIGUSR2's default action
+    finally:
+        plain.kill()
+        plain.wait(timeout=10)
+    assert not frozen.catches(plain.pid, frozen.DUMP_SIGNAL)  # gone: nothing to send to
+
+
+@pytest.mark.timeout(30)
 def test_a_peer_reads_the_silent_ranks_on_its_host_that_published(holder):
     proc, path = holder
     store = dist.HashStore()

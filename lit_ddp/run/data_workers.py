@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from lit_ddp import _torch
 from lit_ddp.analysis.flight_recorder import Frame, user_frame
+from lit_ddp.run import frozen
 
 WORKER_SIGNAL = signal.SIGUSR2  # a DataLoader worker writes its stack on it (faulthandler, inherited at fork)
 
@@ -56,7 +57,7 @@ class Workers:
         return ""
 
     def _line(self, pid: int) -> str:
-        if self._file is None:
+        if self._file is None or not frozen.catches(pid, WORKER_SIGNAL):
             return ""
         self._file.seek(0)
         self._file.truncate()

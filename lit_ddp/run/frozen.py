@@ -83,7 +83,7 @@ def look(pid: int, path: str, stopped_s: Optional[float] = None, stack: bool = T
         return Seen(f"(pid {pid}) is gone: it died", FIX_DEAD)  # a zombie: dead, not yet reaped by its parent
     if state in ("T", "t"):
         return Seen(f"(pid {pid}) is stopped (state {state}: SIGSTOP, Ctrl-Z or a debugger)", FIX_STOPPED)
-    if not stack:
+    if not stack or not catches(pid, DUMP_SIGNAL):  # a rank past its faulthandler (its exit) would die of it
         return None
     try:
         before = os.path.getsize(path)
@@ -123,6 +123,17 @@ def waits_on_lock(tid: int) -> bool:
         if read < LOCK_READS - 1:
             time.sleep(LOCK_READ_S)
     return len(seen) == 1
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` now (SigCgt of /proc/<pid>/status): faulthandler's is
+    taken down as the interpreter finalizes, and the signal's default action then kills the process."""
+    try:
+        with open(f"/proc/{pid}/status") as file:
+            caught = next(int(line.split()[1], 16) for line in file if line.startswith("SigCgt:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return bool(caught >> (signum - 1) & 1)
 
 
 def _state(pid: int) -> str:

@@ -75,7 +75,8 @@ def test_the_runner_reads_the_output_and_finds_and_kills_what_the_job_left(tmp_p
 # A representative part of the zoo: different causes, each case's run short on 2 CPU ranks. The start of a script
 # of one's own (lit_ddp.run.start_watch): prepare_data_barrier, rank1_never_joins, ok_long_prepare_data.
 PART = ("sync_dist_keys", "epoch_end_log_rank0_ckpt", "rank1_sleeps", "worker_stuck", "rank1_exits",
-        "prepare_data_barrier", "rank1_never_joins", "ok_straggler", "ok_long_prepare_data")  # fmt: skip
+        "prepare_data_barrier", "rank1_never_joins", "unused_branch_later", "ok_straggler",
+        "ok_long_prepare_data")  # fmt: skip
 TIMEOUT_S = 60  # also the rendezvous': rank 1 took up to 30 s to start with five of the part's jobs at once
 
 
@@ -110,6 +111,16 @@ def test_a_zoo_hang_is_named_and_ends(zoo_runs, name):
 @pytest.mark.parametrize("name", HANGS)
 def test_a_zoo_hang_leaves_nothing_running(zoo_runs, name):
     assert zoo_runs[name].left == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_that_raised_leaves_at_once_and_its_peer_is_not_left_to_time_out(zoo_runs):
+    """unused_branch_later: rank 1 raises at its forward with its end-of-step collective started. Left to free its
+    process group at exit, gloo's destructor waited in that collective until the timeout, and rank 0's collective
+    timed out too; leaving at once, its peer sees the connection close (lit_ddp.run.hangs._leave_at_once)."""
+    output = zoo_runs["unused_branch_later"].output
+    assert "Timed out" not in output, output[-3000:]
 
 
 @pytest.mark.slow

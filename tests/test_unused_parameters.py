@@ -13,6 +13,7 @@ from torch.multiprocessing import ProcessRaisedException
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp.analysis.run_analysis import analyze
+from lit_ddp.measure.gradients import LIGHTNING_UNUSED, name_unused
 from lit_ddp.callbacks import CommMonitor
 from lit_ddp.present.comm import comm_table
 from lit_ddp.records.schema import load_run
@@ -72,3 +73,33 @@ def test_a_model_whose_parameters_all_take_part_passes(make_trainer):
     model = LinearRegression(dim=16)
     make_trainer(max_steps=2, callbacks=[CommMonitor()]).fit(model, FixedBatchDataModule(dim=16, batch_size=4))
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("words", [
+    "Expected to have finished reduction in the prior iteration before starting a new one. This error indicates ...",
+    f"{LIGHTNING_UNUSED}, you must enable the detection of unused parameters in DDP, ...",  # Lightning's, in place
+])  # fmt: skip
+def test_a_parameter_left_out_after_the_first_step_is_named_by_ddps_error_at_the_next_forward(words):
+    """A branch one rank takes at step 2 only: DDP (or Lightning, in its words) fails at step 3's forward without a
+    name; the gradients are still step 2's (Lightning zeroes them after training_step), so the error is made to
+    name the rank and the parameters."""
+    model = WithUnusedLayer(dim=4)
+    for name, p in model.named_parameters():
+        if not name.startswith("unused."):
+            p.grad = torch.zeros_like(p)
+    error = RuntimeError(words)
+    name_unused(error, model, step=3, rank=1)
+    assert str(error).startswith("It looks like your LightningModule has parameters that were not used in producing "
+                                 "the loss returned by training_step: 2 parameter(s) got no gradient in step 2 on "
+                                 "rank 1: unused.weight, unused.bias; DDP would wait")  # fmt: skip
+    again = str(error)
+    name_unused(error, model, step=3, rank=1)
+    assert str(error) == again  # named once
+    other = RuntimeError("Connection closed by peer")
+    name_unused(other, model, step=3, rank=1)
+    assert str(other) == "Connection closed by peer"
+    model.unused.weight.grad = torch.zeros_like(model.unused.weight)
+    model.unused.bias.grad = torch.zeros_like(model.unused.bias)
+    untouched = RuntimeError(words)
+    name_unused(untouched, model, step=3, rank=1)  # every parameter got one: DDP's words stay
+    assert str(untouched) == words

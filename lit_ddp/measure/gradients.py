@@ -30,10 +30,34 @@ def check_all_used(module: nn.Module, step: int, advice: Advice = CLI, rank: Opt
     ``rank``, where given: a branch some ranks take), and the setting that lets DDP search for them (phrased for
     where it is read: ``advice``)."""
     missing = without_grad(module)
-    if not missing:
+    if missing:
+        raise UnusedParametersError(_unused(missing, step, advice, rank))
+
+
+def name_unused(exception: BaseException, module: nn.Module, step: int, advice: Advice = CLI,
+                rank: Optional[int] = None) -> None:  # fmt: skip
+    """DDP's error at ``step``'s forward (or Lightning's words for it, which drop DDP's indices) where a parameter got
+    no gradient in the step before, on this rank only (a branch taken after the first step, which ``check_all_used``
+    read): the message made to name the rank and the parameters, read now (their ``.grad`` is still None: Lightning
+    zeroes the gradients after ``training_step``, before ``backward``)."""
+    text = str(exception)
+    if not (DDP_UNFINISHED in text or text.startswith(LIGHTNING_UNUSED)):
         return
+    missing = without_grad(module)
+    if missing:
+        exception.args = (_unused(missing, step - 1, advice, rank),)
+
+
+DDP_UNFINISHED = "Expected to have finished reduction in the prior iteration"  # DDP's reducer, at the next forward
+LIGHTNING_UNUSED = (  # DDPStrategy.on_exception's words in place of DDP's (Lightning 2.x)
+    "It looks like your LightningModule has parameters that were not used in producing the loss returned by "
+    "training_step. If this is intentional"
+)
+
+
+def _unused(missing: list[tuple[str, int]], step: int, advice: Advice, rank: Optional[int]) -> str:
     names = ", ".join(name for name, _ in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-    raise UnusedParametersError(  # opening with Lightning's words for DDP's error, which users and tests look for
+    return (  # opening with Lightning's words for DDP's error, which users and tests look for
         "It looks like your LightningModule has parameters that were not used in producing the loss returned by "
         f"training_step: {len(missing)} parameter(s) got no gradient in step {step}"
         f"{f' on rank {rank}' if rank is not None else ''}: {names}; DDP would wait for them "

@@ -13,7 +13,9 @@ node) cannot ask it: the store's client has no timeout of its own there, so its 
 rank names rank 0's node as lost.
 """
 
+import atexit
 import json
+import logging
 import os
 import sys
 import threading
@@ -30,8 +32,10 @@ from lit_ddp import _torch
 from lit_ddp.analysis.divergence import RankReport, divergences, first_cause, never_arrived, ranks_named
 from lit_ddp.analysis.flight_recorder import dumps_divergence
 from lit_ddp.analysis.stopped import FIX_PARTITION
+from lit_ddp.errors import EXIT_FAILED
 from lit_ddp.measure.collectives import CollectiveRecord, frame_of
-from lit_ddp.run import frozen
+from lit_ddp.measure.gradients import name_unused
+from lit_ddp.run import console, frozen
 from lit_ddp.run.roles import NamesPendingCollective
 
 WAIT_S = 5.0  # for the other ranks that failed to fail too and leave their reports
@@ -167,6 +171,8 @@ def diagnose(trainer: Trainer, exception: BaseException, ranks_per_node: Optiona
     world_size, rank = trainer.world_size, trainer.global_rank
     if getattr(exception, "lit_ddp_named", False):
         return
+    # A parameter this rank left out of a step after the first (DDP's error at the next forward): named, by rank
+    name_unused(exception, trainer.lightning_module, trainer.global_step, console.advice(trainer), rank)
     kind = failure_kind(exception)
     # A peer's failure seen from here, not a cause of its own (the launcher ends the job with the first cause).
     exception.lit_ddp_consequence = kind != "exception"
@@ -174,6 +180,8 @@ def diagnose(trainer: Trainer, exception: BaseException, ranks_per_node: Optiona
         return
     if kind == "exception":
         leave_error_file()
+    atexit.unregister(_leave_at_once)
+    atexit.register(_leave_at_once)
     store = _torch.default_store()
     if store is None:
         return
@@ -215,6 +223,20 @@ def diagnose(trainer: Trainer, exception: BaseException, ranks_per_node: Optiona
     if not lines:
         return
     _conclude(exception, lines[0])  # the job's last line (the launcher's, or the rank's traceback) is it
+
+
+def _leave_at_once() -> None:
+    """An ``atexit`` handler that ``diagnose`` registers on a rank that failed: where the error went uncaught (its
+    traceback printed), the rank leaves without freeing its process group. gloo's destructor joins worker threads
+    that wait in a collective the peers will never call (a rank that skipped a parameter's gradient had started its
+    end-of-step collective) until the timeout, and the launcher, seeing the rank alive, waits as long."""
+    if getattr(sys, "last_exc", None) is None and getattr(sys, "last_value", None) is None:
+        return  # the error was caught: the process goes on, and ends as any other
+    if dist.is_available() and dist.is_initialized():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_FAILED)
 
 
 # NCCL's Flight Recorder dumps on a watchdog timeout where these are set: each setting under every name torch 2.11

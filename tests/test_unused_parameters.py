@@ -13,8 +13,8 @@ from torch.multiprocessing import ProcessRaisedException
 
 from lit_ddp import FixedBatchDataModule, LinearRegression
 from lit_ddp.analysis.run_analysis import analyze
-from lit_ddp.measure.gradients import LIGHTNING_UNUSED, name_unused
 from lit_ddp.callbacks import CommMonitor
+from lit_ddp.measure.gradients import LIGHTNING_UNUSED, name_unused
 from lit_ddp.present.comm import comm_table
 from lit_ddp.records.schema import load_run
 from lit_ddp.run.lifecycle import exit_code

@@ -10,10 +10,12 @@ subclass the two launchers (exported here under public names) and override ``_ca
 ``_wrapping_function``; everything else private is reached through the functions below and nowhere else.
 """
 
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NamedTuple, Optional
 
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.fabric.utilities import distributed as fabric_distributed
 from lightning.pytorch import Trainer
 from lightning.pytorch.loops.fetchers import _DataFetcher, _PrefetchDataFetcher
@@ -80,6 +82,7 @@ PRIVATE_NAMES = [
     PrivateName(
         fabric_distributed, "_InfiniteBarrier", "the barrier around prepare_data: the watchdog names a rank in it"
     ),
+    PrivateName(_ChildProcessObserver, "_terminate_all", "the `ddp` launcher's SIGKILL of every rank and itself"),
 ]
 
 
@@ -147,6 +150,22 @@ def launched_ranks(strategy: DDPStrategy) -> Optional[list]:
     """The ``ddp`` launcher's child processes (ranks 1..N-1 of this node), or None under any other launcher."""
     launcher = strategy._launcher
     return launcher.procs if isinstance(launcher, _SubprocessScriptLauncher) else None
+
+
+def before_the_observer_kills(action: Callable[[], None]) -> None:
+    """Lightning's child-process observer (a thread of rank 0 of its ``ddp`` launcher) SIGKILLs every rank and this
+    process when one rank exits with an error: ``action`` runs first (once, however often this is called)."""
+    for thread in threading.enumerate():
+        if isinstance(thread, _ChildProcessObserver) and not getattr(thread, "lit_ddp_first", False):
+            thread._terminate_all, thread.lit_ddp_first = _first(action, thread._terminate_all), True
+
+
+def _first(action: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        action()
+        then()
+
+    return both
 
 
 def launched_pids(strategy: DDPStrategy) -> list[int]:

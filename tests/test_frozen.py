@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from benchmarks.hang_zoo.run import load, run_case
 from lit_ddp.analysis.divergence import RankReport, never_arrived
-from lit_ddp.analysis.stopped import FIX_DEAD, FIX_LOCK, waiting_line
-from lit_ddp.run import frozen, watchdog
+from lit_ddp.analysis.stopped import FIX_CHILD, FIX_DEAD, FIX_LOCK, waiting_line
+from lit_ddp.run import frozen, launched, watchdog
 
 HOLDS = """\
 import faulthandler, os, signal, tempfile
@@ -155,16 +155,53 @@ def test_a_thread_that_waits_on_a_lock_with_no_timeout_is_told_from_one_that_sle
     held.release(), never.set(), empty.put(None)
 
 
+@pytest.mark.skipif(frozen.WAIT4 is None or not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/syscall"),
+                    reason="reads /proc/self/task/<tid>/syscall on x86_64 or aarch64 Linux")  # fmt: skip
+def test_a_thread_that_waits_for_a_child_process_is_told_with_the_childs_pid_and_command():
+    """subprocess.run's wait (wait4) names the child; a lock stays "lock", a sleep nothing."""
+    child = subprocess.Popen(["sleep", "30"])
+    held = threading.Lock()
+    held.acquire()
+    waits = {"child": child.wait, "run": lambda: subprocess.run(["sleep", "30"]), "lock": held.acquire,
+             "sleep": lambda: time.sleep(3)}  # fmt: skip
+    threads = {name: threading.Thread(target=wait, daemon=True) for name, wait in waits.items()}
+    for thread in threads.values():
+        thread.start()
+    time.sleep(0.3)
+    seen = {name: frozen.waits_on(thread.native_id) for name, thread in threads.items()}
+    ran = [pid for pid in launched.descendants(os.getpid()) if pid != child.pid]
+    assert seen == {"child": f"child process {child.pid} (sleep 30)", "run": f"child process {ran[0]} (sleep 30)",
+                    "lock": "lock", "sleep": ""}  # fmt: skip
+    held.release()
+    launched.kill_below(os.getpid())  # both sleeps
+    child.wait(timeout=10)
+    threads["run"].join(timeout=10)
+    assert launched.descendants(os.getpid()) == []
+
+
+def test_a_rank_waiting_for_its_child_is_said_to_with_the_childs_fix():
+    report = RankReport(1, 0.0, "busy", "", 's.py:17 training_step: subprocess.run(["sleep", "3600"])', 3,
+                        "training_step", [])  # fmt: skip
+    waiting = RankReport(0, 0.0, "collective", "", "", 3, "backward", [])
+    states = {0: {"rank": 0, "stopped_s": 12.0, "report": waiting.as_json(), "stack": []},
+              1: {"rank": 1, "stopped_s": 12.0, "report": report.as_json(), "stack": [],
+                  "waits_on": "child process 77 (sleep 3600)"}}  # fmt: skip
+    line = waiting_line(states, 2)
+    assert "outside any collective, waiting for its child process 77 (sleep 3600);" in line, line
+    assert line.endswith(f" -> {FIX_CHILD}") and "hung" not in line
+
+
 def test_a_rank_on_a_lock_is_said_to_wait_on_it_with_the_locks_fix():
     report = RankReport(1, 0.0, "busy", "", "s.py:19 training_step: with LOCK:", 3, "training_step", [])
     waiting = RankReport(0, 0.0, "collective", "", "", 3, "backward", [])
     states = {0: {"rank": 0, "stopped_s": 12.0, "report": waiting.as_json(), "stack": []},
-              1: {"rank": 1, "stopped_s": 12.0, "report": report.as_json(), "stack": [], "on_lock": True}}  # fmt: skip
+              1: {"rank": 1, "stopped_s": 12.0, "report": report.as_json(), "stack": [],
+                  "waits_on": "lock"}}  # fmt: skip
     line = waiting_line(states, 2)
     assert ("rank 1 has been at s.py:19 training_step: with LOCK: for 12 s (step 3, training_step), outside any "
             "collective, in a wait with no timeout on a lock of its own process") in line, line  # fmt: skip
     assert line.endswith(f" -> {FIX_LOCK}")
-    states[1]["on_lock"] = False
+    states[1]["waits_on"] = ""
     assert FIX_LOCK not in waiting_line(states, 2)
 
 

@@ -109,3 +109,21 @@ def test_lightning_passes_over_the_batch_hooks_a_lean_callback_does_not_override
     assert calls == ["Lean.on_train_batch_end", "Lean.on_train_batch_end", "Users.on_train_batch_end",
                      "Lean.on_train_batch_end"]  # fmt: skip
     assert Callback.on_before_backward is not None  # the class itself is untouched
+
+
+def test_before_lightnings_observer_kills_everything_our_action_runs_first():
+    """A real observer thread (Lightning's ``ddp`` launcher starts one in rank 0), told to kill a stand-in process
+    instead of this one: the action runs first, then Lightning's SIGKILL, and a second call wraps nothing again."""
+    import subprocess
+
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
+    stand_in = subprocess.Popen(["sleep", "30"])
+    observer = _ChildProcessObserver(main_pid=stand_in.pid, child_processes=[], sleep_period=3600)
+    observer.start()
+    seen = []
+    _lightning.before_the_observer_kills(lambda: seen.append(stand_in.poll()))
+    _lightning.before_the_observer_kills(lambda: seen.append("again"))
+    observer._terminate_all()
+    assert seen == [None]  # the stand-in still alive when the action ran, and one action only
+    assert stand_in.wait(timeout=10) == -9

@@ -44,6 +44,11 @@ FIX_DEAD = ("a rank that died: its own error is in its log; killed by a signal w
 FIX_LOCK = ("a wait with no timeout on a lock, event, queue or thread of its own process: work that a thread ends "
             "goes on; where none will (a deadlock, a holder that died), py-spy dump --pid shows every thread's stack, "
             "the holder's among them, and a timeout on the wait raises instead")  # fmt: skip
+# A rank outside any collective whose main thread waits in wait4() for a child process (frozen.waits_on)
+FIX_CHILD = ("a child process it waits for (subprocess.run, Popen.wait): the job goes on when it exits; where it "
+             "will not (a tool that waits for input, a stuck upload), a timeout on the wait raises instead "
+             "(subprocess.run(..., timeout=...)), and one longer than the process group's timeout needs a larger "
+             "timeout_s")  # fmt: skip
 FIX_PARTITION = ("a node cut off (a partition): check that every node reaches MASTER_ADDR:MASTER_PORT and the "
                  "others' addresses (a firewall, a route, a link down)")  # fmt: skip
 
@@ -207,8 +212,13 @@ def _doing(state: dict[str, Any]) -> str:
     if state.get("worker"):
         return f"rank {rep.rank} waits for its {state['worker']}, {state['stopped_s']:.0f} s{at}"
     where = f"at {rep.where}" if rep.where else "in " + (state["stack"][-1] if state["stack"] else "no frame")
-    on_lock = ", in a wait with no timeout on a lock of its own process" if state.get("on_lock") else ""
-    return f"rank {rep.rank} has been {where} for {state['stopped_s']:.0f} s{at}, outside any collective{on_lock}"
+    on = state.get("waits_on", "")
+    on = (
+        ", in a wait with no timeout on a lock of its own process"
+        if on == "lock"
+        else f", waiting for its {on}" * bool(on)
+    )
+    return f"rank {rep.rank} has been {where} for {state['stopped_s']:.0f} s{at}, outside any collective{on}"
 
 
 def waiting_line(states: dict[int, dict[str, Any]], world_size: int,
@@ -232,8 +242,9 @@ def _fix(states: dict[int, dict[str, Any]], silent: list[int]) -> str:
     kinds = {_report(s).kind for s in states.values()}
     if any(s.get("worker") for s in states.values()):
         return f" -> {FIX_WORKER} (the job ends at the process group's timeout, the workers with it)"
-    if "busy" in kinds and kinds & {"collective", "barrier"} and any(s.get("on_lock") for s in states.values()):
-        return f" -> {FIX_LOCK}"
+    waits_on = {s.get("waits_on", "").partition(" ")[0] for s in states.values()}  # "lock", "child"
+    if "busy" in kinds and kinds & {"collective", "barrier"} and waits_on & {"lock", "child"}:
+        return f" -> {FIX_LOCK if 'lock' in waits_on else FIX_CHILD}"
     if "busy" in kinds and kinds & {"collective", "barrier"}:
         return (" -> the others wait for it: work (a checkpoint, an evaluation) ends and the job goes on; "
                 "work longer than the process group's timeout: raise timeout_s (work that never ends stops "

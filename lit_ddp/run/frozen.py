@@ -34,6 +34,7 @@ FIX_GIL = ("one call that holds the GIL this long (a C extension's loop, a built
 FIX_D = "a read from a disk or a network file system that does not answer: check the mount (dmesg)"
 FIX_STOPPED = "a stopped process: kill -CONT it, or let the debugger that holds it go on"
 FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())  # the futex syscall's number, where known
+WAIT4 = {"x86_64": 61, "aarch64": 260}.get(platform.machine())  # wait4's: a wait for a child process to exit
 LOCK_READS = 3  # a thread seen in one futex() with no timeout this many times, LOCK_READ_S apart, waits on a lock
 LOCK_READ_S = 0.02
 _FRAME = re.compile(r'File "(.+)", line (\d+) in (\S+)')
@@ -123,6 +124,30 @@ def waits_on_lock(tid: int) -> bool:
         if read < LOCK_READS - 1:
             time.sleep(LOCK_READ_S)
     return len(seen) == 1
+
+
+def waits_on(tid: int) -> str:
+    """What this process's thread ``tid`` waits on in the kernel with no end of its own: ``"lock"``
+    (``waits_on_lock``), ``"child process 123 (sleep 3600)"`` where it waits in ``wait4()`` for a child to exit
+    (``subprocess.run``, ``Popen.wait``, ``os.waitpid``), else ``""``."""
+    if waits_on_lock(tid):
+        return "lock"
+    try:
+        with open(f"/proc/self/task/{tid}/syscall") as file:
+            words = file.read().split()
+    except OSError:
+        return ""
+    if WAIT4 is None or len(words) < 2 or words[0] != str(WAIT4):
+        return ""
+    pid = int(words[1], 16)
+    if not 0 < pid < 2**31:  # -1 (any child) and the like
+        return "child process"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as file:
+            command = file.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        command = ""
+    return f"child process {pid}" + (f" ({command[:80]})" if command else "")
 
 
 def catches(pid: int, signum: int) -> bool:

@@ -35,7 +35,7 @@ from lit_ddp.analysis.stopped import FIX_PARTITION
 from lit_ddp.errors import EXIT_FAILED
 from lit_ddp.measure.collectives import CollectiveRecord, frame_of
 from lit_ddp.measure.gradients import name_unused
-from lit_ddp.run import console, frozen
+from lit_ddp.run import console, frozen, launched
 from lit_ddp.run.roles import NamesPendingCollective
 
 WAIT_S = 5.0  # for the other ranks that failed to fail too and leave their reports
@@ -233,6 +233,7 @@ def _leave_at_once() -> None:
     if getattr(sys, "last_exc", None) is None and getattr(sys, "last_value", None) is None:
         return  # the error was caught: the process goes on, and ends as any other
     if dist.is_available() and dist.is_initialized():
+        launched.kill_below(os.getpid())  # a process it started (subprocess's: no at-fork hook) would outlive it
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

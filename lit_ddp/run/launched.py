@@ -9,11 +9,15 @@ watchdog can run. Each rank gets a short chance to exit by itself, then SIGKILL.
 """
 
 import contextlib
+import glob
+import os
+import signal
 import subprocess
 import sys
 import time
 from typing import NamedTuple, Optional
 
+from lit_ddp import _lightning
 from lit_ddp.analysis.stopped import FIX_DEAD
 from lit_ddp.errors import prog
 
@@ -32,6 +36,8 @@ def remember(procs: Optional[list[subprocess.Popen]], first_rank: int) -> None:
     """At setup in the launching rank (``CollectiveRecorder.setup``): the ranks it started, for ``stop_all``."""
     global _LAUNCHED
     _LAUNCHED = Launched(procs, first_rank) if procs else None
+    if procs:  # Lightning's observer SIGKILLs the ranks and this process when one fails: their children first
+        _lightning.before_the_observer_kills(lambda: kill_below(os.getpid()))
 
 
 def stop(procs: list[subprocess.Popen], first_rank: int, wait_s: float = 1.0, name_dead: bool = True) -> None:
@@ -52,10 +58,12 @@ def stop(procs: list[subprocess.Popen], first_rank: int, wait_s: float = 1.0, na
     if name_dead:
         for pid in failed:
             print(f"{prog()}: rank {ranks[pid]} exited with code {codes[pid]} -> {FIX_DEAD}", file=sys.stderr)
+    below = [pid for proc in procs if proc.poll() is None for pid in descendants(proc.pid)]  # before they lose them
     for proc in procs:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
+    _kill(below)
     for proc in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=1.0)  # reaped: gone from the process table before this rank exits
@@ -65,3 +73,29 @@ def stop_all(wait_s: float = 1.0) -> None:
     """The ranks ``remember`` holds, stopped (``stop``) without naming any: the caller's line was the last word."""
     if _LAUNCHED is not None:
         stop(_LAUNCHED.procs, _LAUNCHED.first_rank, wait_s, name_dead=False)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, its children's children too (/proc/<pid>/task/<tid>/children, Linux): a rank's
+    DataLoader workers die with it (PR_SET_PDEATHSIG at their fork), but a process it started through ``subprocess``
+    (an upload, a tool; ``_posixsubprocess`` runs no at-fork hook) would outlive it."""
+    found, todo = [], [pid]
+    while todo:
+        for children in glob.glob(f"/proc/{todo.pop()}/task/*/children"):
+            with contextlib.suppress(OSError, ValueError):
+                with open(children) as file:
+                    kids = [int(kid) for kid in file.read().split()]
+                found += kids
+                todo += kids
+    return found
+
+
+def kill_below(pid: int) -> None:
+    """SIGKILL to every process below ``pid`` (``descendants``): before ``pid`` itself exits, or is killed."""
+    _kill(descendants(pid))
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)

@@ -18,7 +18,6 @@ import atexit
 import contextlib
 import itertools
 import json
-import multiprocessing
 import os
 import statistics
 import sys
@@ -273,7 +272,7 @@ class Watchdog:
             "logged_in": reduced.hook if reduced is not None else "",
             "batches": self.batches,
             "done": self.done,
-            "on_lock": kind == "busy" and frozen.waits_on_lock(threading.main_thread().native_id),
+            "waits_on": frozen.waits_on(threading.main_thread().native_id) if kind == "busy" else "",
             "stopped": self.stopped.text() if self.stopped is not None else "",
             "stack": [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames[-STACK_FRAMES:]],
         }
@@ -327,9 +326,8 @@ def _callback_of(frame) -> str:
 
 
 def _exit() -> None:
-    for child in multiprocessing.active_children():  # its DataLoader workers, which may be stuck themselves
-        child.kill()
     launched.stop_all()  # rank 0 of Lightning's ddp launcher: the ranks it started, frozen ones too
+    launched.kill_below(os.getpid())  # its DataLoader workers (stuck themselves, maybe), any process it started
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(EXIT_FAILED)

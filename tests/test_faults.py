@@ -139,8 +139,9 @@ def test_a_hung_rank_ends_the_job_after_the_timeout(tmp_path):
                      run.stderr, re.M), run.stderr[-2000:]  # fmt: skip
     assert re.search(r"^lit-ddp-fit: rank 0 .*: rank\(s\) \[1\] never arrived at the collective of step 3; "
                      r"rank\(s\) \[0\] waited there until the timeout \(in collective #\d+, all_reduce Float\[4160\] "
-                     r"\(DDP gradient bucket 0\) at step 3, backward; rank\(s\) \[1\] sent no report: late, not "
-                     r"diverged\)$", run.stderr,
+                     r"\(DDP gradient bucket 0\) at step 3, backward; (rank\(s\) \[1\] sent no report: late, not "
+                     r"diverged|rank 1 has been at faults.py:\d+ on_train_batch_start: time.sleep\(1\) .*outside any "
+                     r"collective)\)( -> .*)?$", run.stderr,
                      re.M), run.stderr[-2000:]  # fmt: skip
     assert run.stderr.rstrip().splitlines()[-1].startswith("lit-ddp-fit: rank 0 exited with code 1: ")  # the cause last
     assert "Step 2, Loss" not in run.stdout

@@ -216,3 +216,16 @@ def test_a_rank_that_holds_the_gil_is_named_at_its_line_and_left_running_by_none
     last = [line for line in result.output.splitlines() if "never arrived" in line][-1]
     assert "rank 1 has been at rank1_holds_the_gil.py:16 training_step: sum(range(10**11))" in last, last
     assert "exited with code" not in result.output  # it was killed, not named as dead
+
+
+def test_at_the_timeout_a_rank_outside_any_collective_is_said_from_its_last_state_with_its_fix():
+    from lit_ddp.analysis.stopped import FIX_CHILD, FIX_LONGER, FIX_WORKER, said_at_the_timeout
+
+    report = RankReport(1, 0.0, "busy", "", "s.py:9 training_step: work()", 3, "training_step", [])
+    state = {"rank": 1, "stopped_s": 40.0, "report": report.as_json(), "stack": []}
+    doing = "has been at s.py:9 training_step: work() for 40 s (step 3, training_step), outside any collective"
+    assert said_at_the_timeout(state) == (doing, FIX_LONGER)
+    assert said_at_the_timeout({**state, "waits_on": "lock"})[1] == FIX_LOCK
+    child = said_at_the_timeout({**state, "waits_on": "child process 7 (sleep 9)"})
+    assert child == (f"{doing}, waiting for its child process 7 (sleep 9)", FIX_CHILD)
+    assert said_at_the_timeout({**state, "worker": "DataLoader worker 0 (pid 8)"})[1] == FIX_WORKER

@@ -299,7 +299,8 @@ def last_line(stderr: str) -> str:
                          r"Float\[9\] \(DDP gradient bucket 0\) at step 3, backward"),
         ("sleep", r"rank\(s\) \[1\] never arrived at the collective of step 3; rank\(s\) \[0\] waited there until the "
                   r"timeout \(in collective #\d+, all_reduce Float\[9\] \(DDP gradient bucket 0\) at step 3, backward; "
-                  r"rank\(s\) \[1\] sent no report: late, not diverged\)"),
+                  r"(rank\(s\) \[1\] sent no report: late, not diverged|rank 1 has been at hang_scripts.py:\d+ "
+                  r"training_step: time.sleep\(3600\) for \d+ s \(step 3, training_step\), outside any collective)\)"),
     ],
 )  # fmt: skip
 def test_a_hang_ends_naming_the_divergence(hung_runs, case, pattern):
@@ -339,7 +340,8 @@ def test_a_hang_in_which_rank_0_never_arrives_names_rank_0(hung_runs):
     assert re.search(
         r"^RuntimeError: rank\(s\) \[0\] never arrived at the collective of step 3; rank\(s\) \[1\] waited there "
         r"until the timeout \(in collective #\d+, all_reduce Float\[9\] \(DDP gradient bucket 0\) at step 3, "
-        r"backward; rank\(s\) \[0\] sent no report: late, not diverged\)",
+        r"backward; (rank\(s\) \[0\] sent no report: late, not diverged|rank 0 has been at .* outside any "
+        r"collective)\)",
         last_line(stderr),
     ), stderr[-3000:]
     assert seconds < TIMEOUT_S + 60
@@ -399,6 +401,18 @@ def test_the_watchdog_names_the_rank_its_line_and_what_the_others_wait_in_long_b
     assert code == 1  # at the timeout: a wait is never ended for its length
     assert re.search(pattern, stderr, re.M), stderr[-3000:]
     assert "hung" not in stderr.partition("lit_ddp: waiting")[2].splitlines()[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_at_the_timeout_a_rank_outside_any_collective_is_named_at_its_line_not_as_silent(watchdog_runs):
+    """Its watchdog's state (published from 10 s on, the timeout at 40 s) says where it is, in the job's last line."""
+    _, _, stderr = watchdog_runs["sleep_named"]
+    named = (r"rank\(s\) \[1\] never arrived at the collective of step 3; rank\(s\) \[0\] waited there until the "
+             r"timeout \(in collective #\d+, .*; rank 1 has been at hang_scripts.py:\d+ training_step: "
+             r"time.sleep\(3600\) for \d+ s \(step 3, training_step\), outside any collective\) -> work longer than "
+             r"the process group's timeout: raise timeout_s")  # fmt: skip
+    assert re.search(named, last_line(stderr)), stderr[-3000:]
 
 
 @pytest.mark.slow

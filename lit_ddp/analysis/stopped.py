@@ -253,3 +253,15 @@ def _fix(states: dict[int, dict[str, Any]], silent: list[int]) -> str:
         return (f" -> {_ranks(silent)} sent nothing: dead, stuck in C code holding the GIL (py-spy dump --pid "
                 f"shows where), or cut off from rank 0's node; dead: {FIX_DEAD}; cut off: {FIX_PARTITION}")  # fmt: skip
     return ""
+
+
+def said_at_the_timeout(state: dict[str, Any]) -> tuple[str, str]:
+    """(doing, fix) of a rank outside any collective, from its watchdog's last state, for the line the timeout ends
+    the job with (``divergence.never_arrived``'s ``seen``): where it is and what it waits on, not "sent no report"."""
+    doing = _doing(state).removeprefix(f"rank {state['rank']} ")
+    waits_on = state.get("waits_on", "").partition(" ")[0]
+    fix = FIX_WORKER if state.get("worker") else {"lock": FIX_LOCK, "child": FIX_CHILD}.get(waits_on, FIX_LONGER)
+    return doing, fix
+
+
+FIX_LONGER = "work longer than the process group's timeout: raise timeout_s; work that never ends: its line above"

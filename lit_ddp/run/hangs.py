@@ -14,6 +14,7 @@ rank names rank 0's node as lost.
 """
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from lit_ddp import _torch
 from lit_ddp.analysis.divergence import RankReport, divergences, first_cause, never_arrived, ranks_named
 from lit_ddp.analysis.flight_recorder import dumps_divergence
-from lit_ddp.analysis.stopped import FIX_PARTITION
+from lit_ddp.analysis.stopped import FIX_PARTITION, said_at_the_timeout
 from lit_ddp.errors import EXIT_FAILED
 from lit_ddp.measure.collectives import CollectiveRecord, frame_of
 from lit_ddp.measure.gradients import name_unused
@@ -213,6 +214,7 @@ def diagnose(trainer: Trainer, exception: BaseException, ranks_per_node: Optiona
         where = next((w for c in trainer.callbacks if isinstance(c, NamesPendingCollective) and (w := c.waiting_for())),
                      f"the collective of step {report.step}")  # fmt: skip
         seen = frozen.read(store, [r for r in range(world_size) if r not in reports])  # on this host, from /proc
+        seen.update(_outside(store, [r for r in range(world_size) if r not in reports and r not in seen]))
         line = never_arrived(reports, world_size, where, ranks_per_node, seen)
         lines = [line] if line else []
     cause = first_cause(reports)
@@ -223,6 +225,19 @@ def diagnose(trainer: Trainer, exception: BaseException, ranks_per_node: Optiona
     if not lines:
         return
     _conclude(exception, lines[0])  # the job's last line (the launcher's, or the rank's traceback) is it
+
+
+def _outside(store: dist.Store, ranks: list[int]) -> dict[int, tuple[str, str]]:
+    """The ``ranks`` (which sent no failure report) whose watchdog's last state says they are outside any collective:
+    what they do there and its fix (``stopped.said_at_the_timeout``)."""
+    said = {}
+    for rank in ranks:
+        key = f"{frozen.STATE_KEY}{rank}"
+        with contextlib.suppress(Exception):  # the store's host is gone: nothing more to learn
+            state = json.loads(store.get(key)) if store.check([key]) else None
+            if state is not None and RankReport.from_json(state["report"]).kind == "busy":
+                said[rank] = said_at_the_timeout(state)
+    return said
 
 
 def _leave_at_once() -> None:

@@ -29,6 +29,8 @@ PRIVATE_NAMES = [
     ),  # fmt: skip
     PrivateName(Optimizer, "_optimizer_step_post_hooks", "the tests check that PhaseTimer removes its step hook"),
     PrivateName(distributed_c10d, "_get_default_store", "the rendezvous store, to name hung ranks after a timeout"),
+    PrivateName(distributed_c10d, "_get_default_group", "the default process group, for its timeout"),
+    PrivateName(dist.ProcessGroup, "_get_backend", "see _get_default_group: its backend, whose options hold it"),
     PrivateName(torch._C._distributed_c10d, "_dump_fr_trace", "Flight Recorder's entries, read at a failure"),
     PrivateName(torch._C._distributed_c10d, "_dump_nccl_trace", "NCCL's Flight Recorder entries (CUDA builds)"),
     PrivateName(dataloader, "_MultiProcessingDataLoaderIter", "the watchdog names the worker a rank waits on"),
@@ -93,6 +95,15 @@ def default_store() -> Optional[Any]:
     try:
         return distributed_c10d._get_default_store()
     except (RuntimeError, ValueError):
+        return None
+
+
+def default_group_timeout_s() -> Optional[float]:
+    """The default process group's timeout in seconds (its backend's options), None where it cannot be read."""
+    try:
+        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+        return distributed_c10d._get_default_group()._get_backend(device).options._timeout.total_seconds()
+    except Exception:  # no group, or a backend whose options hold none
         return None
 
 

@@ -228,7 +228,7 @@ def waiting_line(states: dict[int, dict[str, Any]], world_size: int,
     stopped = max((s["stopped_s"] for s in states.values()), default=0.0)
     seen = seen or {}
     # The ranks outside any collective first: the others wait for them.
-    order = sorted(states, key=lambda r: (_report(states[r]).kind in ("collective", "barrier"), r))
+    order = sorted(states, key=lambda r: (_report(states[r]).kind in ("collective", "barrier", "left"), r))
     parts = [f"rank {r} {doing}" for r, (doing, _) in sorted(seen.items())] + [_doing(states[r]) for r in order]
     silent = [r for r in range(world_size) if r not in states and r not in seen]
     if silent:
@@ -243,9 +243,9 @@ def _fix(states: dict[int, dict[str, Any]], silent: list[int]) -> str:
     if any(s.get("worker") for s in states.values()):
         return f" -> {FIX_WORKER} (the job ends at the process group's timeout, the workers with it)"
     waits_on = {s.get("waits_on", "").partition(" ")[0] for s in states.values()}  # "lock", "child"
-    if "busy" in kinds and kinds & {"collective", "barrier"} and waits_on & {"lock", "child"}:
+    if "busy" in kinds and kinds & {"collective", "barrier", "left"} and waits_on & {"lock", "child"}:
         return f" -> {FIX_LOCK if 'lock' in waits_on else FIX_CHILD}"
-    if "busy" in kinds and kinds & {"collective", "barrier"}:
+    if "busy" in kinds and kinds & {"collective", "barrier", "left"}:  # left: at its exit, the others wait there
         return (" -> the others wait for it: work (a checkpoint, an evaluation) ends and the job goes on; "
                 "work longer than the process group's timeout: raise timeout_s (work that never ends stops "
                 "there)")  # fmt: skip

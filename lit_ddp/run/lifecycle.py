@@ -26,13 +26,13 @@ from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 from lit_ddp import _lightning, _torch
 from lit_ddp.analysis.stopped import FIX_DEAD
 from lit_ddp.errors import AGREED_ERRORS, EXIT_FAILED, EXIT_USAGE, PROG, Ending, UsageError
-from lit_ddp.run import launched, watchdog
+from lit_ddp.run import exits, launched, watchdog
 
 # At exit, how long a rank waits in the store for the others to come there too, before it destroys its process
 # group all the same: longer than the watchdog takes to end a job whose rank waits in a collective nobody else
 # calls (a few seconds), so that its line comes first.
 EXIT_WAIT_S = 30.0
-EXIT_KEY = "lit_ddp/exit"
+EXIT_KEY = exits.EXIT_KEY
 LEFT_KEY = "lit_ddp/exit/left"  # the ranks but 0 that made their last call on the store
 LEAVE_WAIT_S = 5.0  # rank 0 waits at most this for them (they are past the meeting: milliseconds)
 TRACEBACK_LINES = 12  # of a failed rank's traceback, shown before the line that names the rank
@@ -127,10 +127,9 @@ def teardown_process_group(wait_s: float = EXIT_WAIT_S) -> None:
     if store is not None and world_size > 1:
         with contextlib.suppress(Exception):  # the store's host has gone: nobody left to wait for
             store.add(EXIT_KEY, 1)
-            deadline = time.monotonic() + wait_s
-            while (store.add(EXIT_KEY, 0) < world_size and not store.check([watchdog.ENDED_KEY])
-                   and time.monotonic() < deadline):  # fmt: skip
-                time.sleep(0.05)
+            if dist.get_rank() == 0:  # the store's host: its leaving takes the store from the others
+                wait_s = max(wait_s, _torch.default_group_timeout_s() or 0.0)
+            exits.wait_for_the_others(store, world_size, wait_s, host=dist.get_rank() == 0)
             everyone, ended = store.add(EXIT_KEY, 0) >= world_size, store.check([watchdog.ENDED_KEY])
             if ended:  # a peer's watchdog ends the job: leave it the last word
                 time.sleep(watchdog.ENDING_S + 1.0)

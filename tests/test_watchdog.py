@@ -125,9 +125,9 @@ def test_a_rank_waiting_on_its_data_worker_names_the_worker():
     states = {1: state(1, "busy", [], "script.py:50 <module>: trainer.fit(model)", worker=worker)}
     assert waiting_line(states, 2) == (
         f"waiting 12 s: rank 1 waits for its {worker}, 12 s (step 3, training_step); rank 0 sent no state (still "
-        "moving, dead, or stuck holding the GIL) -> a DataLoader worker that does not return: its line above never "
-        "ends (a read without a timeout, a lock); DataLoader(timeout=...) raises instead of waiting (the job ends "
-        "at the process group's timeout, the workers with it)"
+        "moving, dead, or stuck holding the GIL) -> a DataLoader worker it waits on: the job goes on when its line "
+        "above returns; where it will not (a read without a timeout, a lock), DataLoader(timeout=...) raises instead "
+        "of waiting (the job ends at the process group's timeout, the workers with it)"
     )
 
 

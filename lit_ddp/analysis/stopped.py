@@ -36,8 +36,8 @@ FIX_SHAPES = ("one collective with different shapes or dtypes on different ranks
 # A rank that set trainer.should_stop alone (Lightning#379): Lightning's loop stops where it is set, rank by rank.
 FIX_STOP = ("a stop decided on some ranks only: decide it on every rank together, trainer.should_stop = "
             "trainer.strategy.reduce_boolean_decision(stop, all=False)")  # fmt: skip
-FIX_WORKER = ("a DataLoader worker that does not return: its line above never ends (a read without a timeout, a "
-              "lock); DataLoader(timeout=...) raises instead of waiting")  # fmt: skip
+FIX_WORKER = ("a DataLoader worker it waits on: the job goes on when its line above returns; where it will not (a read "
+              "without a timeout, a lock), DataLoader(timeout=...) raises instead of waiting")  # fmt: skip
 FIX_DEAD = ("a rank that died: its own error is in its log; killed by a signal with none, look for the kernel's "
             "out-of-memory killer (dmesg)")  # fmt: skip
 # A rank outside any collective whose main thread waits in futex() with no timeout (lit_ddp.run.frozen.waits_on_lock)

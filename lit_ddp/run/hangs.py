@@ -181,8 +181,6 @@ def diagnose(trainer: Trainer, exception: BaseException, ranks_per_node: Optiona
         return
     if kind == "exception":
         leave_error_file()
-    atexit.unregister(_leave_at_once)
-    atexit.register(_leave_at_once)
     store = _torch.default_store()
     if store is None:
         return
@@ -240,11 +238,18 @@ def _outside(store: dist.Store, ranks: list[int]) -> dict[int, tuple[str, str]]:
     return said
 
 
+def leave_at_once_on_an_error() -> None:
+    """Registers ``_leave_at_once`` (once per process; from the watchdog's start, so that the exit handlers of what
+    the run set up later, a logger's among them, run before it)."""
+    atexit.unregister(_leave_at_once)
+    atexit.register(_leave_at_once)
+
+
 def _leave_at_once() -> None:
-    """An ``atexit`` handler that ``diagnose`` registers on a rank that failed: where the error went uncaught (its
-    traceback printed), the rank leaves without freeing its process group. gloo's destructor joins worker threads
-    that wait in a collective the peers will never call (a rank that skipped a parameter's gradient had started its
-    end-of-step collective) until the timeout, and the launcher, seeing the rank alive, waits as long."""
+    """An ``atexit`` handler: where the process ends on an uncaught error (its traceback printed), the rank leaves
+    without freeing its process group. gloo's destructor joins worker threads that wait in a collective the peers
+    will never call (a rank that skipped a parameter's gradient had started its end-of-step collective) until the
+    timeout, and the launcher, seeing the rank alive, waits as long."""
     if getattr(sys, "last_exc", None) is None and getattr(sys, "last_value", None) is None:
         return  # the error was caught: the process goes on, and ends as any other
     if dist.is_available() and dist.is_initialized():

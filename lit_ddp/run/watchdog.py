@@ -359,6 +359,7 @@ def start(rank: int, world_size: int) -> Watchdog:
     _WATCHDOG.rank, _WATCHDOG.world_size = rank, world_size
     if world_size > 1:
         _WATCHDOG.start()
+        hangs.leave_at_once_on_an_error()
     return _WATCHDOG
 
 

@@ -169,14 +169,27 @@ def test_a_thread_that_waits_for_a_child_process_is_told_with_the_childs_pid_and
         thread.start()
     time.sleep(0.3)
     seen = {name: frozen.waits_on(thread.native_id) for name, thread in threads.items()}
-    ran = [pid for pid in launched.descendants(os.getpid()) if pid != child.pid]
-    assert seen == {"child": f"child process {child.pid} (sleep 30)", "run": f"child process {ran[0]} (sleep 30)",
+    ran = int(seen["run"].split()[2])  # subprocess.run's own child
+    assert ran in launched.descendants(os.getpid()) and ran != child.pid
+    assert seen == {"child": f"child process {child.pid} (sleep 30)", "run": f"child process {ran} (sleep 30)",
                     "lock": "lock", "sleep": ""}  # fmt: skip
     held.release()
-    launched.kill_below(os.getpid())  # both sleeps
+    child.kill()
+    os.kill(ran, signal.SIGKILL)
     child.wait(timeout=10)
     threads["run"].join(timeout=10)
-    assert launched.descendants(os.getpid()) == []
+
+
+def test_every_process_below_a_rank_is_found_and_killed_grandchildren_too():
+    """A tool a rank started that started its own (a shell and its two sleeps): all three found, all killed."""
+    shell = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"])
+    time.sleep(0.3)
+    below = launched.descendants(shell.pid)
+    assert len(below) == 2 and all(frozen._state(pid) in ("S", "R") for pid in below)
+    assert set(below) < set(launched.descendants(os.getpid()))  # grandchildren of this process
+    launched.kill_below(shell.pid)
+    assert shell.wait(timeout=10) == 0  # its wait returned: both sleeps were killed
+    assert launched.descendants(shell.pid) == []
 
 
 def test_a_rank_waiting_for_its_child_is_said_to_with_the_childs_fix():

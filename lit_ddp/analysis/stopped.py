@@ -49,6 +49,7 @@ FIX_CHILD = ("a child process it waits for (subprocess.run, Popen.wait): the job
              "will not (a tool that waits for input, a stuck upload), a timeout on the wait raises instead "
              "(subprocess.run(..., timeout=...)), and one longer than the process group's timeout needs a larger "
              "timeout_s")  # fmt: skip
+FIX_LONGER = "work longer than the process group's timeout: raise timeout_s; work that never ends: its line above"
 FIX_PARTITION = ("a node cut off (a partition): check that every node reaches MASTER_ADDR:MASTER_PORT and the "
                  "others' addresses (a firewall, a route, a link down)")  # fmt: skip
 
@@ -212,12 +213,11 @@ def _doing(state: dict[str, Any]) -> str:
     if state.get("worker"):
         return f"rank {rep.rank} waits for its {state['worker']}, {state['stopped_s']:.0f} s{at}"
     where = f"at {rep.where}" if rep.where else "in " + (state["stack"][-1] if state["stack"] else "no frame")
-    on = state.get("waits_on", "")
-    on = (
-        ", in a wait with no timeout on a lock of its own process"
-        if on == "lock"
-        else f", waiting for its {on}" * bool(on)
-    )
+    on = state.get("waits_on", "")  # what its main thread waits on in the kernel: "lock", "child process 12 (...)"
+    if on == "lock":
+        on = ", in a wait with no timeout on a lock of its own process"
+    elif on:
+        on = f", waiting for its {on}"
     return f"rank {rep.rank} has been {where} for {state['stopped_s']:.0f} s{at}, outside any collective{on}"
 
 
@@ -242,9 +242,9 @@ def _fix(states: dict[int, dict[str, Any]], silent: list[int]) -> str:
     kinds = {_report(s).kind for s in states.values()}
     if any(s.get("worker") for s in states.values()):
         return f" -> {FIX_WORKER} (the job ends at the process group's timeout, the workers with it)"
-    waits_on = {s.get("waits_on", "").partition(" ")[0] for s in states.values()}  # "lock", "child"
-    if "busy" in kinds and kinds & {"collective", "barrier", "left"} and waits_on & {"lock", "child"}:
-        return f" -> {FIX_LOCK if 'lock' in waits_on else FIX_CHILD}"
+    waits = [_WAIT_FIXES[w] for s in states.values() if (w := _waits_on(s)) in _WAIT_FIXES]
+    if "busy" in kinds and kinds & {"collective", "barrier", "left"} and waits:
+        return f" -> {waits[0]}"
     if "busy" in kinds and kinds & {"collective", "barrier", "left"}:  # left: at its exit, the others wait there
         return (" -> the others wait for it: work (a checkpoint, an evaluation) ends and the job goes on; "
                 "work longer than the process group's timeout: raise timeout_s (work that never ends stops "
@@ -259,9 +259,12 @@ def said_at_the_timeout(state: dict[str, Any]) -> tuple[str, str]:
     """(doing, fix) of a rank outside any collective, from its watchdog's last state, for the line the timeout ends
     the job with (``divergence.never_arrived``'s ``seen``): where it is and what it waits on, not "sent no report"."""
     doing = _doing(state).removeprefix(f"rank {state['rank']} ")
-    waits_on = state.get("waits_on", "").partition(" ")[0]
-    fix = FIX_WORKER if state.get("worker") else {"lock": FIX_LOCK, "child": FIX_CHILD}.get(waits_on, FIX_LONGER)
-    return doing, fix
+    return doing, FIX_WORKER if state.get("worker") else _WAIT_FIXES.get(_waits_on(state), FIX_LONGER)
 
 
-FIX_LONGER = "work longer than the process group's timeout: raise timeout_s; work that never ends: its line above"
+_WAIT_FIXES = {"lock": FIX_LOCK, "child": FIX_CHILD}  # by what a rank outside any collective waits on in the kernel
+
+
+def _waits_on(state: dict[str, Any]) -> str:
+    """``lock``, ``child`` or ``""``: the first word of the state's ``waits_on`` (``lit_ddp.run.frozen.waits_on``)."""
+    return state.get("waits_on", "").partition(" ")[0]

@@ -8,7 +8,7 @@ peer waits in one and no timeout fires: rank 0 used to wait 30 s, exit 0 and tak
 running on with nobody to end it. Its watchdog still publishes where it is (``stopped.said_at_the_timeout``): rank 0
 says it as the watchdog does in a fit (at ``HANG_AFTER_S``, then as the wait doubles, never "hung"), and at the
 process group's timeout ends the job with one line, the ranks it launched and every process below it first, exit 1.
-A rank that comes late says ``moved on``. The other ranks wait as before, silent: their leaving ends nothing.
+Of a rank that comes late, rank 0 says ``moved on``. The other ranks wait as before, silent: their leaving ends nothing.
 """
 
 import json

@@ -127,9 +127,10 @@ def teardown_process_group(wait_s: float = EXIT_WAIT_S) -> None:
     if store is not None and world_size > 1:
         with contextlib.suppress(Exception):  # the store's host has gone: nobody left to wait for
             store.add(EXIT_KEY, 1)
-            if dist.get_rank() == 0:  # the store's host: its leaving takes the store from the others
+            host = dist.get_rank() == 0  # the store's host: its leaving takes the store from the others
+            if host:
                 wait_s = max(wait_s, _torch.default_group_timeout_s() or 0.0)
-            exits.wait_for_the_others(store, world_size, wait_s, host=dist.get_rank() == 0)
+            exits.wait_for_the_others(store, world_size, wait_s, host)
             everyone, ended = store.add(EXIT_KEY, 0) >= world_size, store.check([watchdog.ENDED_KEY])
             if ended:  # a peer's watchdog ends the job: leave it the last word
                 time.sleep(watchdog.ENDING_S + 1.0)

@@ -2,7 +2,8 @@
 runner's count of what a job left behind, and a representative part of the zoo itself, run at once on 2 CPU ranks
 each (slow): a divergence, one whose sizes differ (gloo aborts a rank on it: held, lit_ddp.run.aborts), a rank
 outside any collective, a stuck data worker, a dead rank, a collective in prepare_data, a rank that never reaches
-the rendezvous, a parameter one rank leaves out late, a rank stuck after its fit, and two healthy cases."""
+the rendezvous, a parameter one rank leaves out late, and two healthy cases. (A rank stuck after its fit: in
+tests/test_exits.py and the whole zoo; an eleventh job at once pushed two of these past the runner's kill in CI.)"""
 
 import sys
 import threading
@@ -75,7 +76,7 @@ def test_the_runner_reads_the_output_and_finds_and_kills_what_the_job_left(tmp_p
 # A representative part of the zoo: different causes, each case's run short on 2 CPU ranks. The start of a script
 # of one's own (lit_ddp.run.start_watch): prepare_data_barrier, rank1_never_joins, ok_long_prepare_data.
 PART = ("sync_dist_keys", "epoch_end_log_rank0_ckpt", "rank1_sleeps", "worker_stuck", "rank1_exits",
-        "prepare_data_barrier", "rank1_never_joins", "unused_branch_later", "fit_end_rank1_sleeps", "ok_straggler",
+        "prepare_data_barrier", "rank1_never_joins", "unused_branch_later", "ok_straggler",
         "ok_long_prepare_data")  # fmt: skip
 TIMEOUT_S = 60  # also the rendezvous': rank 1 took up to 30 s to start with five of the part's jobs at once
 

@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -220,6 +221,8 @@ def diagnose(trainer: Trainer, exception: BaseException, ranks_per_node: Optiona
         # A peer raised on its own: its error is the job's cause, first on the line this rank's traceback ends
         # with (under the `ddp` launcher and torchrun, this rank's error is the job's last line).
         lines = [_raised_first(cause, reports.get(rank, report))]
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's root cause: the earliest failure, to the second
+            time.sleep(max(0.0, math.floor(cause.failed_at) + 1.05 - time.time()))  # (a tie goes to rank 0)
     if not lines:
         return
     _conclude(exception, lines[0])  # the job's last line (the launcher's, or the rank's traceback) is it
